@@ -1,0 +1,27 @@
+# The README's two commands: `make demo` and `make test`. Both build .venv/ when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test demo bench docs clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q -ra tests
+
+demo: venv
+	$(PY) -m orchestrator.demo
+
+docs: venv
+	$(VENV)/bin/spotrun inventory --markdown --write docs/STATE.md
+
+clean:
+	rm -rf $(VENV) runs-demo .pytest_cache

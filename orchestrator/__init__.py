@@ -1,0 +1,1 @@
+"""Everything that runs once per job: spec loading, the run driver, ledger, CLI."""

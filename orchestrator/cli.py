@@ -1,0 +1,203 @@
+"""``spotrun``: the command line. See DESIGN.md "Command line" for the stable surface.
+
+Exit status 0 means success; a failed contract exits 2 with one paragraph on
+stderr. ``--json`` prints one JSON document on stdout and nothing else there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from trainer.bundle import BundleError, load_bundle
+from trainer.manifest import ManifestError
+from trainer.storage import StorageError, UnsafeKeyError, open_storage
+
+from orchestrator.specfile import SpecError, load_spec
+
+err = Console(stderr=True)
+
+
+def _out(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, str) and "/bundles/" in value:
+        return value.rsplit("/", 1)[-1]  # the bundle's own name; the job is in the title
+    if isinstance(value, str) and len(value) > 19 and value[10:11] == "T":
+        return value[11:19]  # an ISO timestamp: the time of day is what a reader scans for
+    return str(value)
+
+
+def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c.replace("_", " "), overflow="fold")
+    for r in rows:
+        t.add_row(*(_cell(r.get(c)) for c in columns))
+    Console(width=max(Console().width, 120)).print(t)
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from orchestrator.inprocess import run_in_process
+
+    spec = load_spec(a.config, a.set, a.job_id)
+    result = run_in_process(spec, trace_path=a.trace, record_ids=a.trace_ids)
+    c = result.counters
+    err.print(f"[bold]{spec.job_id}[/] attempt {result.attempt} ({result.recovery_label}"
+              f"{' from ' + result.restored_from if result.restored_from else ''}): "
+              f"attempted {c.attempted_updates}, applied {c.applied_updates}, "
+              f"{c.samples_consumed} samples, {c.tokens_consumed} tokens")
+    return 0
+
+
+def _split_bundle_uri(uri: str) -> tuple[str, str]:
+    """``<root>/<job>/bundles/<name>`` -> (storage root, bundle key)."""
+    uri = uri.rstrip("/")
+    head, sep, name = uri.rpartition("/bundles/")
+    if not sep or "/" in name or not name:
+        raise SpecError(f"{uri!r} is not a bundle address; expected <storage>/<job_id>/bundles/<bundle>")
+    root, _, job = head.rpartition("/")
+    return root or ".", f"{job}/bundles/{name}"
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from trainer.explain import explain_next
+    from trainer.session import TrainSession
+    from trainer.spec import JobSpec
+
+    root, key = _split_bundle_uri(a.bundle)
+    storage = open_storage(root)
+    bundle = load_bundle(storage, key, None)
+    m = bundle.manifest
+    doc: dict[str, Any] = {"bundle": key, "manifest": json.loads(m.model_dump_json())}
+    try:
+        spec = JobSpec.model_validate(m.spec)
+        doc["next"] = explain_next(TrainSession(spec, world_size=m.world.size), bundle)
+    except (OSError, ValueError) as e:
+        doc["next"] = {"unavailable": f"cannot rebuild the job to explain its next step: {e}"}
+    if a.json:
+        _out(doc)
+        return 0
+    c, d = m.counters, m.data
+    console = Console()
+    console.print(f"[bold]{key}[/]  job {m.job_id}  lineage {m.lineage_id}  attempt {m.attempt}  "
+                  f"label {m.recovery_label}")
+    console.print(f"counters: attempted {c.attempted_updates}, applied {c.applied_updates}, microsteps "
+                  f"{c.microsteps}, samples {c.samples_consumed}, tokens {c.tokens_consumed}, "
+                  f"last update applied: {c.last_update_applied}")
+    console.print(f"cursor: epoch {d.cursor.epoch}, occurrence {d.cursor.index}, token offset "
+                  f"{d.cursor.offset} ({d.prefetched_ahead} prefetched micro-batches will be replayed)")
+    console.print(f"data {d.dataset_version}, tokenizer {d.tokenizer_version}, model {m.model.kind} "
+                  f"{m.model.config_hash}, {len(m.files)} files, {m.total_bytes} bytes")
+    nxt = doc["next"]
+    if "unavailable" in nxt:
+        console.print(nxt["unavailable"])
+    else:
+        sc = nxt["scaler"]
+        console.print(f"next: update {nxt['next_update']} at lr {nxt['next_lr']:.6g} (scheduler follows "
+                      f"{nxt['scheduler_counts']} updates); scaler "
+                      + (f"scale {sc['scale']:g}, will {'SKIP' if sc['will_skip'] else 'apply'}"
+                         if sc["enabled"] else "off"))
+        console.print(f"next occurrences ({nxt['next_update_occurrences']} in the update): "
+                      + ", ".join(nxt["next_occurrences"]))
+    return 0
+
+
+def _storage_for(a: argparse.Namespace):
+    return open_storage(a.storage)
+
+
+def cmd_history(a: argparse.Namespace) -> int:
+    from orchestrator.history import history
+
+    doc = history(_storage_for(a), a.job_id)
+    if a.json:
+        _out(doc)
+        return 0
+    _table(f"{a.job_id}: attempts ({doc['state']})", doc["attempts"],
+           ["attempt", "started_at", "world_size", "published", "last_update", "ended"])
+    _table("restarts", doc["restarts"], ["attempt", "cause", "restored_from", "recovery_label",
+                                        "world_size_before", "world_size_after", "lost_updates",
+                                        "restore_seconds"])
+    return 0
+
+
+def cmd_bundles(a: argparse.Namespace) -> int:
+    from orchestrator.history import bundles
+
+    rows = bundles(_storage_for(a), a.job_id)
+    if a.json:
+        _out(rows)
+        return 0
+    _table(f"{a.job_id}: bundles", rows, ["bundle", "update", "published", "bytes", "stall_seconds",
+                                          "write_seconds", "recovery_label"])
+    return 0
+
+
+def cmd_inventory(a: argparse.Namespace) -> int:
+    from trainer.inventory import CATEGORIES, markdown
+
+    if a.markdown:
+        text = markdown()
+        if a.write:
+            Path(a.write).write_text(text)
+        else:
+            sys.stdout.write(text)
+        return 0
+    _table("state inventory", [c.__dict__ for c in CATEGORIES], ["name", "owner", "serialization", "restore"])
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spotrun", description="Provably faithful restarts for preemptible training.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a job; resumes from its newest published bundle")
+    r.add_argument("config")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec key")
+    r.add_argument("--job-id")
+    r.add_argument("--trace", metavar="PATH", help="append one JSON line per completed update")
+    r.add_argument("--trace-ids", action="store_true", help="include the occurrence ids in --trace lines")
+    r.set_defaults(func=cmd_run)
+
+    i = sub.add_parser("inspect", help="a bundle's manifest and what it will do next")
+    i.add_argument("bundle", metavar="BUNDLE_URI")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_inspect)
+
+    for name, func, help_ in (("history", cmd_history, "attempts and restarts of a job"),
+                              ("bundles", cmd_bundles, "a job's bundles, published and orphaned")):
+        h = sub.add_parser(name, help=help_)
+        h.add_argument("job_id", metavar="JOB_ID")
+        h.add_argument("--storage", default="file://./runs")
+        h.add_argument("--json", action="store_true")
+        h.set_defaults(func=func)
+
+    v = sub.add_parser("inventory", help="the state inventory (docs/STATE.md is generated from it)")
+    v.add_argument("--markdown", action="store_true")
+    v.add_argument("--write", metavar="PATH")
+    v.set_defaults(func=cmd_inventory)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    try:
+        return a.func(a)
+    except (SpecError, BundleError, ManifestError, StorageError, UnsafeKeyError) as e:
+        err.print(f"[red]spotrun {a.command}: {e}[/]", highlight=False, soft_wrap=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The event ledger: an append-only, create-only record of what happened to a job.
+
+Each event is one JSON file ``<job_id>/events/<seq:012d>.json`` written with
+create-only semantics, so two writers never overwrite each other: a writer that
+loses the race for a sequence number takes the next one. A later process (the
+``history`` command, the dashboard) rebuilds the whole story from these files.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from trainer.counters import Counters
+from trainer.storage import Storage
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    at: datetime = Field(default_factory=_now)
+    attempt: int
+
+
+class AttemptStarted(_Event):
+    kind: Literal["attempt_started"] = "attempt_started"
+    world_size: int
+    node_ids: list[str] = []
+    pid: int
+    lineage_id: str
+
+
+class Restored(_Event):
+    kind: Literal["restored"] = "restored"
+    bundle: str
+    update: int
+    recovery_label: str
+    policy: str
+    restore_mode: str
+    restore_seconds: float
+    lost_updates: int | None = None  # None: the previous attempt died without reporting its progress
+    cause: str | None = None
+
+
+class BundleRejected(_Event):
+    kind: Literal["bundle_rejected"] = "bundle_rejected"
+    bundle: str
+    reason: str
+
+
+class BundlePublished(_Event):
+    kind: Literal["bundle_published"] = "bundle_published"
+    bundle: str
+    update: int
+    bytes: int
+    stall_seconds: float
+    write_seconds: float
+
+
+class JobFinished(_Event):
+    kind: Literal["job_finished"] = "job_finished"
+    counters: Counters
+
+
+class JobFailed(_Event):
+    kind: Literal["job_failed"] = "job_failed"
+    reason: str
+
+
+Event = Annotated[
+    AttemptStarted | Restored | BundleRejected | BundlePublished | JobFinished | JobFailed,
+    Field(discriminator="kind"),
+]
+_EVENT = TypeAdapter(Event)
+
+
+class CorruptEvent(BaseModel):
+    """An event file that could not be parsed: shown as such, never a crash."""
+
+    kind: Literal["corrupt"] = "corrupt"
+    key: str
+    error: str
+
+
+class Ledger:
+    def __init__(self, storage: Storage, job_id: str) -> None:
+        self.storage = storage
+        self.prefix = f"{job_id}/events/"
+        self._next = None
+
+    def _keys(self) -> list[str]:
+        return [k for k in self.storage.list(self.prefix) if k.endswith(".json")]
+
+    def append(self, event: _Event) -> str:
+        """Write ``event`` under the next free sequence number; returns its key."""
+        if self._next is None:
+            keys = self._keys()
+            self._next = int(keys[-1][len(self.prefix):-5]) + 1 if keys else 0
+        blob = event.model_dump_json().encode()
+        while True:
+            key = f"{self.prefix}{self._next:012d}.json"
+            self._next += 1
+            if self.storage.put_new(key, blob):
+                return key
+
+    def read(self) -> list[_Event | CorruptEvent]:
+        out: list[_Event | CorruptEvent] = []
+        for key in self._keys():
+            try:
+                out.append(_EVENT.validate_json(self.storage.get(key)))
+            except (ValidationError, ValueError) as e:
+                out.append(CorruptEvent(key=key, error=str(e).splitlines()[0]))
+        return out
+
+    def next_attempt(self) -> int:
+        return 1 + sum(1 for e in self.read() if isinstance(e, AttemptStarted))

@@ -1,0 +1,95 @@
+"""Loading a job spec: YAML file, then ``--set dotted.key=value`` overrides, then validation.
+
+Errors name the key, the bad value and what is allowed; an unknown key also
+names its nearest valid spelling.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from trainer.spec import JobSpec
+
+
+class SpecError(ValueError):
+    """The spec cannot run; the message says which key and how to fix it."""
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise SpecError(f"--set {item!r}: expected dotted.key=value, e.g. --set train.updates=50")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise SpecError(f"--set {item!r}: the value is not valid YAML ({e})") from e
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = raw
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise SpecError(f"--set {item!r}: {part!r} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] = JobSpec
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def explain(err: ValidationError, source: str) -> str:
+    lines = [f"invalid job spec {source}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            valid = _fields_at(e["loc"])
+            near = difflib.get_close_matches(str(e["loc"][-1]), valid, n=1)
+            hint = f"; did you mean {'.'.join([*map(str, e['loc'][:-1]), near[0]])!r}?" if near else ""
+            lines.append(f"  {key}: unknown key{hint} (valid here: {', '.join(valid)})")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def load_spec(path: str | Path | None, overrides: list[str] = (), job_id: str | None = None) -> JobSpec:
+    """Read, override, validate. ``job_id`` defaults to the file's stem."""
+    raw: dict[str, Any] = {}
+    source = "(command line)"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except FileNotFoundError as e:
+            raise SpecError(f"spec file {path} does not exist") from e
+        except yaml.YAMLError as e:
+            raise SpecError(f"spec file {path} is not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise SpecError(f"spec file {path} must be a mapping of keys, got {type(loaded).__name__}")
+        raw = loaded or {}
+        raw.setdefault("job_id", path.stem)
+    raw = apply_overrides(raw, list(overrides))
+    if job_id:
+        raw["job_id"] = job_id
+    try:
+        return JobSpec.model_validate(raw)
+    except ValidationError as e:
+        raise SpecError(explain(e, source)) from e

@@ -1,0 +1,368 @@
+"""Bundles: write a rank's capture in the background, publish the manifest, find and load.
+
+Layout under the storage root::
+
+    <job_id>/bundles/u<attempted:010d>-a<attempt>/
+        rank-<r>/...        written by each rank (background thread)
+        manifest.json       written last, create-only, by one publisher
+
+Loading reads the manifest first (schema, then the compatibility contract),
+and only then the files, each checked against its recorded size and sha256
+before it is deserialised. Tensors load with ``weights_only=True``: a bundle
+is data, never code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import platform
+import re
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torchdata
+
+import trainer
+from trainer.counters import LOOP_CONVENTION
+from trainer.data.listing import Listing
+from trainer.data.tokenizer import CharTokenizer
+from trainer.faults import FaultInjector
+from trainer.manifest import (
+    SCHEMA_VERSION,
+    DataInfo,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    UnknownSchemaError,
+    ModelInfo,
+    OptimizerInfo,
+    Precision,
+    TensorInfo,
+    Versions,
+    WorldInfo,
+    parse_manifest,
+)
+from trainer.data.planner import Cursor
+from trainer.state import Capture, TrainState
+from trainer.storage import Storage
+
+BUNDLE_DIR = re.compile(r"^u(\d{10})-a(\d+)$")
+
+
+class BundleError(RuntimeError):
+    """Base of every reason a bundle cannot be restored."""
+
+
+class BundleCorrupt(BundleError):
+    """A file is missing, truncated or does not match its checksum; an older bundle may still serve."""
+
+
+class BundleIncompatible(BundleError):
+    """The bundle belongs to another job, model, dataset or tokenizer; no older bundle will do either."""
+
+
+def bundles_prefix(job_id: str) -> str:
+    return f"{job_id}/bundles/"
+
+
+def bundle_dir(job_id: str, update: int, attempt: int) -> str:
+    return f"{bundles_prefix(job_id)}u{update:010d}-a{attempt}"
+
+
+@dataclass(frozen=True)
+class BundleRef:
+    """A bundle directory, published (its manifest exists) or not."""
+
+    key: str
+    update: int
+    attempt: int
+    published: bool
+
+
+def list_bundles(storage: Storage, job_id: str) -> list[BundleRef]:
+    """Every bundle directory of the job, newest first (by update, then attempt)."""
+    prefix = bundles_prefix(job_id)
+    dirs: dict[str, bool] = {}
+    for key in storage.list(prefix):
+        name, _, rest = key[len(prefix):].partition("/")
+        if BUNDLE_DIR.match(name):
+            dirs[name] = dirs.get(name, False) or rest == "manifest.json"
+    refs = []
+    for name, published in dirs.items():
+        m = BUNDLE_DIR.match(name)
+        refs.append(BundleRef(prefix + name, int(m.group(1)), int(m.group(2)), published))
+    return sorted(refs, key=lambda r: (r.update, r.attempt), reverse=True)
+
+
+# -- describing a state (what a manifest records and a restore expects) --------------------
+
+
+@dataclass(frozen=True)
+class Description:
+    """The compatibility-relevant facts of a job's state, computed without training."""
+
+    job_id: str
+    spec_compat: dict[str, Any]
+    model: ModelInfo
+    optimizer: OptimizerInfo
+    dataset_version: str
+    tokenizer_version: str
+    records: int
+
+
+def describe(state: TrainState, listing: Listing, tokenizer: CharTokenizer) -> Description:
+    spec = state.spec
+    params = tuple(
+        TensorInfo(name=k, shape=tuple(v.shape), dtype=str(v.dtype).removeprefix("torch."))
+        for k, v in state.model.state_dict().items()
+    )
+    groups = tuple(
+        {**{k: v for k, v in g.items() if k != "params"}, "params": names}
+        for g, names in zip(state.optimizer.param_groups, state.group_names, strict=True)
+    )
+    return Description(
+        job_id=spec.job_id,
+        spec_compat=spec.compat_view(),
+        model=ModelInfo(kind=spec.model.kind, config_hash=spec.model_config_hash(), params=params),
+        optimizer=OptimizerInfo(type=type(state.optimizer).__name__, groups=_jsonable(groups)),
+        dataset_version=listing.version,
+        tokenizer_version=tokenizer.version,
+        records=len(listing),
+    )
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=float))
+
+
+def versions() -> Versions:
+    return Versions(python=platform.python_version(), torch=torch.__version__,
+                    torchdata=torchdata.__version__, numpy=np.__version__, spotrun=trainer.__version__)
+
+
+def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lineage_id: str,
+                   attempt: int, recovery_label: str, files: list[FileEntry], accum_steps: int,
+                   prefetched_ahead: int, stall_seconds: float, write_seconds: float) -> Manifest:
+    spec = state.spec
+    return Manifest(
+        schema_version=SCHEMA_VERSION,
+        job_id=desc.job_id,
+        bundle_id=bundle_key.rsplit("/", 1)[-1],
+        lineage_id=lineage_id,
+        attempt=attempt,
+        loop_convention=LOOP_CONVENTION,
+        counters=state.counters.value.model_copy(),  # a snapshot: the loop goes on counting
+        recovery_label=recovery_label,
+        train_mode=state.model.training,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        spec_compat=desc.spec_compat,
+        spec=spec.model_dump(mode="json"),
+        model=desc.model,
+        optimizer=desc.optimizer,
+        data=DataInfo(dataset_version=desc.dataset_version, tokenizer_version=desc.tokenizer_version,
+                      records=desc.records, cursor=Cursor(**state.planner_state["cursor"]),
+                      prefetched_ahead=prefetched_ahead),
+        world=WorldInfo(size=state.world_size, accum_steps=accum_steps,
+                        micro_batch=spec.train.micro_batch, policy=spec.world.policy),
+        precision=Precision(stored="fp32", compute=spec.train.precision,
+                            master_weights="the fp32 parameters are the masters"),
+        versions=versions(),
+        files=tuple(sorted(files, key=lambda f: f.path)),
+        stall_seconds=stall_seconds,
+        write_seconds=write_seconds,
+    )
+
+
+def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_job: bool = True) -> None:
+    """Raise :class:`BundleIncompatible` naming both sides of the first difference."""
+    problems = []
+    if same_job and manifest.job_id != desc.job_id:
+        problems.append(f"it belongs to job {manifest.job_id!r}, this job is {desc.job_id!r}")
+    if manifest.data.dataset_version != desc.dataset_version:
+        problems.append(f"dataset version: bundle {manifest.data.dataset_version}, job {desc.dataset_version} "
+                        "(the shards changed; restore against the data it was trained on)")
+    if manifest.data.tokenizer_version != desc.tokenizer_version:
+        problems.append(f"tokenizer vocabulary: bundle {manifest.data.tokenizer_version}, "
+                        f"job {desc.tokenizer_version} (data.vocab differs)")
+    if manifest.model.config_hash != desc.model.config_hash:
+        problems.append(f"model config: bundle {manifest.spec_compat.get('model')}, "
+                        f"job {desc.spec_compat.get('model')}")
+    else:
+        saved = {p.name: p for p in manifest.model.params}
+        ours = {p.name: p for p in desc.model.params}
+        if saved.keys() != ours.keys():
+            problems.append(f"parameter names: bundle only {sorted(saved.keys() - ours.keys())}, "
+                            f"model only {sorted(ours.keys() - saved.keys())}")
+        else:
+            for name, p in saved.items():
+                if (p.shape, p.dtype) != (ours[name].shape, ours[name].dtype):
+                    problems.append(f"parameter {name}: bundle {p.shape} {p.dtype}, "
+                                    f"model {ours[name].shape} {ours[name].dtype}")
+    for key in sorted(set(manifest.spec_compat) | set(desc.spec_compat)):
+        a, b = manifest.spec_compat.get(key), desc.spec_compat.get(key)
+        if a != b and key != "model":
+            problems.append(f"spec {key}: bundle {_diff(a, b)}")
+    if problems:
+        raise BundleIncompatible(f"{where} cannot be restored into this job: " + "; ".join(problems))
+
+
+def _diff(a: Any, b: Any) -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        return ", ".join(f"{k}={a.get(k)!r} vs job {k}={b.get(k)!r}" for k in keys)
+    return f"{a!r} vs job {b!r}"
+
+
+# -- writing ----------------------------------------------------------------------------
+
+
+def serialise(capture: Capture) -> dict[str, bytes]:
+    out = {}
+    for path, payload in capture.torch_files.items():
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        out[path] = buf.getvalue()
+    for path, payload in capture.json_files.items():
+        out[path] = json.dumps(payload, sort_keys=True).encode()
+    return out
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    bundle_key: str
+    update: int
+    files: list[FileEntry]
+    write_seconds: float
+
+
+class BundleWriter:
+    """Writes one rank's captures in a background thread, at most one in flight."""
+
+    def __init__(self, storage: Storage, faults: FaultInjector) -> None:
+        self.storage = storage
+        self.faults = faults
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundle-writer")
+        self._pending: Future[WriteResult] | None = None
+
+    def submit(self, capture: Capture, bundle_key: str) -> WriteResult | None:
+        """Start writing ``capture``; returns the previous write's result if one was in flight."""
+        previous = self.wait()
+        self._pending = self._pool.submit(self._write, capture, bundle_key)
+        return previous
+
+    def wait(self) -> WriteResult | None:
+        """Block until the write in flight (if any) is done; raises what it raised."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    def poll(self) -> WriteResult | None:
+        """The finished write, without blocking; ``None`` while none finished."""
+        if self._pending is not None and self._pending.done():
+            return self.wait()
+        return None
+
+    def _write(self, capture: Capture, bundle_key: str) -> WriteResult:
+        t0 = time.perf_counter()
+        entries = []
+        for i, (path, blob) in enumerate(serialise(capture).items()):
+            if i == 1:
+                self.faults.hit("bundle_write", capture.update)  # some files written, no manifest
+            self.storage.put(f"{bundle_key}/{path}", blob)
+            entries.append(FileEntry(path=path, bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest()))
+        return WriteResult(bundle_key, capture.update, entries, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def publish(storage: Storage, manifest: Manifest, bundle_key: str) -> bool:
+    """The commit point: create ``manifest.json``; False if another publisher already did."""
+    return storage.put_new(f"{bundle_key}/manifest.json", manifest.to_json())
+
+
+# -- reading ----------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedBundle:
+    key: str
+    manifest: Manifest
+    payloads: dict[str, Any]
+
+
+def read_manifest(storage: Storage, bundle_key: str) -> Manifest:
+    where = f"bundle {bundle_key}"
+    try:
+        blob = storage.get(f"{bundle_key}/manifest.json")
+    except FileNotFoundError as e:
+        raise BundleCorrupt(f"{where} has no manifest.json: it was never published") from e
+    return parse_manifest(blob, where)
+
+
+def load_bundle(storage: Storage, bundle_key: str, desc: Description | None, *,
+                same_job: bool = True) -> LoadedBundle:
+    """Verify then deserialise a published bundle. Raises a :class:`BundleError` or ``ManifestError``."""
+    manifest = read_manifest(storage, bundle_key)
+    if desc is not None:
+        check_compatible(manifest, desc, f"bundle {bundle_key}", same_job=same_job)
+    blobs = {}
+    for f in manifest.files:
+        key = f"{bundle_key}/{f.path}"
+        try:
+            blob = storage.get(key)
+        except FileNotFoundError as e:
+            raise BundleCorrupt(f"bundle {bundle_key}: file {f.path} is missing (manifest lists {f.bytes} bytes)") from e
+        if len(blob) != f.bytes:
+            raise BundleCorrupt(f"bundle {bundle_key}: file {f.path} has {len(blob)} bytes, manifest says "
+                                f"{f.bytes} (truncated or overwritten)")
+        digest = hashlib.sha256(blob).hexdigest()
+        if digest != f.sha256:
+            raise BundleCorrupt(f"bundle {bundle_key}: file {f.path} has sha256 {digest[:12]}..., "
+                                f"manifest says {f.sha256[:12]}... (corrupt)")
+        blobs[f.path] = blob
+    payloads: dict[str, Any] = {}
+    for path, blob in blobs.items():
+        if path.endswith(".pt"):
+            payloads[path] = torch.load(io.BytesIO(blob), weights_only=True)
+        else:
+            payloads[path] = json.loads(blob)
+    return LoadedBundle(bundle_key, manifest, payloads)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    bundle_key: str
+    reason: str
+
+
+def load_latest(storage: Storage, job_id: str, desc: Description) -> tuple[LoadedBundle | None, list[Rejected]]:
+    """The newest published bundle that verifies, and why newer ones were passed over.
+
+    A corrupt bundle is skipped for the previous one; an incompatible one (or an
+    unreadable manifest schema) stops the search, since older bundles of the
+    same job share the cause and silently starting over would lose the run."""
+    rejected = []
+    for ref in list_bundles(storage, job_id):
+        if not ref.published:
+            continue
+        try:
+            return load_bundle(storage, ref.key, desc), rejected
+        except BundleCorrupt as e:
+            rejected.append(Rejected(ref.key, str(e)))
+        except UnknownSchemaError:
+            raise
+        except ManifestError as e:
+            rejected.append(Rejected(ref.key, str(e)))
+    if rejected:
+        raise BundleCorrupt(
+            "every published bundle failed verification, so resuming would silently start over: "
+            + "; ".join(r.reason for r in rejected)
+            + ". Repair or remove the storage of this job, or run with another --job-id."
+        )
+    return None, rejected

@@ -1,0 +1,135 @@
+"""Prefetch: plans from the rank's planner become tensors in torchdata worker processes.
+
+The sampler runs in the rank's main process and yields one :class:`MicroPlan`
+per (update, microstep); each plan carries the planner state *after* its update,
+so the cursor saved at a boundary is the one of the last batch the loop
+consumed, never the furthest one the workers fetched (those are replayed after
+a restore, by contract). Workers are a pure function of the plan, which is why
+``data.workers`` may change across a restore.
+
+torchdata's own ``state_dict`` is deliberately not used: it is per worker and
+requires the same worker count on restore.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from trainer.data.listing import Listing
+from trainer.data.packer import Span
+from trainer.data.planner import Planner, slice_for
+from trainer.data.tokenizer import CharTokenizer
+from trainer.data.transform import mask_tokens
+
+
+@dataclass
+class MicroPlan:
+    update: int  # 1-based index of the update this micro-batch belongs to
+    microstep: int
+    rank: int
+    sequences: list[tuple[Span, ...]]
+    global_spans: list[Span] | None = None  # the whole update's spans, on microstep 0 only
+    planner_after: dict[str, Any] | None = field(default=None, repr=False)  # on the last microstep
+
+
+class PlanSampler(Sampler):
+    """Yields the micro-batch plans of one rank from ``first_update`` to ``last_update``."""
+
+    def __init__(self, planner: Planner, rank: int, world_size: int, accum_steps: int,
+                 micro_batch: int, first_update: int, last_update: int) -> None:
+        self.planner = planner
+        self.rank = rank
+        self.world_size = world_size
+        self.accum_steps = accum_steps
+        self.micro_batch = micro_batch
+        self.first_update = first_update
+        self.last_update = last_update
+        self.planned_microsteps = 0  # yielded so far: how far the prefetch ran ahead
+
+    def __iter__(self) -> Iterator[MicroPlan]:
+        for update in range(self.first_update, self.last_update + 1):
+            sequences = self.planner.next_update()
+            after = self.planner.state_dict()
+            for m in range(self.accum_steps):
+                part = sequences[slice_for(self.rank, m, self.world_size, self.micro_batch)]
+                self.planned_microsteps += 1
+                yield MicroPlan(
+                    update=update,
+                    microstep=m,
+                    rank=self.rank,
+                    sequences=part,
+                    global_spans=[s for seq in sequences for s in seq] if m == 0 else None,
+                    planner_after=after if m == self.accum_steps - 1 else None,
+                )
+
+    def __len__(self) -> int:
+        return max(0, self.last_update - self.first_update + 1) * self.accum_steps
+
+
+class SequenceDataset(Dataset):
+    """Turns a plan into ``inputs``/``targets`` of shape ``[micro_batch, seq_len]``."""
+
+    def __init__(self, listing: Listing, tokenizer: CharTokenizer, seed: int, mask_prob: float) -> None:
+        self.listing = listing
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.mask_prob = mask_prob
+        self._cache: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+    def occurrence_tokens(self, epoch: int, record: int) -> tuple[np.ndarray, np.ndarray]:
+        """(original, transformed) tokens of one occurrence; cached because packing splits records."""
+        key = (epoch, record)
+        hit = self._cache.get(key)
+        if hit is None:
+            original = self.tokenizer.encode(self.listing.read_text(record))
+            hit = (original, mask_tokens(original, self.mask_prob, self.seed, epoch, record))
+            self._cache[key] = hit
+            if len(self._cache) > 256:
+                self._cache.popitem(last=False)
+        return hit
+
+    def __getitem__(self, plan: MicroPlan) -> dict[str, Any]:  # type: ignore[override]
+        inputs, targets = [], []
+        for seq in plan.sequences:
+            orig = np.concatenate([self.occurrence_tokens(s.epoch, s.record)[0][s.start:s.end] for s in seq])
+            masked = np.concatenate([self.occurrence_tokens(s.epoch, s.record)[1][s.start:s.end] for s in seq])
+            inputs.append(masked[:-1])
+            targets.append(orig[1:])
+        return {
+            "inputs": torch.from_numpy(np.stack(inputs)),
+            "targets": torch.from_numpy(np.stack(targets)),
+            "plan": plan,
+        }
+
+    def __len__(self) -> int:
+        raise TypeError("SequenceDataset is indexed by plans, not by position")
+
+
+def _identity(batch: dict[str, Any]) -> dict[str, Any]:
+    return batch
+
+
+def make_loader(dataset: SequenceDataset, sampler: PlanSampler, workers: int, prefetch: int) -> StatefulDataLoader:
+    """A loader whose iteration order is the sampler's, with ``workers`` prefetching processes."""
+    # torchdata 0.11 warns once per iterator about a deprecated torch call it makes itself.
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+    return StatefulDataLoader(
+        dataset,
+        sampler=sampler,
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=prefetch if workers else None,
+        collate_fn=_identity,
+        # Its own generator: the loader must never draw from the job's global torch stream.
+        generator=torch.Generator().manual_seed(0),
+        multiprocessing_context="fork" if workers else None,
+        in_order=True,
+    )

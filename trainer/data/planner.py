@@ -1,0 +1,120 @@
+"""The global planner: which occurrences make each update, and the data cursor.
+
+The occurrence stream is global, not per rank: update *u* takes the next
+``global_sequences`` packed sequences; rank *r*, microstep *m* takes a fixed
+slice of them (:func:`slice_for`). So the same occurrences make update *u*
+whatever the world size, and every rank runs the same planner.
+
+The **cursor** is the position of the first occurrence not yet fully included
+in a completed update: ``(epoch, index, offset)`` where ``index`` counts the
+occurrences delivered before it in that epoch and ``offset`` the tokens of it
+already packed. It is all a ``replay`` restore needs; a ``snapshot`` restore
+also reads the buffer and packer state and costs O(buffer) instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from trainer.data.packer import Occurrence, Packer, Span
+from trainer.data.shuffle import EpochStream
+from trainer.stateful import check_version
+
+RestoreMode = Literal["snapshot", "replay", "fresh-epoch"]
+
+
+class Cursor(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    epoch: int
+    index: int
+    offset: int
+
+
+def slice_for(rank: int, microstep: int, world_size: int, micro_batch: int) -> slice:
+    """The sequences of an update's global batch that (rank, microstep) trains on."""
+    start = (microstep * world_size + rank) * micro_batch
+    return slice(start, start + micro_batch)
+
+
+class Planner:
+    """Plans update after update from a fixed (seed, listing); a ``Stateful``."""
+
+    VERSION = 1
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seed: int,
+        buffer_size: int,
+        seq_len: int,
+        global_sequences: int,
+        restore_mode: RestoreMode = "snapshot",
+    ) -> None:
+        if len(tokens) == 0:
+            raise ValueError("the dataset has no record")
+        self.tokens = tokens
+        self.seed = seed
+        self.buffer_size = buffer_size
+        self.global_sequences = global_sequences
+        self.restore_mode = restore_mode
+        self.stream = EpochStream(len(tokens), seed, 0, buffer_size)
+        # A sequence holds seq_len inputs and their seq_len next-token targets.
+        self.packer = Packer(seq_len + 1, lambda r: int(self.tokens[r]))
+
+    @property
+    def epoch(self) -> int:
+        return self.stream.epoch
+
+    def _next_occurrence(self) -> Occurrence:
+        record = self.stream.draw()
+        while record is None:
+            self.stream = EpochStream(len(self.tokens), self.seed, self.stream.epoch + 1, self.buffer_size)
+            record = self.stream.draw()
+        return Occurrence(self.stream.epoch, self.stream.draws - 1, record, 0)
+
+    def next_update(self) -> list[tuple[Span, ...]]:
+        """The global batch of the next update, in global order."""
+        return [self.packer.pack(self._next_occurrence) for _ in range(self.global_sequences)]
+
+    def cursor(self) -> Cursor:
+        c = self.packer.current
+        if c is not None:
+            return Cursor(epoch=c.epoch, index=c.ordinal, offset=c.offset)
+        return Cursor(epoch=self.stream.epoch, index=self.stream.draws, offset=0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.VERSION,
+            "cursor": self.cursor().model_dump(),
+            "snapshot": {"stream": self.stream.state_dict(), "packer": self.packer.state_dict()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore by ``self.restore_mode``; all modes but fresh-epoch give the same next occurrences."""
+        check_version("data planner", state, self.VERSION)
+        cursor = Cursor(**state["cursor"])
+        if self.restore_mode == "fresh-epoch":
+            self.stream = EpochStream(len(self.tokens), self.seed, cursor.epoch + 1, self.buffer_size)
+            self.packer.current = None
+        elif self.restore_mode == "snapshot":
+            snap = state["snapshot"]
+            stream = EpochStream(len(self.tokens), self.seed, snap["stream"]["epoch"], self.buffer_size)
+            stream.load_state_dict(snap["stream"])
+            self.stream = stream
+            self.packer.load_state_dict(snap["packer"])
+        else:
+            self._replay(cursor)
+
+    def _replay(self, cursor: Cursor) -> None:
+        self.stream = EpochStream(len(self.tokens), self.seed, cursor.epoch, self.buffer_size)
+        self.stream.fast_forward(cursor.index)
+        self.packer.current = None
+        if cursor.offset:
+            record = self.stream.draw()
+            if record is None:
+                raise ValueError(f"cursor {cursor} points past the end of epoch {cursor.epoch}")
+            self.packer.current = Occurrence(cursor.epoch, cursor.index, record, cursor.offset)

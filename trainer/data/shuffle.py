@@ -1,0 +1,89 @@
+"""One epoch's occurrence stream: a stateless epoch order fed through a stateful shuffle buffer.
+
+The epoch order is ``f(seed, epoch)``. The buffer holds up to ``size`` records
+pulled from that order and draws one at random with its own generator, seeded
+by ``(seed, epoch)``. Its state (contents, how far the order was pulled, the
+generator's position, how many draws were made) is what a ``snapshot`` restore
+saves; a ``replay`` restore rebuilds it by drawing ``draws`` times from a fresh
+epoch, which costs O(position).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from trainer.stateful import check_version
+
+
+def epoch_order(n_records: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.Generator(np.random.PCG64([seed, epoch, 0x0DE7])).permutation(n_records)
+
+
+class EpochStream:
+    """Draws every record of one epoch exactly once, through the shuffle buffer."""
+
+    VERSION = 1
+
+    def __init__(self, n_records: int, seed: int, epoch: int, buffer_size: int) -> None:
+        self.n_records = n_records
+        self.seed = seed
+        self.epoch = epoch
+        self.buffer_size = buffer_size
+        self.order = epoch_order(n_records, seed, epoch)
+        self.pos = 0
+        self.buffer: list[int] = []
+        self.rng = np.random.Generator(np.random.PCG64([seed, epoch, 0xB0FF]))
+        self.draws = 0
+
+    def draw(self) -> int | None:
+        """The next record of this epoch, or ``None`` once every record was drawn."""
+        if self.buffer_size == 0:
+            if self.pos >= self.n_records:
+                return None
+            record = int(self.order[self.pos])
+            self.pos += 1
+        else:
+            self._fill()
+            if not self.buffer:
+                return None
+            i = int(self.rng.integers(len(self.buffer)))
+            record = self.buffer[i]
+            self.buffer[i] = self.buffer[-1]
+            self.buffer.pop()
+            self._fill()  # keep the buffer full at boundaries: its contents are the state
+        self.draws += 1
+        return record
+
+    def _fill(self) -> None:
+        while len(self.buffer) < self.buffer_size and self.pos < self.n_records:
+            self.buffer.append(int(self.order[self.pos]))
+            self.pos += 1
+
+    def fast_forward(self, draws: int) -> None:
+        """Replay: draw ``draws`` times from the epoch start (O(draws))."""
+        if self.draws:
+            raise RuntimeError("fast_forward starts from a fresh epoch stream")
+        for _ in range(draws):
+            if self.draw() is None:
+                raise ValueError(f"epoch {self.epoch} has fewer than {draws} occurrences")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.VERSION,
+            "epoch": self.epoch,
+            "pos": self.pos,
+            "draws": self.draws,
+            "buffer": list(self.buffer),
+            "rng": self.rng.bit_generator.state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_version("shuffle buffer", state, self.VERSION)
+        if state["epoch"] != self.epoch:
+            raise ValueError(f"shuffle state is for epoch {state['epoch']}, stream is epoch {self.epoch}")
+        self.pos = int(state["pos"])
+        self.draws = int(state["draws"])
+        self.buffer = [int(r) for r in state["buffer"]]
+        self.rng.bit_generator.state = state["rng"]

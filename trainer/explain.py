@@ -1,0 +1,52 @@
+"""What a restored bundle will do next: the next LR, the next occurrences, whether the scaler skips.
+
+Used by ``spotrun inspect``. It restores into a throw-away session and computes
+the next update's gradients without stepping; the bundle is not modified.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from trainer.bundle import LoadedBundle
+from trainer.data.loader import MicroPlan, SequenceDataset
+from trainer.data.planner import slice_for
+from trainer.loop import _autocast
+from trainer.session import TrainSession
+from trainer.trace import span_ids
+
+
+def explain_next(session: TrainSession, bundle: LoadedBundle, show: int = 8) -> dict[str, Any]:
+    session.restore(bundle)
+    st, spec = session.state, session.spec
+    c = st.counters.value
+    lr = st.optimizer.param_groups[0]["lr"]
+    sequences = st.planner.next_update()
+    spans = [s for seq in sequences for s in seq]
+    ids = span_ids(spans, session.listing)
+    dataset = SequenceDataset(session.listing, session.tokenizer, spec.seed, spec.data.mask_prob)
+    for m in range(session.accum_steps):
+        for r in range(session.world_size):
+            part = sequences[slice_for(r, m, session.world_size, spec.train.micro_batch)]
+            batch = dataset[MicroPlan(update=c.attempted_updates + 1, microstep=m, rank=r, sequences=part)]
+            with _autocast(spec.train.precision, st.device):
+                logits = st.model(batch["inputs"])
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch["targets"].reshape(-1))
+            st.scaler.scale(loss / (session.accum_steps * session.world_size)).backward()
+    grads_finite = all(torch.isfinite(p.grad).all() for p in st.model.parameters() if p.grad is not None)
+    return {
+        "next_update": c.attempted_updates + 1,
+        "next_lr": lr,
+        "scheduler_counts": spec.train.scheduler_counts,
+        "next_occurrences": ids[:show],
+        "next_update_occurrences": len(ids),
+        "scaler": {
+            "enabled": st.scaler.is_enabled(),
+            "scale": st.scaler.get_scale() if st.scaler.is_enabled() else None,
+            "will_skip": st.scaler.is_enabled() and not grads_finite,
+        },
+    }
+

@@ -1,0 +1,200 @@
+"""The state inventory: every category of state that shapes the next update.
+
+One registry names, for each category, its owner, how it is serialised, how it
+is restored, and the oracle that proves it. Each entry also carries ``drop``:
+what a build that forgot the category would do after an otherwise faithful
+restore. The "oracle can fail" tests and ``spotrun verify``'s mutants apply it
+and expect the oracle to notice. ``docs/STATE.md`` is generated from this
+registry (``spotrun inventory --markdown``), so the document cannot drift.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trainer.state import TrainState
+
+ORACLE_TRACE = "per-update occurrence digest and parameter digest equal the uninterrupted run"
+
+
+@dataclass(frozen=True)
+class Category:
+    name: str
+    owner: str
+    serialization: str
+    restore: str
+    oracle: str
+    drop: Callable[[TrainState], None] | None
+    needs: str = ""  # what a job must do for the oracle to see a drop (empty: any job)
+    undetectable: str = ""  # why no oracle can see it, where that is so
+
+
+def _reinit_params(st: TrainState) -> None:
+    with torch.no_grad():
+        for p in st.model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.01)
+
+
+def _reset_ema(st: TrainState) -> None:
+    st.ema.load_state_dict({n: p.detach().float() for n, p in st.model.named_parameters()})
+
+
+def _zero_moments(st: TrainState) -> None:
+    for s in st.optimizer.state.values():
+        s["exp_avg"].zero_()
+        s["exp_avg_sq"].zero_()
+
+
+def _reset_steps(st: TrainState) -> None:
+    for s in st.optimizer.state.values():
+        s["step"].zero_()
+
+
+def _reset_scheduler(st: TrainState) -> None:
+    st.scheduler.last_epoch = 0
+    for g, base in zip(st.optimizer.param_groups, st.scheduler.base_lrs, strict=True):
+        g["lr"] = base * st.scheduler.lr_lambdas[0](0)
+
+
+def _reset_scaler(st: TrainState) -> None:
+    if st.scaler.is_enabled():
+        st.scaler.load_state_dict({"scale": st.spec.train.grad_scaler.init_scale, "growth_factor": 2.0,
+                                   "backoff_factor": 0.5, "growth_interval": st.spec.train.grad_scaler.growth_interval,
+                                   "_growth_tracker": 0})
+
+
+def _reseed_torch(st: TrainState) -> None:
+    torch.manual_seed(st.spec.seed)
+
+
+def _reseed_python(st: TrainState) -> None:
+    random.seed(st.spec.seed)
+
+
+def _reseed_numpy(st: TrainState) -> None:
+    np.random.seed(st.spec.seed)
+
+
+def _empty_shuffle_buffer(st: TrainState) -> None:
+    st.planner.stream.buffer.clear()
+
+
+def _drop_remainder(st: TrainState) -> None:
+    st.planner.packer.current = None
+
+
+def _cursor_from_prefetch(st: TrainState) -> None:
+    # The furthest record the loader had fetched: workers x prefetch micro-batches ahead.
+    ahead = st.spec.data.workers * st.spec.data.prefetch
+    accum = st.spec.accum_steps_for(st.world_size)
+    for _ in range(max(1, math.ceil(ahead / accum))):
+        st.planner.next_update()
+
+
+def _reset_counters(st: TrainState) -> None:
+    st.counters.value = type(st.counters.value)()
+
+
+def _eval_mode(st: TrainState) -> None:
+    st.model.eval()
+
+
+CATEGORIES: tuple[Category, ...] = (
+    Category("model_params", "TrainState.model", "rank-0/model.pt ['model'] (torch, weights-only)",
+             "model.load_state_dict(strict=True) after the name/shape check", ORACLE_TRACE, _reinit_params),
+    Category("ema", "TrainState.ema", "rank-0/model.pt ['ema'] (fp32 tensors)",
+             "EMA.load_state_dict (names must match the model's)",
+             "parameter digest (it covers the EMA weights)", _reset_ema),
+    Category("optimizer_moments", "TrainState.optimizer", "rank-0/optimizer.pt, keyed by parameter name",
+             "load_named_state maps names to this model's parameter positions", ORACLE_TRACE, _zero_moments),
+    Category("optimizer_steps", "TrainState.optimizer", "rank-0/optimizer.pt ['state'][name]['step']",
+             "restored with the moments", ORACLE_TRACE + " (AdamW's bias correction reads the step)",
+             _reset_steps),
+    Category("scheduler", "TrainState.scheduler", "rank-0/state.json ['scheduler'] (LambdaLR state)",
+             "scheduler.load_state_dict; the schedule function is rebuilt from the spec",
+             ORACLE_TRACE + " (the next LR differs)", _reset_scheduler),
+    Category("grad_scaler", "TrainState.scaler", "rank-0/state.json ['scaler']",
+             "GradScaler.load_state_dict (scale and growth tracker)",
+             ORACLE_TRACE + " and applied_updates", _reset_scaler,
+             needs="train.precision=fp16 with a scale that overflows (e.g. grad_scaler.init_scale 2^30)"),
+    Category("rng_torch", "global torch CPU generator", "rank-<r>/rng.json ['torch_cpu']",
+             "torch.set_rng_state, last of all", ORACLE_TRACE + " (dropout masks differ)", _reseed_torch,
+             needs="model.dropout > 0"),
+    Category("rng_python", "global python random", "rank-<r>/rng.json ['python']",
+             "random.setstate, last of all", ORACLE_TRACE, _reseed_python,
+             needs="a model or loss that draws from python's random (the built-in models do not)"),
+    Category("rng_numpy", "global numpy generator", "rank-<r>/rng.json ['numpy']",
+             "np.random.set_state, last of all", ORACLE_TRACE, _reseed_numpy,
+             needs="a model or loss that draws from numpy's global generator (the built-in models do not)"),
+    Category("rng_cuda", "torch CUDA generators (one per device)", "rank-<r>/rng.json ['torch_cuda']",
+             "torch.cuda.set_rng_state_all", ORACLE_TRACE, None,
+             undetectable="on CPU-only machines there is no CUDA stream to lose; checked on GPU runs only"),
+    Category("data_cursor", "Planner (epoch, index, offset)", "rank-0/state.json ['planner']['cursor']",
+             "snapshot: loaded with the buffer; replay: fast-forward from the epoch start",
+             "occurrence digest per update", _cursor_from_prefetch),
+    Category("shuffle_buffer", "EpochStream (contents, order position, generator)",
+             "rank-0/state.json ['planner']['snapshot']['stream']",
+             "snapshot: loaded as saved; replay: recomputed by drawing again from the epoch start",
+             "occurrence digest per update", _empty_shuffle_buffer, needs="data.shuffle_buffer > 0"),
+    Category("packer_remainder", "Packer.current (occurrence id + tokens already packed)",
+             "rank-0/state.json ['planner']['snapshot']['packer']",
+             "snapshot: loaded; replay: the occurrence at the cursor, cut at its offset",
+             "occurrence digest per update", _drop_remainder,
+             needs="a boundary where an occurrence straddles two updates (nearly every boundary)"),
+    Category("counters", "CountersState", "rank-0/state.json ['counters'] and the manifest",
+             "CountersState.load_state_dict; read under loop_convention",
+             "update numbering and counters in the trace and the next manifest", _reset_counters),
+    Category("train_mode", "model.training", "rank-0/state.json ['train_mode']",
+             "model.train(mode)", ORACLE_TRACE + " (dropout on or off)", _eval_mode, needs="model.dropout > 0"),
+    Category("accumulation", "TrainLoop (microstep position, accumulated gradients)",
+             "not stored: bundles are taken at update boundaries only",
+             "none: a restore always starts at microstep 0 with zero gradients", "", None,
+             undetectable="by construction there is nothing to lose: a bundle is only ever taken after "
+                          "optimizer.zero_grad at an update boundary, so the position is always 0"),
+    Category("last_update_applied", "Counters.last_update_applied", "rank-0/state.json ['counters']",
+             "restored with the counters", "the next manifest", None,
+             undetectable="informational: the next update does not read it; the scaler state (which does "
+                          "decide skips) is its own category"),
+    Category("precision", "spec train.precision; fp32 master parameters", "manifest ['precision']",
+             "the parameters are stored and restored in fp32; compute precision comes from the spec",
+             "compatibility check (spec train.precision must match)", None,
+             undetectable="nothing to drop: stored and master precision are both the fp32 parameters"),
+)
+
+BY_NAME = {c.name: c for c in CATEGORIES}
+
+
+def markdown() -> str:
+    """``docs/STATE.md``: the registry as a document."""
+    lines = [
+        "# State inventory",
+        "",
+        "Generated by `spotrun inventory --markdown` from `trainer/inventory.py`; do not edit by hand.",
+        "",
+        "Every category of state that shapes the next update, with its owner, where a bundle keeps it,",
+        "how a restore puts it back, and the oracle that proves it. The oracle compares, update by",
+        "update, the digest of the occurrences fed to the model and the digest of every parameter,",
+        "buffer and EMA weight against an uninterrupted run. `tests/unit/test_oracle_can_fail.py`",
+        "drops each category in turn after an otherwise faithful restore and asserts the oracle sees it.",
+        "",
+        "| category | owner | serialization | restore | oracle | a drop is seen when |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in CATEGORIES:
+        seen = "never (see below)" if c.drop is None else (c.needs or "always")
+        lines.append(f"| `{c.name}` | {c.owner} | {c.serialization} | {c.restore} | {c.oracle or '-'} | {seen} |")
+    lines += ["", "## Categories whose omission no oracle can detect", ""]
+    for c in CATEGORIES:
+        if c.undetectable:
+            lines.append(f"- `{c.name}`: {c.undetectable}.")
+    lines += ["", "## Categories the oracle detects only on some jobs", ""]
+    for c in CATEGORIES:
+        if c.drop is not None and c.needs:
+            lines.append(f"- `{c.name}`: needs {c.needs}.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,145 @@
+"""The bundle manifest: the commit marker of a bundle, and its contract.
+
+A bundle is *published* when its ``manifest.json`` exists; nothing else is ever
+read on restore. The manifest is written last, create-only, by one writer. A
+reader rejects an unknown ``schema_version`` before reading anything else.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from trainer.counters import Counters
+from trainer.data.planner import Cursor
+from trainer.storage import UnsafeKeyError, check_key
+
+SCHEMA_VERSION = 1
+RecoveryLabel = Literal["fresh", "exact", "exact-data", "fresh-epoch", "bounded-repetition", "new-experiment"]
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be trusted: unknown schema, unparsable, or unsafe paths."""
+
+
+class UnknownSchemaError(ManifestError):
+    """The manifest was written by a spotrun this one cannot read; older bundles will not help."""
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(_M):
+    path: str  # relative to the bundle directory
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    @field_validator("path")
+    @classmethod
+    def _inside_bundle(cls, v: str) -> str:
+        try:
+            return check_key(v)
+        except UnsafeKeyError as e:
+            raise ValueError(f"file path {v!r} escapes the bundle directory") from e
+
+
+class TensorInfo(_M):
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class ModelInfo(_M):
+    kind: str
+    config_hash: str
+    params: tuple[TensorInfo, ...]
+
+
+class OptimizerInfo(_M):
+    type: str
+    groups: tuple[dict[str, Any], ...]  # settings and parameter *names* of each group
+
+
+class DataInfo(_M):
+    dataset_version: str
+    tokenizer_version: str
+    records: int
+    cursor: Cursor
+    prefetched_ahead: int  # micro-batches fetched past the cursor when saved; replayed on restore
+
+
+class Versions(_M):
+    python: str
+    torch: str
+    torchdata: str
+    numpy: str
+    spotrun: str
+
+
+class Precision(_M):
+    stored: str
+    compute: str
+    master_weights: str
+
+
+class WorldInfo(_M):
+    size: int
+    accum_steps: int
+    micro_batch: int
+    policy: str
+
+
+class Manifest(_M):
+    schema_version: int
+    job_id: str
+    bundle_id: str
+    lineage_id: str
+    attempt: int
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    loop_convention: int
+    counters: Counters
+    recovery_label: RecoveryLabel  # how the attempt that wrote this bundle began
+    train_mode: bool
+    deterministic: bool
+    spec_compat: dict[str, Any]
+    spec: dict[str, Any]  # the whole JobSpec that wrote it (inspect rebuilds the job from it)
+    model: ModelInfo
+    optimizer: OptimizerInfo
+    data: DataInfo
+    world: WorldInfo
+    precision: Precision
+    versions: Versions
+    files: tuple[FileEntry, ...]
+    stall_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(indent=2).encode()
+
+
+def parse_manifest(blob: bytes, where: str) -> Manifest:
+    """Parse and validate; an unknown schema is refused before any other field is read."""
+    try:
+        raw = json.loads(blob)
+    except ValueError as e:
+        raise ManifestError(f"{where}: manifest is not JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{where}: manifest is not a JSON object")
+    version = raw.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise UnknownSchemaError(
+            f"{where}: manifest schema_version {version!r} is unknown to this spotrun "
+            f"(reads {SCHEMA_VERSION}); use the spotrun release that wrote it"
+        )
+    try:
+        return Manifest.model_validate(raw)
+    except ValueError as e:
+        raise ManifestError(f"{where}: manifest is invalid: {e}") from e

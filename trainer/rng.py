@@ -1,0 +1,67 @@
+"""Every global random stream a rank's training can draw from, captured and restored.
+
+Python's ``random``, NumPy's legacy global generator, torch's CPU generator and
+each CUDA device's generator. Restored *last* on restore, after the model and
+loader were built, because building them draws from these streams too.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.stateful import check_version
+
+
+def seed_all(seed: int) -> None:
+    """Seed every global stream for a fresh start."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+class RngState:
+    """Stateful view of the global streams (it owns no generator itself)."""
+
+    VERSION = 1
+    STREAMS = ("python", "numpy", "torch_cpu", "torch_cuda")
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        return {
+            "version": self.VERSION,
+            "python": {"version": version, "internal": list(internal), "gauss": gauss},
+            "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached": float(cached)},
+            "torch_cpu": _b64(torch.get_rng_state()),
+            "torch_cuda": [_b64(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_version("rng", state, self.VERSION)
+        p = state["python"]
+        random.setstate((p["version"], tuple(p["internal"]), p["gauss"]))
+        n = state["numpy"]
+        np.random.set_state((n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"],
+                             n["has_gauss"], n["cached"]))
+        torch.set_rng_state(_unb64(state["torch_cpu"]))
+        if state["torch_cuda"] and torch.cuda.is_available():
+            if len(state["torch_cuda"]) != torch.cuda.device_count():
+                raise ValueError(
+                    f"bundle holds {len(state['torch_cuda'])} CUDA generator states, this node has "
+                    f"{torch.cuda.device_count()} devices"
+                )
+            torch.cuda.set_rng_state_all([_unb64(s) for s in state["torch_cuda"]])

@@ -1,0 +1,211 @@
+"""The job spec: the one pydantic model every part of spotrun reads.
+
+A spec is YAML validated by :class:`JobSpec`. Unknown keys are errors (every
+model forbids extras), cross-field rules live in ``model_validator``s so that a
+spec that could only fail mid-run (a world size that cannot divide the global
+batch, say) is refused before anything starts.
+
+Which keys shape the *trajectory* of a job is decided here too
+(:meth:`JobSpec.compat_view`): a restore refuses a bundle whose trajectory keys
+differ, while operational keys (storage, worker count, prefetch, restart
+limits, faults) may change between attempts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_VOCAB = "".join(chr(c) for c in range(32, 127)) + "\n\t"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """The network. ``gpt`` is a tiny character GPT, ``mlp`` a fast bigram-ish
+    net for tests, ``factory`` names a user's ``module:function`` that takes
+    ``(spec: ModelSpec, vocab_size: int)`` and returns an ``nn.Module`` whose
+    ``forward(tokens) -> logits``."""
+
+    kind: Literal["gpt", "mlp", "factory"] = "gpt"
+    n_layer: int = Field(2, ge=1)
+    n_head: int = Field(2, ge=1)
+    n_embd: int = Field(64, ge=4)
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    factory: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        if self.kind == "gpt" and self.n_embd % self.n_head:
+            raise ValueError(
+                f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}"
+            )
+        if self.kind == "factory" and not (self.factory and ":" in self.factory):
+            raise ValueError("model.kind=factory needs model.factory: 'package.module:function'")
+        return self
+
+
+class DataSpec(_Strict):
+    """Where records come from and how they become sequences."""
+
+    shards: str = "configs/data/tiny"
+    vocab: str = DEFAULT_VOCAB
+    shuffle_buffer: int = Field(64, ge=0)
+    workers: int = Field(2, ge=0)
+    prefetch: int = Field(2, ge=1)
+    seq_len: int = Field(64, ge=2)
+    mask_prob: float = Field(0.1, ge=0.0, le=1.0)
+    recovery: Literal["exact", "bounded-repetition", "fresh-epoch"] = "exact"
+    max_repeat: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> DataSpec:
+        if len(set(self.vocab)) != len(self.vocab):
+            raise ValueError("data.vocab lists a character twice; each must appear once")
+        if self.recovery == "bounded-repetition" and self.max_repeat == 0:
+            raise ValueError(
+                "data.recovery=bounded-repetition needs data.max_repeat > 0 "
+                "(the most occurrences a restore may repeat)"
+            )
+        return self
+
+
+class GradScalerSpec(_Strict):
+    init_scale: float = Field(2.0**16, gt=0)
+    growth_interval: int = Field(2000, ge=1)
+
+
+class TrainSpec(_Strict):
+    """The optimisation. ``updates`` counts attempted updates."""
+
+    updates: int = Field(200, ge=1)
+    micro_batch: int = Field(8, ge=1)
+    accum_steps: int = Field(2, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    min_lr: float = Field(3e-4, ge=0)
+    warmup_updates: int = Field(10, ge=0)
+    weight_decay: float = Field(0.01, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, ge=0)
+    ema_decay: float = Field(0.99, ge=0, lt=1)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    grad_scaler: GradScalerSpec = GradScalerSpec()
+    scheduler_counts: Literal["applied", "attempted"] = "applied"
+    threads: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainSpec:
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr={self.min_lr} exceeds train.lr={self.lr}")
+        return self
+
+
+class WorldSpec(_Strict):
+    size: int = Field(1, ge=1)
+    policy: Literal["strict", "elastic", "fresh-epoch"] = "strict"
+    min_size: int = Field(1, ge=1)
+    max_size: int | None = Field(None, ge=1)
+    capacity_timeout_s: float = Field(60, ge=0)
+    max_restarts: int = Field(20, ge=0)
+    num_gpus_per_rank: float = Field(0, ge=0)
+
+
+class CheckpointSpec(_Strict):
+    every_updates: int = Field(10, ge=1)
+    keep_last: int = Field(3, ge=1)
+    restore_mode: Literal["snapshot", "replay"] = "snapshot"
+
+
+FaultSite = Literal["microstep", "before_update", "bundle_write", "after_publish"]
+
+
+class FaultSpec(_Strict):
+    """A deliberate SIGKILL of the running process at a named site.
+
+    Used by the kill tests and ``spotrun verify``: the process really dies.
+    ``attempt`` scopes the fault so that the resumed job does not kill itself
+    again at the same place."""
+
+    site: FaultSite
+    update: int = Field(ge=1)
+    microstep: int = Field(0, ge=0)
+    attempt: int = Field(1, ge=1)
+    rank: int = Field(0, ge=0)
+
+
+class JobSpec(_Strict):
+    """A whole job. See DESIGN.md "Job spec" for the meaning of each key."""
+
+    job_id: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    seed: int = 0
+    storage: str = "file://./runs"
+    storage_endpoint_url: str | None = None
+    model: ModelSpec = ModelSpec()
+    data: DataSpec = DataSpec()
+    train: TrainSpec = TrainSpec()
+    world: WorldSpec = WorldSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    faults: tuple[FaultSpec, ...] = ()
+
+    @model_validator(mode="after")
+    def _check(self) -> JobSpec:
+        w = self.world
+        if w.max_size is not None and w.max_size < w.min_size:
+            raise ValueError(f"world.max_size={w.max_size} is below world.min_size={w.min_size}")
+        if w.policy == "elastic":
+            bad = [n for n in self.allowed_world_sizes() if self.global_sequences % (n * self.train.micro_batch)]
+            if bad:
+                raise ValueError(
+                    f"world.policy=elastic allows world sizes {w.min_size}..{self.max_world}, but "
+                    f"{bad} cannot divide the global batch of {self.global_sequences} sequences "
+                    f"(size {w.size} x accum_steps {self.train.accum_steps} x micro_batch "
+                    f"{self.train.micro_batch}); narrow world.min_size/max_size or change accum_steps"
+                )
+        return self
+
+    @property
+    def global_sequences(self) -> int:
+        """Sequences per update: fixed for the life of the job, whatever the world size."""
+        return self.world.size * self.train.accum_steps * self.train.micro_batch
+
+    @property
+    def max_world(self) -> int:
+        return self.world.max_size or self.world.size
+
+    def allowed_world_sizes(self) -> list[int]:
+        if self.world.policy == "strict":
+            return [self.world.size]
+        return list(range(self.world.min_size, self.max_world + 1))
+
+    def accum_steps_for(self, world_size: int) -> int:
+        """Accumulation steps that keep the global batch at ``world_size`` ranks."""
+        per_rank = self.global_sequences // world_size
+        if self.global_sequences % world_size or per_rank % self.train.micro_batch:
+            raise ValueError(
+                f"world size {world_size} cannot divide the global batch of "
+                f"{self.global_sequences} sequences into micro-batches of {self.train.micro_batch}"
+            )
+        return per_rank // self.train.micro_batch
+
+    def compat_view(self) -> dict:
+        """The keys that shape the trajectory; a bundle restores only under equal values."""
+        return {
+            "seed": self.seed,
+            "model": self.model.model_dump(mode="json"),
+            "data": self.data.model_dump(
+                mode="json", include={"seq_len", "mask_prob", "shuffle_buffer", "vocab"}
+            ),
+            "train": self.train.model_dump(
+                mode="json", exclude={"updates", "threads"}
+            ),
+            "global_sequences": self.global_sequences,
+        }
+
+    def model_config_hash(self) -> str:
+        blob = json.dumps(self.model.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]

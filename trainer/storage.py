@@ -1,0 +1,137 @@
+"""Storage backends behind one small protocol, addressed by relative keys.
+
+Keys are ``/``-separated paths under the storage root (``<job>/bundles/...``).
+A key that is absolute or climbs out of the root (``..``) is refused, so a
+hostile manifest can never make spotrun read or write outside its root.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path, PurePosixPath
+from typing import Protocol
+from urllib.parse import urlparse
+
+
+class StorageError(RuntimeError):
+    """The storage root is unusable (missing, unwritable, unreachable)."""
+
+
+class UnsafeKeyError(ValueError):
+    """A key would address something outside the storage root."""
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a plain relative path inside the root, else raise."""
+    p = PurePosixPath(key)
+    if not key or p.is_absolute() or ".." in p.parts or "\\" in key or key != p.as_posix():
+        raise UnsafeKeyError(f"storage key {key!r} escapes or is not a plain relative path")
+    return key
+
+
+class Storage(Protocol):
+    uri: str
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write ``data`` atomically (readers see the old or the new bytes, never a torn file)."""
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if it does not exist; True if this call created it."""
+
+    def get(self, key: str) -> bytes: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, prefix: str) -> list[str]:
+        """Every key under ``prefix`` (recursive), sorted."""
+
+    def delete_prefix(self, prefix: str) -> None: ...
+
+
+class LocalStorage:
+    """A directory. Create-only publication is temp file + fsync + ``link`` (which never clobbers) + dir fsync."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        self.uri = f"file://{self.root}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot create storage root {self.root}: {e.strerror}") from e
+        if not os.access(self.root, os.W_OK):
+            raise StorageError(f"storage root {self.root} is not writable; fix its permissions or choose another")
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def _write_temp(self, path: Path, data: bytes) -> str:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return tmp
+
+    @staticmethod
+    def _fsync_dir(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        os.replace(self._write_temp(path, data), path)
+        self._fsync_dir(path.parent)
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        self._fsync_dir(path.parent)
+        return True
+
+    def get(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        base = self._path(prefix.rstrip("/")) if prefix else self.root
+        if not base.is_dir():
+            return []
+        return sorted(
+            p.relative_to(self.root).as_posix()
+            for p in base.rglob("*")
+            if p.is_file() and not p.name.endswith(".tmp")
+        )
+
+    def delete_prefix(self, prefix: str) -> None:
+        base = self._path(prefix.rstrip("/"))
+        if not base.exists():
+            return
+        for p in sorted(base.rglob("*"), reverse=True):
+            p.unlink() if p.is_file() or p.is_symlink() else p.rmdir()
+        base.rmdir()
+
+
+def open_storage(uri: str, endpoint_url: str | None = None) -> Storage:
+    """``file://path`` (relative paths are relative to the working directory) or a plain path."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        path = uri[len("file://"):] if uri.startswith("file://") else uri
+        return LocalStorage(path)
+    raise StorageError(f"storage={uri!r}: scheme {parsed.scheme!r} is not supported; use file://PATH")
