@@ -7,6 +7,7 @@ bundle records it so a restored counter is read in the order that wrote it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -114,5 +115,11 @@ class TrainLoop:
         c.microsteps += self.accum_steps * st.world_size
         c.samples_consumed += spec.global_sequences
         c.tokens_consumed += spec.global_sequences * (spec.data.seq_len + 1)
-        if applied or spec.train.scheduler_counts == "attempted":
+        if applied:
             st.scheduler.step()
+        elif spec.train.scheduler_counts == "attempted":
+            # A skipped step under "attempted" advances the schedule on purpose; torch warns
+            # because the optimizer did not step, which is exactly the declared convention.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+                st.scheduler.step()

@@ -77,3 +77,29 @@ def latest_per_update(records: list[UpdateRecord]) -> dict[int, UpdateRecord]:
         if r.update not in out or r.attempt >= out[r.update].attempt:
             out[r.update] = r
     return out
+
+
+class Divergence(BaseModel):
+    update: int
+    field: str  # "missing", "occurrences" or "params"
+    reference: str | None
+    candidate: str | None
+
+
+def first_divergence(reference: list[UpdateRecord], candidate: list[UpdateRecord]) -> Divergence | None:
+    """The first update (in reference order) where ``candidate`` differs; ``None`` if none does.
+
+    Only updates present in the candidate are compared, plus any update the
+    candidate has that the reference lacks (a renumbered or extra update)."""
+    ref = {r.update: r for r in reference}
+    cand = {r.update: r for r in candidate}
+    for u in sorted(set(cand)):
+        r, c = ref.get(u), cand[u]
+        if r is None:
+            return Divergence(update=u, field="missing", reference=None, candidate=c.occurrences_sha256)
+        if (r.occurrences_sha256, r.n_occurrences) != (c.occurrences_sha256, c.n_occurrences):
+            return Divergence(update=u, field="occurrences", reference=r.occurrences_sha256,
+                              candidate=c.occurrences_sha256)
+        if r.params_sha256 != c.params_sha256:
+            return Divergence(update=u, field="params", reference=r.params_sha256, candidate=c.params_sha256)
+    return None

@@ -1,0 +1,42 @@
+"""The ledger: create-only events, readable by a later process, corrupt files shown not fatal."""
+
+from __future__ import annotations
+
+from orchestrator.history import history
+from orchestrator.inprocess import run_in_process
+from orchestrator.ledger import AttemptStarted, CorruptEvent, JobFinished, Ledger
+from trainer.storage import LocalStorage
+
+
+def test_append_never_overwrites_and_reads_back(tmp_path):
+    storage = LocalStorage(tmp_path)
+    a, b = Ledger(storage, "j"), Ledger(storage, "j")  # two writers, each with its own idea of "next"
+    k1 = a.append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="x"))
+    k2 = b.append(AttemptStarted(attempt=2, world_size=1, pid=2, lineage_id="x"))
+    assert k1 != k2
+    events = Ledger(storage, "j").read()
+    assert [e.attempt for e in events] == [1, 2]
+    assert Ledger(storage, "j").next_attempt() == 3
+
+
+def test_corrupt_event_is_reported_not_raised(tmp_path):
+    storage = LocalStorage(tmp_path)
+    ledger = Ledger(storage, "j")
+    ledger.append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="x"))
+    storage.put("j/events/000000000001.json", b"{not json")
+    ledger.append(JobFinished(attempt=1, counters={"attempted_updates": 3}))
+    events = Ledger(storage, "j").read()
+    assert isinstance(events[1], CorruptEvent) and events[1].key.endswith("000000000001.json")
+    assert isinstance(events[2], JobFinished)
+    assert history(storage, "j")["corrupt_events"][0]["key"].endswith("000000000001.json")
+
+
+def test_history_of_a_finished_run(spec_factory):
+    spec = spec_factory("train.updates=10", job_id="hist")
+    run_in_process(spec)
+    run_in_process(spec)  # already complete: restores the final bundle, trains nothing
+    doc = history(LocalStorage(spec.storage[len("file://"):]), "hist")
+    assert doc["state"] == "finished"
+    assert [a["attempt"] for a in doc["attempts"]] == [1, 2]
+    assert doc["restarts"][0]["restored_from"].endswith("u0000000010-a1")
+    assert doc["restarts"][0]["recovery_label"] == "exact"
