@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from trainer.bundle import BundleError, load_bundle
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return a.func(a)
     except (SpecError, BundleError, ManifestError, StorageError, UnsafeKeyError) as e:
-        err.print(f"[red]spotrun {a.command}: {e}[/]", highlight=False, soft_wrap=True)
+        err.print(f"[red]spotrun {a.command}: {escape(str(e))}[/]", highlight=False, soft_wrap=True)
         return 2
 
 

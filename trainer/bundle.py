@@ -193,17 +193,15 @@ def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_
     if manifest.model.config_hash != desc.model.config_hash:
         problems.append(f"model config: bundle {manifest.spec_compat.get('model')}, "
                         f"job {desc.spec_compat.get('model')}")
-    else:
-        saved = {p.name: p for p in manifest.model.params}
-        ours = {p.name: p for p in desc.model.params}
-        if saved.keys() != ours.keys():
-            problems.append(f"parameter names: bundle only {sorted(saved.keys() - ours.keys())}, "
-                            f"model only {sorted(ours.keys() - saved.keys())}")
-        else:
-            for name, p in saved.items():
-                if (p.shape, p.dtype) != (ours[name].shape, ours[name].dtype):
-                    problems.append(f"parameter {name}: bundle {p.shape} {p.dtype}, "
-                                    f"model {ours[name].shape} {ours[name].dtype}")
+    saved = {p.name: p for p in manifest.model.params}
+    ours = {p.name: p for p in desc.model.params}
+    if saved.keys() != ours.keys():
+        problems.append(f"parameter names: bundle only {sorted(saved.keys() - ours.keys())}, "
+                        f"model only {sorted(ours.keys() - saved.keys())}")
+    for name in sorted(saved.keys() & ours.keys()):
+        p, q = saved[name], ours[name]
+        if (p.shape, p.dtype) != (q.shape, q.dtype):
+            problems.append(f"parameter {name}: bundle {p.shape} {p.dtype}, model {q.shape} {q.dtype}")
     for key in sorted(set(manifest.spec_compat) | set(desc.spec_compat)):
         a, b = manifest.spec_compat.get(key), desc.spec_compat.get(key)
         if a != b and key != "model":

@@ -1,0 +1,233 @@
+"""LocalStorage: safe keys, atomic put, create-only put_new, delete_prefix, unusable roots."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from trainer.storage import LocalStorage, StorageError, UnsafeKeyError, check_key, open_storage
+
+
+def files_on_disk(root: Path) -> list[str]:
+    """Every file under ``root``, hidden ones included (what ``list`` would hide)."""
+    return sorted(str(Path(d, f).relative_to(root)) for d, _, names in os.walk(root) for f in names)
+
+
+# -- keys -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", [
+    "",
+    "/etc/passwd",
+    "/job/bundles/x",
+    "..",
+    "../outside",
+    "job/../../outside",
+    "job/bundles/..",
+    "job\\bundles\\x",
+    "job/bundles\\..\\x",
+    "./job/x",      # not in normal form
+    "job//x",       # not in normal form
+    "job/x/",       # not in normal form
+])
+def test_check_key_rejects_unsafe_keys(key):
+    """Absolute paths, ``..`` segments, backslashes, empty and non-normal keys are refused."""
+    with pytest.raises(UnsafeKeyError):
+        check_key(key)
+
+
+@pytest.mark.parametrize("key", ["job/bundles/u0000000005-a1/manifest.json", "a", "a/b.c/d..e"])
+def test_check_key_accepts_plain_relative_keys(key):
+    """Plain relative keys pass unchanged (``..`` inside a name is not a segment)."""
+    assert check_key(key) == key
+
+
+@pytest.mark.parametrize("op", ["put", "put_new", "get", "exists"])
+def test_storage_operations_refuse_escaping_keys(tmp_path, op):
+    """Every operation checks its key, so nothing outside the root is read or written."""
+    storage = LocalStorage(tmp_path / "root")
+    args = ("../escaped", b"x") if op in ("put", "put_new") else ("../escaped",)
+    with pytest.raises(UnsafeKeyError):
+        getattr(storage, op)(*args)
+    assert not (tmp_path / "escaped").exists()
+
+
+# -- put --------------------------------------------------------------------------------
+
+
+def test_put_writes_and_overwrites_leaving_no_temp_files(tmp_path):
+    """``put`` replaces the content and leaves exactly the target file on disk."""
+    storage = LocalStorage(tmp_path)
+    for i in range(5):
+        storage.put("job/a/blob.bin", f"version {i}".encode())
+    assert storage.get("job/a/blob.bin") == b"version 4"
+    assert files_on_disk(tmp_path) == ["job/a/blob.bin"]
+    assert storage.list("job") == ["job/a/blob.bin"]
+
+
+def test_list_never_shows_temp_files(tmp_path):
+    """A temp file left by a crashed writer is invisible to ``list``."""
+    storage = LocalStorage(tmp_path)
+    storage.put("job/x.json", b"{}")
+    stray = tmp_path / "job" / ".x.json.abc123.tmp"
+    stray.write_bytes(b"half")
+    assert storage.list("job") == ["job/x.json"]
+    assert storage.list("") == ["job/x.json"]
+
+
+def test_put_that_fails_midway_keeps_old_content_and_no_temp(tmp_path, monkeypatch):
+    """If the write fails before the rename, readers still see the old bytes and no temp remains."""
+    storage = LocalStorage(tmp_path)
+    storage.put("job/state.json", b"old")
+
+    def failing_fsync(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError):
+        storage.put("job/state.json", b"new and longer")
+    monkeypatch.undo()
+    assert storage.get("job/state.json") == b"old"
+    assert files_on_disk(tmp_path) == ["job/state.json"]
+
+
+def test_concurrent_reader_never_sees_a_torn_put(tmp_path):
+    """A reader racing a writer only ever sees one complete version or the other."""
+    storage = LocalStorage(tmp_path)
+    a, b = b"A" * 200_000, b"B" * 300_000
+    storage.put("job/blob", a)
+    done = threading.Event()
+    torn: list[int] = []
+
+    def reader():
+        while not done.is_set():
+            blob = storage.get("job/blob")
+            if blob not in (a, b):
+                torn.append(len(blob))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for i in range(60):
+            storage.put("job/blob", b if i % 2 == 0 else a)
+    finally:
+        done.set()
+        t.join()
+    assert torn == []
+    assert storage.get("job/blob") == a
+
+
+# -- put_new ----------------------------------------------------------------------------
+
+
+def test_put_new_is_create_only(tmp_path):
+    """The first ``put_new`` creates the key; the second returns False and leaves the first bytes."""
+    storage = LocalStorage(tmp_path)
+    assert storage.put_new("job/bundles/b/manifest.json", b"first") is True
+    assert storage.put_new("job/bundles/b/manifest.json", b"second") is False
+    assert storage.get("job/bundles/b/manifest.json") == b"first"
+    assert files_on_disk(tmp_path) == ["job/bundles/b/manifest.json"]
+
+
+def test_put_new_does_not_clobber_a_file_written_by_put(tmp_path):
+    """Create-only holds against any existing file, not only ones made by ``put_new``."""
+    storage = LocalStorage(tmp_path)
+    storage.put("job/k", b"existing")
+    assert storage.put_new("job/k", b"intruder") is False
+    assert storage.get("job/k") == b"existing"
+
+
+def test_put_new_race_has_exactly_one_winner(tmp_path):
+    """8 threads released together on one key, 20 times: one True, and its bytes are what remain."""
+    storage = LocalStorage(tmp_path)
+    n = 8
+    for round_ in range(20):
+        key = f"job/events/{round_:012d}.json"
+        barrier = threading.Barrier(n)
+        results: list[bool | None] = [None] * n
+
+        def contender(i: int) -> None:
+            barrier.wait()
+            results[i] = storage.put_new(key, f"writer {i}".encode())
+
+        threads = [threading.Thread(target=contender, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results.count(True) == 1, f"round {round_}: {results}"
+        assert results.count(False) == n - 1
+        assert storage.get(key) == f"writer {results.index(True)}".encode()
+    assert len(files_on_disk(tmp_path)) == 20  # no temp file left by a loser
+
+
+# -- list / delete_prefix ---------------------------------------------------------------
+
+
+def test_list_is_recursive_sorted_and_scoped(tmp_path):
+    """``list(prefix)`` returns every key under the prefix, sorted; a missing prefix lists nothing."""
+    storage = LocalStorage(tmp_path)
+    for key in ("j/b/2", "j/a/1", "j/a/sub/3", "jj/4"):
+        storage.put(key, b".")
+    assert storage.list("j/") == ["j/a/1", "j/a/sub/3", "j/b/2"]
+    assert storage.list("j/a") == ["j/a/1", "j/a/sub/3"]
+    assert storage.list("nothing/here") == []
+
+
+def test_delete_prefix_removes_the_subtree_only(tmp_path):
+    """``delete_prefix`` removes files and folders under the prefix, not siblings sharing its spelling."""
+    storage = LocalStorage(tmp_path)
+    for key in ("job/bundles/u1/manifest.json", "job/bundles/u1/rank-0/model.pt",
+                "job/bundles/u10/manifest.json", "job/events/0.json"):
+        storage.put(key, b".")
+    storage.delete_prefix("job/bundles/u1/")
+    assert storage.list("job") == ["job/bundles/u10/manifest.json", "job/events/0.json"]
+    assert not (tmp_path / "job" / "bundles" / "u1").exists()
+    assert not storage.exists("job/bundles/u1/manifest.json")
+
+
+def test_delete_prefix_of_nothing_is_a_no_op(tmp_path):
+    """Deleting a prefix that does not exist succeeds and changes nothing."""
+    storage = LocalStorage(tmp_path)
+    storage.put("job/keep", b".")
+    storage.delete_prefix("job/absent")
+    assert storage.list("") == ["job/keep"]
+
+
+def test_delete_prefix_refuses_escaping_prefix(tmp_path):
+    """A ``..`` prefix cannot delete outside the root."""
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "precious").write_bytes(b"!")
+    storage = LocalStorage(tmp_path / "root")
+    with pytest.raises(UnsafeKeyError):
+        storage.delete_prefix("../outside")
+    assert (tmp_path / "outside" / "precious").read_bytes() == b"!"
+
+
+# -- unusable roots ---------------------------------------------------------------------
+
+
+def test_root_under_a_regular_file_gives_storage_error(tmp_path):
+    """A root that cannot be created (a path under a regular file; works even as root) is a StorageError naming it."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"")
+    with pytest.raises(StorageError) as info:
+        LocalStorage(blocker / "runs")
+    assert str(blocker / "runs") in str(info.value)
+
+
+def test_open_storage_file_uri_reports_unusable_root(tmp_path):
+    """``open_storage`` passes the same StorageError through for a ``file://`` URI."""
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    with pytest.raises(StorageError):
+        open_storage(f"file://{blocker}/runs")
+
+
+def test_open_storage_file_uri_and_plain_path_address_the_same_root(tmp_path):
+    """``file://PATH`` and ``PATH`` open the same directory."""
+    open_storage(f"file://{tmp_path}/r").put("k", b"1")
+    assert open_storage(str(tmp_path / "r")).get("k") == b"1"
