@@ -21,6 +21,7 @@ from trainer.manifest import ManifestError
 from trainer.storage import StorageError, UnsafeKeyError, open_storage
 
 from orchestrator.specfile import SpecError, load_spec
+from orchestrator.supervisor import JobFailedError
 
 err = Console(stderr=True)
 
@@ -49,26 +50,33 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from orchestrator.inprocess import run_in_process
+    from orchestrator.launch import run_in_process, run_on_ray
 
     spec = load_spec(a.config, a.set, a.job_id)
-    result = run_in_process(spec, trace_path=a.trace, record_ids=a.trace_ids)
-    c = result.counters
-    err.print(f"[bold]{spec.job_id}[/] attempt {result.attempt} ({result.recovery_label}"
-              f"{' from ' + result.restored_from if result.restored_from else ''}): "
-              f"attempted {c.attempted_updates}, applied {c.applied_updates}, "
-              f"{c.samples_consumed} samples, {c.tokens_consumed} tokens")
+    init_from = _split_bundle_uri(a.init_from) if a.init_from else None
+    reset = tuple(r for r in (a.reset or "").split(",") if r)
+    if reset and not init_from:
+        raise SpecError("--reset applies to --init-from BUNDLE_URI only")
+    kw = dict(trace_path=a.trace, record_ids=a.trace_ids, init_from=init_from, reset=reset)
+    outcome = run_in_process(spec, **kw) if a.no_ray else run_on_ray(spec, address=a.address, **kw)
+    c = outcome.counters
+    err.print(f"[bold]{spec.job_id}[/] finished after {outcome.attempts} attempt(s), {outcome.restarts} restart(s) "
+              f"in this run: attempted {c.attempted_updates}, applied {c.applied_updates}, "
+              f"{c.samples_consumed} samples, {c.tokens_consumed} tokens", highlight=False)
     return 0
 
 
 def _split_bundle_uri(uri: str) -> tuple[str, str]:
-    """``<root>/<job>/bundles/<name>`` -> (storage root, bundle key)."""
+    """``<root>/<job>/bundles/<name>`` -> (storage root URI, bundle key)."""
     uri = uri.rstrip("/")
     head, sep, name = uri.rpartition("/bundles/")
     if not sep or "/" in name or not name:
         raise SpecError(f"{uri!r} is not a bundle address; expected <storage>/<job_id>/bundles/<bundle>")
     root, _, job = head.rpartition("/")
-    return root or ".", f"{job}/bundles/{name}"
+    root = root or "."
+    if "://" not in root:  # a local path: absolute, since ranks may run in another working directory
+        root = f"file://{Path(root).resolve()}"
+    return root, f"{job}/bundles/{name}"
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
@@ -169,6 +177,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--job-id")
     r.add_argument("--trace", metavar="PATH", help="append one JSON line per completed update")
     r.add_argument("--trace-ids", action="store_true", help="include the occurrence ids in --trace lines")
+    r.add_argument("--address", help="an existing Ray cluster (default: an embedded local Ray)")
+    r.add_argument("--no-ray", action="store_true", help="world size 1 in this process, without Ray")
+    r.add_argument("--init-from", metavar="BUNDLE_URI", help="start a new lineage from another job's bundle")
+    r.add_argument("--reset", metavar="PARTS", help="with --init-from: optimizer,scheduler,data start afresh")
     r.set_defaults(func=cmd_run)
 
     i = sub.add_parser("inspect", help="a bundle's manifest and what it will do next")
@@ -195,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
         return a.func(a)
-    except (SpecError, BundleError, ManifestError, StorageError, UnsafeKeyError) as e:
+    except (SpecError, BundleError, ManifestError, StorageError, UnsafeKeyError, JobFailedError, ValueError) as e:
         err.print(f"[red]spotrun {a.command}: {escape(str(e))}[/]", highlight=False, soft_wrap=True)
         return 2
 

@@ -46,6 +46,48 @@ class Restored(_Event):
     restore_seconds: float
     lost_updates: int | None = None  # None: the previous attempt died without reporting its progress
     cause: str | None = None
+    world_size_before: int | None = None
+    world_size_after: int | None = None
+
+
+class InitializedFrom(_Event):
+    """A new lineage started from another bundle (``--init-from``): never a continuation."""
+
+    kind: Literal["initialized_from"] = "initialized_from"
+    bundle: str
+    reset: list[str]
+    recovery_label: Literal["new-experiment"] = "new-experiment"
+
+
+class WorkerLost(_Event):
+    kind: Literal["worker_lost"] = "worker_lost"
+    rank: int | None
+    node_id: str | None = None
+    cause: str  # node-lost | process-exit | notice:<source> | collective-timeout | driver-exit
+    detail: str = ""
+    last_update: int  # the furthest update the attempt is known to have completed
+
+
+class CapacityWait(_Event):
+    kind: Literal["capacity_wait"] = "capacity_wait"
+    needed: int
+    available: int
+    waited_seconds: float
+    outcome: str  # placed | timed-out
+
+
+class TopologyChanged(_Event):
+    kind: Literal["topology_changed"] = "topology_changed"
+    world_size_before: int
+    world_size_after: int
+    accum_steps_after: int
+
+
+class OffsetsCommitted(_Event):
+    kind: Literal["offsets_committed"] = "offsets_committed"
+    bundle: str
+    update: int
+    recommit: bool = False
 
 
 class BundleRejected(_Event):
@@ -74,7 +116,8 @@ class JobFailed(_Event):
 
 
 Event = Annotated[
-    AttemptStarted | Restored | BundleRejected | BundlePublished | JobFinished | JobFailed,
+    AttemptStarted | Restored | InitializedFrom | BundleRejected | BundlePublished | WorkerLost | CapacityWait
+    | TopologyChanged | OffsetsCommitted | JobFinished | JobFailed,
     Field(discriminator="kind"),
 ]
 _EVENT = TypeAdapter(Event)

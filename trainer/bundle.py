@@ -21,8 +21,9 @@ import platform
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -268,11 +269,10 @@ class BundleWriter:
     def _write(self, capture: Capture, bundle_key: str) -> WriteResult:
         t0 = time.perf_counter()
         entries = []
-        for i, (path, blob) in enumerate(serialise(capture).items()):
-            if i == 1:
-                self.faults.hit("bundle_write", capture.update)  # some files written, no manifest
+        for path, blob in serialise(capture).items():
             self.storage.put(f"{bundle_key}/{path}", blob)
             entries.append(FileEntry(path=path, bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest()))
+            self.faults.hit("bundle_write", capture.update)  # a file written, the bundle unpublished
         return WriteResult(bundle_key, capture.update, entries, time.perf_counter() - t0)
 
     def close(self) -> None:
@@ -339,28 +339,37 @@ class Rejected:
     reason: str
 
 
-def load_latest(storage: Storage, job_id: str, desc: Description) -> tuple[LoadedBundle | None, list[Rejected]]:
-    """The newest published bundle that verifies, and why newer ones were passed over.
+T = TypeVar("T")
 
-    A corrupt bundle is skipped for the previous one; an incompatible one (or an
-    unreadable manifest schema) stops the search, since older bundles of the
-    same job share the cause and silently starting over would lose the run."""
+
+def first_that_loads(keys: list[str], load: Callable[[str], T],
+                     on_reject: Callable[[Rejected], None] = lambda r: None) -> tuple[str | None, T | None, list[Rejected]]:
+    """Try ``load`` on each key in turn (newest first); the first that loads, and why newer ones did not.
+
+    A corrupt bundle is skipped for the previous one. An unknown manifest schema stops
+    the search (older bundles will not help), and so does an incompatible bundle, which
+    ``load`` raises as :class:`BundleIncompatible`. If every key was rejected, raises
+    :class:`BundleCorrupt`: silently starting over would lose the run."""
     rejected = []
-    for ref in list_bundles(storage, job_id):
-        if not ref.published:
-            continue
+    for key in keys:
         try:
-            return load_bundle(storage, ref.key, desc), rejected
-        except BundleCorrupt as e:
-            rejected.append(Rejected(ref.key, str(e)))
+            return key, load(key), rejected
         except UnknownSchemaError:
             raise
-        except ManifestError as e:
-            rejected.append(Rejected(ref.key, str(e)))
+        except (BundleCorrupt, ManifestError) as e:
+            rejected.append(Rejected(key, str(e)))
+            on_reject(rejected[-1])
     if rejected:
         raise BundleCorrupt(
             "every published bundle failed verification, so resuming would silently start over: "
             + "; ".join(r.reason for r in rejected)
             + ". Repair or remove the storage of this job, or run with another --job-id."
         )
-    return None, rejected
+    return None, None, rejected
+
+
+def load_latest(storage: Storage, job_id: str, desc: Description) -> tuple[LoadedBundle | None, list[Rejected]]:
+    """The newest published bundle that verifies, and why newer ones were passed over."""
+    keys = [r.key for r in list_bundles(storage, job_id) if r.published]
+    _, bundle, rejected = first_that_loads(keys, lambda key: load_bundle(storage, key, desc))
+    return bundle, rejected

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -18,7 +18,9 @@ from trainer.data.planner import Cursor
 from trainer.storage import UnsafeKeyError, check_key
 
 SCHEMA_VERSION = 1
-RecoveryLabel = Literal["fresh", "exact", "exact-data", "fresh-epoch", "bounded-repetition", "new-experiment"]
+# The world side (fresh | exact | exact-data | fresh-epoch | new-experiment), then "+<data side>"
+# when the data side is not exact, e.g. "exact+bounded-repetition".
+RecoveryLabel = str
 
 
 class ManifestError(ValueError):
@@ -70,6 +72,7 @@ class DataInfo(_M):
     records: int
     cursor: Cursor
     prefetched_ahead: int  # micro-batches fetched past the cursor when saved; replayed on restore
+    source_offsets: dict[str, int] = {}  # external readers: committed position per source shard
 
 
 class Versions(_M):

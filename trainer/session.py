@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable
 
 from trainer.bundle import Description, LoadedBundle, describe
+from trainer.counters import CountersState
 from trainer.data.listing import scan
 from trainer.data.loader import PlanSampler, SequenceDataset, make_loader
 from trainer.data.planner import RestoreMode
@@ -21,6 +22,7 @@ from trainer.data.tokenizer import CharTokenizer
 from trainer.faults import FaultInjector
 from trainer.inventory import BY_NAME
 from trainer.loop import GradSync, TrainLoop
+from trainer.optim import build_scheduler
 from trainer.spec import JobSpec
 from trainer.state import Capture, TrainState
 from trainer.trace import UpdateRecord
@@ -65,6 +67,25 @@ class TrainSession:
             BY_NAME[name].drop(self.state)
         return time.perf_counter() - t0
 
+    RESETTABLE = ("optimizer", "scheduler", "data")
+
+    def start_new_lineage(self, reset: Iterable[str]) -> None:
+        """After restoring another job's bundle: counters restart at zero, and each part named in
+        ``reset`` (optimizer, scheduler, data) starts as in a fresh job."""
+        reset = tuple(reset)
+        unknown = [r for r in reset if r not in self.RESETTABLE]
+        if unknown:
+            raise ValueError(f"--reset {','.join(unknown)}: can reset only {', '.join(self.RESETTABLE)}")
+        st = self.state
+        st.counters.load_state_dict(CountersState().state_dict())
+        if "optimizer" in reset:
+            st.optimizer.state.clear()  # AdamW re-creates moments and steps lazily, as in a fresh job
+        if "scheduler" in reset:
+            st.scheduler = build_scheduler(st.optimizer, self.spec.train)
+        if "data" in reset:
+            st.planner.reset()
+            st.planner_state = st.planner.state_dict()
+
     def start(self) -> None:
         first = self.counters.attempted_updates + 1
         self._sampler = PlanSampler(self.state.planner, self.rank, self.world_size, self.accum_steps,
@@ -107,3 +128,4 @@ class TrainSession:
         it, self._iter = self._iter, None
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
+

@@ -112,7 +112,11 @@ class WorldSpec(_Strict):
     max_size: int | None = Field(None, ge=1)
     capacity_timeout_s: float = Field(60, ge=0)
     max_restarts: int = Field(20, ge=0)
+    restart_backoff_s: float = Field(0.5, ge=0)  # first backoff; doubles per restart, with jitter
+    cpus_per_rank: float = Field(1, gt=0)
     num_gpus_per_rank: float = Field(0, ge=0)
+    placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "SPREAD"
+    collective_timeout_s: float = Field(120, gt=0)
 
 
 class CheckpointSpec(_Strict):

@@ -8,7 +8,7 @@ from trainer.spec import JobSpec
 from trainer.storage import open_storage
 from trainer.trace import UpdateRecord, read_trace
 
-from orchestrator.inprocess import run_in_process
+from orchestrator.launch import run_in_process
 
 
 def reference_run(spec: JobSpec, trace_path) -> tuple[list[UpdateRecord], list[str]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from orchestrator.history import history
-from orchestrator.inprocess import run_in_process
+from orchestrator.launch import run_in_process
 from orchestrator.ledger import AttemptStarted, CorruptEvent, JobFinished, Ledger
 from trainer.storage import LocalStorage
 

@@ -72,7 +72,8 @@ def test_fresh_process_resume_matches(reference, tmp_path):
     dst_root = tmp_path / "runs"
     shutil.copytree(src.root / key, dst_root / key)
     out = tmp_path / "resumed.jsonl"
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / "configs/tiny.yaml"), "--job-id", "oracle",
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / "configs/tiny.yaml"), "--no-ray",
+           "--job-id", "oracle",
            "--trace", str(out), "--set", f"storage=file://{dst_root}",
            "--set", f"data.shards={ROOT / 'configs/data/tiny'}", *[a for s in ORACLE_SET for a in ("--set", s)]]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)

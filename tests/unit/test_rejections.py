@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.inprocess import run_in_process
+from orchestrator.launch import run_in_process
 from orchestrator.ledger import AttemptStarted, BundleRejected, Ledger, Restored
 from tests.conftest import ROOT, make_spec
 from trainer.bundle import BundleCorrupt, BundleIncompatible, list_bundles, load_bundle, load_latest
@@ -301,7 +301,7 @@ def test_cli_refuses_incompatible_restore_with_exit_2_and_one_paragraph(tmp_path
     the incompatibility, prints nothing on stdout, and writes no bundle."""
     before, started = snapshot(storage), attempts(storage)
     bundles_before = list_bundles(storage, JOB)
-    cmd = [str(Path(sys.executable).parent / "spotrun"), "run", "configs/tiny.yaml",
+    cmd = [str(Path(sys.executable).parent / "spotrun"), "run", "configs/tiny.yaml", "--no-ray",
            "--set", f"storage=file://{storage.root}",
            "--set", f"data.shards={ROOT / 'configs/data/tiny'}",
            *(a for o in REF for a in ("--set", o)),

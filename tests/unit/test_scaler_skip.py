@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.inprocess import run_in_process
+from orchestrator.launch import run_in_process
 from trainer.bundle import list_bundles, load_bundle
 from trainer.storage import open_storage
 from trainer.trace import read_trace

@@ -61,9 +61,14 @@ class Planner:
         self.buffer_size = buffer_size
         self.global_sequences = global_sequences
         self.restore_mode = restore_mode
-        self.stream = EpochStream(len(tokens), seed, 0, buffer_size)
         # A sequence holds seq_len inputs and their seq_len next-token targets.
         self.packer = Packer(seq_len + 1, lambda r: int(self.tokens[r]))
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the start of the stream: epoch 0, nothing drawn, no remainder."""
+        self.stream = EpochStream(len(self.tokens), self.seed, 0, self.buffer_size)
+        self.packer.current = None
 
     @property
     def epoch(self) -> int:

@@ -1,0 +1,102 @@
+"""Worker groups: the ranks of one attempt, in this process or as Ray actors.
+
+The supervisor drives either through the same small interface, so its state
+machine is tested with the in-process group and runs real jobs on Ray.
+A lost rank surfaces as :class:`RankLost` (restart from the last bundle); an
+error raised by training code surfaces as :class:`RankFailed` (a bug or bad
+input: restarting would only repeat it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Protocol
+
+from trainer.collective import LocalCollective
+from trainer.rank import RankRunner, Report
+from trainer.spec import JobSpec
+
+
+class RankLost(RuntimeError):
+    def __init__(self, rank: int | None, cause: str, detail: str = "", node_id: str | None = None) -> None:
+        super().__init__(f"rank {rank} lost ({cause}): {detail}")
+        self.rank = rank
+        self.cause = cause
+        self.detail = detail
+        self.node_id = node_id
+
+
+class RankFailed(RuntimeError):
+    """Training code raised: the job fails with this message instead of restarting."""
+
+
+class CapacityUnavailable(RuntimeError):
+    """The placement group could not be placed in time."""
+
+
+class WorkerGroup(Protocol):
+    world_size: int
+    node_ids: list[str]
+
+    def restore(self, bundle_key: str, storage_uri: str | None = None, reset: tuple[str, ...] = ()) -> float:
+        """Every rank verifies and loads the bundle (from ``storage_uri`` when it is another job's)."""
+
+    def start(self) -> None: ...
+
+    def poll(self) -> list[Report]:
+        """Reports of every rank since the last poll; raises RankLost or RankFailed."""
+
+    def request(self, checkpoint: bool = True, stop: bool = False) -> None: ...
+
+    def salvage(self) -> list[Report]:
+        """After a loss, the last reports of the ranks that still answer."""
+
+    def pids(self) -> list[int]: ...
+
+    def teardown(self) -> None: ...
+
+
+class InProcessGroup:
+    """World size 1, in this process, training on a background thread (``spotrun run --no-ray``)."""
+
+    def __init__(self, spec: JobSpec, *, attempt: int, lineage_id: str, recovery_label: str,
+                 restore_mode: str | None = None, drop: tuple[str, ...] = (), record_ids: bool = False) -> None:
+        self.world_size = 1
+        self.node_ids = ["local"]
+        self.runner = RankRunner(spec, rank=0, world_size=1, attempt=attempt, lineage_id=lineage_id,
+                                 recovery_label=recovery_label, collective=LocalCollective(),
+                                 restore_mode=restore_mode, drop=drop, record_ids=record_ids)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def restore(self, bundle_key: str, storage_uri: str | None = None, reset: tuple[str, ...] = ()) -> float:
+        return self.runner.restore(bundle_key, storage_uri=storage_uri, reset=reset)
+
+    def start(self) -> None:
+        def target() -> None:
+            try:
+                self.runner.run()
+            except BaseException as e:  # carried to the supervisor's thread by poll()
+                self._error = e
+
+        self._thread = threading.Thread(target=target, name="rank-0", daemon=True)
+        self._thread.start()
+
+    def poll(self) -> list[Report]:
+        if self._error is not None:
+            raise RankFailed(f"rank 0 raised {type(self._error).__name__}: {self._error}") from self._error
+        return [self.runner.poll()]
+
+    def request(self, checkpoint: bool = True, stop: bool = False) -> None:
+        self.runner.request(checkpoint, stop)
+
+    def salvage(self) -> list[Report]:
+        return []  # a lost in-process rank took this whole process with it
+
+    def pids(self) -> list[int]:
+        return [os.getpid()]
+
+    def teardown(self) -> None:
+        if self._thread is not None:
+            self._thread.join()

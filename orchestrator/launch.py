@@ -1,0 +1,63 @@
+"""Starting a supervisor: on Ray (embedded local Ray, or a cluster at ``--address``) or in this process.
+
+``spotrun run`` resumes from the newest published bundle of the job when one
+exists and starts fresh otherwise; the same command continues a killed job.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from trainer.spec import JobSpec
+
+from orchestrator.groups import InProcessGroup
+from orchestrator.supervisor import Outcome, Supervisor
+
+log = logging.getLogger("spotrun")
+
+
+def run_in_process(spec: JobSpec, *, trace_path: str | None = None, record_ids: bool = False,
+                   init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = ()) -> Outcome:
+    """World size 1 without Ray: the rank trains on a thread of this process."""
+    if spec.world.size != 1:
+        raise ValueError(f"running without Ray needs world.size=1 (the spec asks for {spec.world.size})")
+
+    def make_group(size, attempt, lineage, label, mode):
+        return InProcessGroup(spec, attempt=attempt, lineage_id=lineage, recovery_label=label,
+                              restore_mode=mode, record_ids=record_ids)
+
+    sup = Supervisor(spec, make_group, capacity=lambda: 1, trace_path=trace_path, record_ids=record_ids,
+                     init_from=init_from, reset=reset)
+    return sup.run()
+
+
+def ensure_ray(spec: JobSpec, address: str | None) -> None:
+    """Connect to ``address``, or start an embedded local Ray sized for the job."""
+    import ray
+
+    # Token authentication stays on (Ray's secure default); its start-up notice is not news.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        return
+    cpus = max(spec.max_world, spec.world.size) * spec.world.cpus_per_rank
+    ray.init(address="local", num_cpus=int(max(1, cpus)), include_dashboard=False, log_to_driver=False,
+             logging_level=logging.WARNING)
+
+
+def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | None = None,
+               record_ids: bool = False, init_from: tuple[str, str] | None = None,
+               reset: tuple[str, ...] = ()) -> Outcome:
+    from orchestrator.raygroup import RayGroup, available_rank_slots
+
+    ensure_ray(spec, address)
+
+    def make_group(size, attempt, lineage, label, mode):
+        return RayGroup(spec, size, attempt=attempt, lineage_id=lineage, recovery_label=label, restore_mode=mode,
+                        record_ids=record_ids, placement_timeout_s=max(5.0, spec.world.capacity_timeout_s))
+
+    sup = Supervisor(spec, make_group, capacity=lambda: available_rank_slots(spec), trace_path=trace_path,
+                     record_ids=record_ids, init_from=init_from, reset=reset)
+    return sup.run()

@@ -1,0 +1,57 @@
+"""Topology-change policies: given the capacity there is, restart, wait, or give up — with a reason.
+
+| policy       | restarts with                                   | recovery label |
+| strict       | the same world size, waiting capacity_timeout_s | exact          |
+| elastic      | any allowed size in [min, max] (largest first)  | exact-data     |
+| fresh-epoch  | any allowed size; data restarts at next epoch   | fresh-epoch    |
+
+An elastic restart at the world size it had is labelled ``exact``: it computes
+exactly what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from trainer.spec import JobSpec
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Literal["restart", "wait", "raise"]
+    world_size: int | None
+    reason: str
+
+
+def decide(spec: JobSpec, available_ranks: int, waited_s: float) -> Decision:
+    w = spec.world
+    sizes = [n for n in spec.allowed_world_sizes() if n <= available_ranks]
+    if sizes:
+        n = max(sizes)
+        return Decision("restart", n, f"{available_ranks} rank slots available; {w.policy} restarts with {n}")
+    need = min(spec.allowed_world_sizes())
+    if waited_s < w.capacity_timeout_s:
+        return Decision("wait", None, f"{w.policy} needs {need} rank slots, {available_ranks} available; "
+                                      f"waiting up to {w.capacity_timeout_s:g}s for capacity")
+    allowed = spec.allowed_world_sizes()
+    return Decision("raise", None, (
+        f"world.policy={w.policy} needs {need if w.policy == 'strict' else f'{allowed[0]}..{allowed[-1]}'} ranks "
+        f"of {{CPU: {w.cpus_per_rank:g}{f', GPU: {w.num_gpus_per_rank:g}' if w.num_gpus_per_rank else ''}}} "
+        f"but only {available_ranks} fit on the cluster after waiting {waited_s:.0f}s "
+        f"(world.capacity_timeout_s={w.capacity_timeout_s:g}); add nodes, raise the timeout, "
+        f"or declare world.policy=elastic with a smaller world.min_size"))
+
+
+def recovery_label(spec: JobSpec, size_before: int | None, size_after: int) -> str:
+    """The label of a restore: the world side, then the data side when it is not exact."""
+    if spec.world.policy == "fresh-epoch" or spec.data.recovery == "fresh-epoch":
+        return "fresh-epoch"
+    world = "exact" if size_before in (None, size_after) else "exact-data"
+    return world if spec.data.recovery == "exact" else f"{world}+{spec.data.recovery}"
+
+
+def restore_mode(spec: JobSpec) -> str:
+    if spec.world.policy == "fresh-epoch" or spec.data.recovery == "fresh-epoch":
+        return "fresh-epoch"
+    return spec.checkpoint.restore_mode

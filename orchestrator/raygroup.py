@@ -1,0 +1,188 @@
+"""The ranks of one attempt as Ray actors in one placement group.
+
+Each actor holds a :class:`trainer.rank.RankRunner`; it is a threaded actor so
+that ``poll`` and ``request`` are served while ``run`` trains. The ranks form a
+``torch.distributed`` group (gloo on CPU, nccl with GPUs) rendezvousing at
+rank 0's node. A lost actor is noticed from the first failed call: an
+``ActorDiedError`` (process killed, node removed gracefully) or the first
+``ActorUnavailableError`` (node unreachable), never Ray's ~15 s death timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from trainer.bundle import BundleError
+from trainer.collective import LocalCollective, TorchCollective
+from trainer.manifest import ManifestError
+from trainer.rank import RankRunner, Report
+from trainer.spec import JobSpec
+
+from orchestrator.groups import CapacityUnavailable, RankFailed, RankLost
+
+POLL_TIMEOUT_S = 10.0
+
+
+class RankActor:
+    """The Ray actor around one rank (created through :func:`ray.remote` below)."""
+
+    def __init__(self) -> None:
+        self.runner: RankRunner | None = None
+        self.collective = None
+
+    def where(self) -> dict[str, Any]:
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "ip": ray.util.get_node_ip_address()}
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def setup(self, spec_json: str, rank: int, world_size: int, init_method: str, attempt: int,
+              lineage_id: str, recovery_label: str, restore_mode: str | None, drop: tuple[str, ...],
+              record_ids: bool) -> None:
+        spec = JobSpec.model_validate_json(spec_json)
+        if world_size > 1:
+            backend = "nccl" if spec.world.num_gpus_per_rank else "gloo"
+            self.collective = TorchCollective(init_method, rank, world_size, backend, spec.world.collective_timeout_s)
+        else:
+            self.collective = LocalCollective()
+        self.runner = RankRunner(spec, rank=rank, world_size=world_size, attempt=attempt, lineage_id=lineage_id,
+                                 recovery_label=recovery_label, collective=self.collective,
+                                 restore_mode=restore_mode, drop=drop, record_ids=record_ids)
+
+    def restore(self, bundle_key: str, storage_uri: str | None, reset: tuple[str, ...]) -> float:
+        return self.runner.restore(bundle_key, storage_uri=storage_uri, reset=reset)
+
+    def run(self) -> str:
+        try:
+            return self.runner.run()
+        finally:
+            self.collective.close()
+
+    def poll(self) -> Report:
+        return self.runner.poll()
+
+    def request(self, checkpoint: bool, stop: bool) -> None:
+        self.runner.request(checkpoint, stop)
+
+
+def available_rank_slots(spec: JobSpec) -> int:
+    """How many ranks the alive nodes can hold (resources per rank from the spec)."""
+    cpus, gpus = spec.world.cpus_per_rank, spec.world.num_gpus_per_rank
+    slots = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        res = node.get("Resources", {})
+        fit = int(res.get("CPU", 0) // cpus)
+        if gpus:
+            fit = min(fit, int(res.get("GPU", 0) // gpus))
+        slots += fit
+    return slots
+
+
+class RayGroup:
+    def __init__(self, spec: JobSpec, world_size: int, *, attempt: int, lineage_id: str, recovery_label: str,
+                 restore_mode: str | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,
+                 placement_timeout_s: float = 60.0) -> None:
+        self.world_size = world_size
+        w = spec.world
+        bundle = {"CPU": w.cpus_per_rank, **({"GPU": w.num_gpus_per_rank} if w.num_gpus_per_rank else {})}
+        self.pg: PlacementGroup | None = placement_group([bundle] * world_size, strategy=w.placement)
+        self.actors: list[Any] = []
+        self._runs: list[Any] = []
+        try:
+            ray.get(self.pg.ready(), timeout=placement_timeout_s)
+        except GetTimeoutError as e:
+            self.teardown()
+            raise CapacityUnavailable(f"{world_size} ranks of {bundle} could not be placed in "
+                                      f"{placement_timeout_s:g}s") from e
+        actor_cls = ray.remote(RankActor)
+        self.actors = [
+            actor_cls.options(
+                num_cpus=w.cpus_per_rank, num_gpus=w.num_gpus_per_rank, max_concurrency=4, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+            ).remote()
+            for r in range(world_size)
+        ]
+        self.where = self._call([a.where.remote() for a in self.actors])
+        self.node_ids = [w_["node_id"] for w_ in self.where]
+        port = self._call([self.actors[0].free_port.remote()])[0]
+        init_method = f"tcp://{self.where[0]['ip']}:{port}"
+        spec_json = spec.model_dump_json()
+        self._call([a.setup.remote(spec_json, r, world_size, init_method, attempt, lineage_id, recovery_label,
+                                   restore_mode, drop, record_ids) for r, a in enumerate(self.actors)])
+
+    def _call(self, refs: list[Any], timeout: float | None = POLL_TIMEOUT_S) -> list[Any]:
+        """``ray.get`` each rank's ref (``refs[r]`` belongs to rank r), turning a lost actor into
+        :class:`RankLost` and an error raised by training code into :class:`RankFailed`."""
+        return [self._get(rank, ref, timeout) for rank, ref in enumerate(refs)]
+
+    def _get(self, rank: int, ref: Any, timeout: float | None = POLL_TIMEOUT_S) -> Any:
+        try:
+            return ray.get(ref, timeout=timeout)
+        except RayTaskError as e:
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            if isinstance(cause, (BundleError, ManifestError)):
+                raise cause from e  # the supervisor decides: fall back, or refuse the job
+            raise RankFailed(f"rank {rank} raised {type(cause).__name__}: {cause}") from e
+        except (RayActorError, ActorUnavailableError, GetTimeoutError) as e:
+            raise self._lost(rank, e) from e
+
+    def _lost(self, rank: int, e: BaseException) -> RankLost:
+        node = self.node_ids[rank] if rank < len(getattr(self, "node_ids", [])) else None
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        if isinstance(e, ActorUnavailableError) or (node is not None and node not in alive):
+            cause = "node-lost"
+        elif isinstance(e, GetTimeoutError):
+            cause = "unresponsive"
+        else:
+            cause = "process-exit"
+        return RankLost(rank, cause, str(e).splitlines()[0] if str(e) else type(e).__name__, node)
+
+    def restore(self, bundle_key: str, storage_uri: str | None = None, reset: tuple[str, ...] = ()) -> float:
+        return max(self._call([a.restore.remote(bundle_key, storage_uri, reset) for a in self.actors], timeout=None))
+
+    def start(self) -> None:
+        self._runs = [a.run.remote() for a in self.actors]
+
+    def poll(self) -> list[Report]:
+        done, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
+        for rank, ref in enumerate(self._runs):
+            if ref in done:
+                self._get(rank, ref)  # raises if the rank died or raised; returns if it finished
+        return self._call([a.poll.remote() for a in self.actors])
+
+    def request(self, checkpoint: bool = True, stop: bool = False) -> None:
+        self._call([a.request.remote(checkpoint, stop) for a in self.actors])
+
+    def salvage(self) -> list[Report]:
+        """After a loss: the last reports of the ranks still answering (they are blocked in a
+        collective with the lost rank, but their poll runs on another thread)."""
+        out = []
+        for a in self.actors:
+            try:
+                out.append(ray.get(a.poll.remote(), timeout=2.0))
+            except (RayActorError, ActorUnavailableError, GetTimeoutError, RayTaskError):
+                continue
+        return out
+
+    def pids(self) -> list[int]:
+        return [w_["pid"] for w_ in self.where]
+
+    def teardown(self) -> None:
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None

@@ -1,0 +1,305 @@
+"""The supervisor: the driver of one job, as an explicit state machine.
+
+    Pending -> Placing -> Running -> Finished
+                  ^          |
+                  |          v
+                  +---- Recovering              (any state) -> Failed
+
+Each state is a small class carrying its payload; :meth:`Supervisor.step`
+maps one state to the next, so a test can drive it one transition at a time.
+The policy (orchestrator/policy.py) decides what capacity to restart with and
+why; every transition is appended to the ledger.
+
+Checkpoints happen inside the ranks (trainer/rank.py); the supervisor only
+publishes: it merges the ranks' write reports into a manifest, creates it
+(the commit point), commits offsets, then runs retention.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tenacity import RetryCallState, wait_exponential_jitter
+
+from trainer.bundle import BundleCorrupt, BundleIncompatible, first_that_loads, list_bundles, read_manifest
+from trainer.counters import Counters
+from trainer.faults import FaultInjector
+from trainer.manifest import Manifest, UnknownSchemaError
+from trainer.spec import JobSpec
+from trainer.storage import open_storage
+from trainer.trace import TraceWriter
+
+from orchestrator import policy
+from orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WorkerGroup
+from orchestrator.ledger import (
+    AttemptStarted,
+    BundleRejected,
+    CapacityWait,
+    InitializedFrom,
+    JobFailed,
+    JobFinished,
+    Ledger,
+    Restored,
+    TopologyChanged,
+    WorkerLost,
+)
+from orchestrator.publisher import Publisher
+
+log = logging.getLogger("spotrun.supervisor")
+POLL_S = 0.02
+CAPACITY_POLL_S = 0.25
+
+# make_group(world_size, attempt, lineage_id, recovery_label, restore_mode) -> a started-to-be group
+GroupFactory = Callable[[int, int, str, str, str], WorkerGroup]
+
+
+class JobFailedError(RuntimeError):
+    """The job cannot go on; the message says why and what to do."""
+
+
+# -- states ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Pending:
+    pass
+
+
+@dataclass
+class Placing:
+    cause: str | None = None  # why the previous attempt ended (None on the first)
+    last_update: int | None = None  # the furthest update the previous attempt completed
+    world_before: int | None = None
+    waited_s: float = 0.0
+
+
+@dataclass
+class Running:
+    group: WorkerGroup
+    attempt: int
+    world_size: int
+    last_update: int
+
+
+@dataclass
+class Recovering:
+    group: WorkerGroup
+    attempt: int
+    world_size: int
+    last_update: int
+    lost: RankLost
+
+
+@dataclass
+class Finished:
+    counters: Counters
+
+
+@dataclass
+class Failed:
+    reason: str
+    error: BaseException | None = None  # re-raised by run() after the ledger records the failure
+
+
+State = Pending | Placing | Running | Recovering | Finished | Failed
+
+
+@dataclass
+class Outcome:
+    state: str
+    counters: Counters | None
+    attempts: int
+    restarts: int
+    reason: str = ""
+    published: list[str] = field(default_factory=list)  # bundle keys, oldest first
+    restored_from: str | None = None  # the bundle this run's first attempt resumed from
+
+
+class Supervisor:
+    def __init__(self, spec: JobSpec, make_group: GroupFactory, capacity: Callable[[], int], *,
+                 trace_path: str | None = None, record_ids: bool = False,
+                 init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = (),
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
+        self.spec = spec
+        self.make_group = make_group
+        self.capacity = capacity
+        self.storage = open_storage(spec.storage, spec.storage_endpoint_url)
+        self.ledger = Ledger(self.storage, spec.job_id)
+        self.trace = TraceWriter(trace_path, record_ids) if trace_path else None
+        self.init_from = init_from  # (storage uri, bundle key) of another job's bundle
+        self.reset = reset
+        self.sleep = sleep
+        self.clock = clock
+        self.restarts = 0
+        self.attempts = 0
+        self.lineage_id: str | None = None
+        self.published: list[Manifest] = []
+        self.restored_from: str | None = None
+        self._faults: FaultInjector | None = None
+        self.publisher = Publisher(self.storage, self.ledger, spec.job_id, spec.checkpoint.keep_last,
+                                   after_publish=lambda u: self._faults and self._faults.hit("after_publish", u))
+
+    # -- driving --------------------------------------------------------------------------
+
+    def run(self) -> Outcome:
+        """Drive the job to its end. A failure is recorded in the ledger, then raised: the
+        original typed error (``BundleIncompatible``, ...) or :class:`JobFailedError`."""
+        state: State = Pending()
+        try:
+            while not isinstance(state, Finished | Failed):
+                state = self.step(state)
+        finally:
+            if self.trace:
+                self.trace.close()
+        if isinstance(state, Failed):
+            self.ledger.append(JobFailed(attempt=max(self.attempts, 1), reason=state.reason))
+            raise state.error if state.error is not None else JobFailedError(state.reason)
+        self.ledger.append(JobFinished(attempt=self.attempts, counters=state.counters))
+        return Outcome("finished", state.counters, self.attempts, self.restarts, published=self._keys(),
+                       restored_from=self.restored_from)
+
+    def _keys(self) -> list[str]:
+        return [f"{self.spec.job_id}/bundles/{m.bundle_id}" for m in self.published]
+
+    def step(self, state: State) -> State:
+        handler = {Pending: self._pending, Placing: self._placing, Running: self._running,
+                   Recovering: self._recovering}[type(state)]
+        return handler(state)
+
+    # -- states -----------------------------------------------------------------------------
+
+    def _pending(self, _: Pending) -> State:
+        return Placing()
+
+    def _candidates(self) -> list[str]:
+        return [r.key for r in list_bundles(self.storage, self.spec.job_id) if r.published]
+
+    def _placing(self, st: Placing) -> State:
+        decision = policy.decide(self.spec, self.capacity(), st.waited_s)
+        if decision.action == "raise":
+            self._capacity_event(st, decision.world_size or 0, "timed-out")
+            return Failed(decision.reason)
+        if decision.action == "wait":
+            log.info("waiting for capacity: %s", decision.reason)
+            t0 = self.clock()
+            self.sleep(CAPACITY_POLL_S)
+            return Placing(st.cause, st.last_update, st.world_before, st.waited_s + self.clock() - t0)
+        size = decision.world_size
+        if st.waited_s:
+            self._capacity_event(st, size, "placed")
+        self.attempts = self.ledger.next_attempt()
+        self._faults = FaultInjector(self.spec.faults, self.attempts, rank=0)
+        candidates = self._candidates()
+        resuming = bool(candidates)
+        label = policy.recovery_label(self.spec, st.world_before, size) if resuming else (
+            "new-experiment" if self.init_from else "fresh")
+        lineage = read_manifest(self.storage, candidates[0]).lineage_id if resuming else uuid.uuid4().hex[:12]
+        self.lineage_id = lineage
+        try:
+            group = self.make_group(size, self.attempts, lineage, label, policy.restore_mode(self.spec))
+        except CapacityUnavailable as e:
+            log.info("placement failed: %s", e)
+            return Placing(st.cause, st.last_update, st.world_before, st.waited_s + CAPACITY_POLL_S)
+        try:
+            restored = self._restore(group, candidates, st, size, label)
+        except (BundleIncompatible, UnknownSchemaError, BundleCorrupt, RankFailed, ValueError) as e:
+            group.teardown()
+            return Failed(str(e), e)
+        except RankLost as e:
+            return Recovering(group, self.attempts, size, st.last_update or 0, e)
+        if st.world_before is not None and st.world_before != size:
+            self.ledger.append(TopologyChanged(attempt=self.attempts, world_size_before=st.world_before,
+                                               world_size_after=size,
+                                               accum_steps_after=self.spec.accum_steps_for(size)))
+        group.start()
+        return Running(group, self.attempts, size, restored)
+
+    def _restore(self, group: WorkerGroup, candidates: list[str], st: Placing, size: int, label: str) -> int:
+        """Start the attempt from the newest bundle that verifies; returns its update (0 when fresh).
+
+        The attempt is recorded as started only once its state is loaded: a refused restore
+        leaves the job as it was, with the refusal (and any rejected bundle) in the ledger."""
+
+        def started() -> None:
+            self.ledger.append(AttemptStarted(attempt=self.attempts, world_size=size, node_ids=group.node_ids,
+                                              pid=os.getpid(), lineage_id=self.lineage_id))
+
+        if not candidates and self.init_from:
+            uri, key = self.init_from
+            seconds = group.restore(key, storage_uri=uri, reset=self.reset)
+            started()
+            self.ledger.append(InitializedFrom(attempt=self.attempts, bundle=f"{uri}/{key}", reset=list(self.reset)))
+            log.info("new lineage %s from %s in %.3fs", self.lineage_id, key, seconds)
+            return 0
+        key, seconds, _ = first_that_loads(candidates, group.restore, on_reject=lambda r: self.ledger.append(
+            BundleRejected(attempt=self.attempts, bundle=r.bundle_key, reason=r.reason)))
+        started()
+        if key is None:
+            return 0
+        manifest = read_manifest(self.storage, key)
+        update = manifest.counters.attempted_updates
+        lost = None if st.last_update is None else max(0, st.last_update - update)
+        self.ledger.append(Restored(
+            attempt=self.attempts, bundle=key, update=update, recovery_label=label,
+            policy=self.spec.world.policy, restore_mode=policy.restore_mode(self.spec),
+            restore_seconds=seconds, lost_updates=lost, cause=st.cause or "resumed",
+            world_size_before=st.world_before if st.world_before is not None else manifest.world.size,
+            world_size_after=size))
+        self.restored_from = self.restored_from or key
+        self.publisher.commit_offsets(manifest, key, self.attempts, recommit=True)
+        return update
+
+    def _running(self, st: Running) -> State:
+        try:
+            reports = st.group.poll()
+        except RankLost as e:
+            self._absorb(st, st.group.salvage())  # the survivors know how far the attempt got
+            return Recovering(st.group, st.attempt, st.world_size, st.last_update, e)
+        except RankFailed as e:
+            st.group.teardown()
+            return Failed(str(e), e)
+        self._absorb(st, reports)
+        if all(r.state == "finished" for r in reports):
+            st.group.teardown()
+            return Finished(self.published[-1].counters if self.published else Counters())
+        self.sleep(POLL_S)
+        return st
+
+    def _absorb(self, st: Running, reports: list) -> None:
+        """Progress and trace lines from rank reports; publish every bundle all ranks have written."""
+        for r in reports:
+            st.last_update = max(st.last_update, r.last_update)
+            for record in r.records:
+                if self.trace:
+                    self.trace.write(record)
+        self.published += self.publisher.collect([b for r in reports for b in r.bundles], st.world_size)
+
+    def _recovering(self, st: Recovering) -> State:
+        st.group.teardown()
+        lost = st.lost
+        self.ledger.append(WorkerLost(attempt=st.attempt, rank=lost.rank, node_id=lost.node_id, cause=lost.cause,
+                                      detail=lost.detail, last_update=st.last_update))
+        self.restarts += 1
+        if self.restarts > self.spec.world.max_restarts:
+            return Failed(f"rank {lost.rank} lost ({lost.cause}) and the job already restarted "
+                          f"{self.spec.world.max_restarts} times (world.max_restarts); last cause: {lost.detail}")
+        self.sleep(self._backoff())
+        return Placing(cause=lost.cause, last_update=st.last_update, world_before=st.world_size)
+
+    def _backoff(self) -> float:
+        """Exponential backoff with jitter, from world.restart_backoff_s (tenacity computes it)."""
+        base = self.spec.world.restart_backoff_s
+        if base <= 0:
+            return 0.0
+        retry = RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # only its attempt number is read
+        retry.attempt_number = self.restarts
+        return wait_exponential_jitter(multiplier=base, max=max(base, 30.0), jitter=base)(retry)
+
+    def _capacity_event(self, st: Placing, size: int, outcome: str) -> None:
+        self.ledger.append(CapacityWait(attempt=max(self.attempts, 1), needed=size or min(
+            self.spec.allowed_world_sizes()), available=self.capacity(), waited_seconds=st.waited_s, outcome=outcome))

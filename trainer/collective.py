@@ -1,0 +1,85 @@
+"""What the ranks of one attempt do together: gradient sync and agreeing on a boundary.
+
+``LocalCollective`` is the world of one. ``TorchCollective`` uses a
+``torch.distributed`` process group (gloo on CPU, nccl on GPU). Gradients are
+summed in one flat buffer and averaged, and rank 0's persistent buffers are
+broadcast after every update (as DDP does), so every replica stays identical
+and rank 0's copy is the whole model state.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class Collective(Protocol):
+    rank: int
+    world_size: int
+
+    def sync_gradients(self, model: nn.Module) -> None: ...
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """Element-wise OR of every rank's flags; all ranks get the same answer."""
+
+    def mean(self, value: float) -> float: ...
+
+    def close(self) -> None: ...
+
+
+class LocalCollective:
+    rank = 0
+    world_size = 1
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        return None
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        return list(flags)
+
+    def mean(self, value: float) -> float:
+        return value
+
+    def close(self) -> None:
+        return None
+
+
+class TorchCollective:
+    def __init__(self, init_method: str, rank: int, world_size: int, backend: str = "gloo",
+                 timeout_s: float = 120.0) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        params = [p for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        offset = 0
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+        for name, buf in model.named_buffers():
+            if buf.is_floating_point() or buf.dtype in (torch.int64, torch.int32):
+                dist.broadcast(buf, src=0)
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in t.tolist()]
+
+    def mean(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item()) / self.world_size
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,162 @@
+"""One rank's attempt: updates, the checkpoint barrier, background writes, and reports.
+
+After every update the ranks agree, through one small collective, on two flags:
+*checkpoint here* and *stop after it*. A flag is raised by the schedule
+(``checkpoint.every_updates``, the last update) or by the supervisor
+(:meth:`RankRunner.request`, e.g. on a preemption notice), so every rank takes
+the same boundary even though a request reaches each rank at a different time.
+
+At an agreed boundary each rank captures its state to host memory (the stall),
+hands it to its background writer, and goes on training. Finished writes are
+reported through :meth:`poll`; the supervisor alone publishes the manifest once
+every rank's files are written. Rank 0 attaches the manifest draft (counters,
+cursor, compatibility facts as of the boundary).
+
+Thread safety: ``run`` executes on one thread; ``request`` and ``poll`` may be
+called from another (a Ray actor with ``max_concurrency`` > 1).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.bundle import BundleWriter, WriteResult, build_manifest, bundle_dir, load_bundle
+from trainer.collective import Collective
+from trainer.session import TrainSession
+from trainer.spec import JobSpec
+from trainer.storage import open_storage
+from trainer.trace import UpdateRecord
+
+
+@dataclass
+class BundleReport:
+    """One rank's finished write of one bundle."""
+
+    rank: int
+    bundle_key: str
+    update: int
+    files: list[dict[str, Any]]
+    write_seconds: float
+    draft: dict[str, Any] | None = None  # rank 0: the manifest without files
+
+
+@dataclass
+class Report:
+    """What a rank did since the last poll."""
+
+    rank: int
+    last_update: int
+    records: list[UpdateRecord] = field(default_factory=list)  # rank 0 only
+    bundles: list[BundleReport] = field(default_factory=list)
+    state: str = "running"  # running | finished | stopped
+
+
+class RankRunner:
+    def __init__(self, spec: JobSpec, *, rank: int, world_size: int, attempt: int, lineage_id: str,
+                 recovery_label: str, collective: Collective, restore_mode: str | None = None,
+                 drop: tuple[str, ...] = (), record_ids: bool = False) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.attempt = attempt
+        self.lineage_id = lineage_id
+        self.recovery_label = recovery_label
+        self.collective = collective
+        self.storage = open_storage(spec.storage, spec.storage_endpoint_url)
+        self.session = TrainSession(spec, rank=rank, world_size=world_size, attempt=attempt,
+                                    restore_mode=restore_mode, drop=drop,
+                                    grad_sync=collective.sync_gradients if world_size > 1 else None,
+                                    record_ids=record_ids and rank == 0)
+        self.writer = BundleWriter(self.storage, self.session.faults)
+        self._lock = threading.Lock()
+        self._checkpoint_requested = False
+        self._stop_requested = False
+        self._report = Report(rank=rank, last_update=self.session.counters.attempted_updates)
+        self._drafts: dict[str, dict[str, Any]] = {}
+
+    # -- called by the supervisor ---------------------------------------------------------
+
+    def restore(self, bundle_key: str, *, storage_uri: str | None = None, reset: tuple[str, ...] = ()) -> float:
+        """Verify and load a published bundle; raises a ``BundleError`` naming why not.
+
+        ``storage_uri`` names another job's storage (``--init-from``): the bundle may then
+        belong to another job, and ``reset`` lists what the new lineage starts afresh."""
+        storage = open_storage(storage_uri) if storage_uri else self.storage
+        bundle = load_bundle(storage, bundle_key, self.session.desc, same_job=storage_uri is None)
+        seconds = self.session.restore(bundle)
+        if storage_uri is not None:
+            self.session.start_new_lineage(reset)
+        self._report.last_update = self.session.counters.attempted_updates
+        return seconds
+
+    def request(self, checkpoint: bool = True, stop: bool = False) -> None:
+        """Ask for a checkpoint at the next boundary (and to stop after publishing it)."""
+        with self._lock:
+            self._checkpoint_requested |= checkpoint or stop
+            self._stop_requested |= stop
+
+    def poll(self) -> Report:
+        with self._lock:
+            report, self._report = self._report, Report(rank=self.rank, last_update=self._report.last_update,
+                                                        state=self._report.state)
+        return report
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def run(self) -> str:
+        """Train to the end of the job (or a requested stop); returns the final state."""
+        s = self.session
+        s.start()
+        state = "finished"
+        try:
+            while not s.done:
+                record = s.run_update()
+                record.loss = self.collective.mean(record.loss)
+                with self._lock:
+                    if self.rank == 0:
+                        self._report.records.append(record)
+                    self._report.last_update = record.update
+                    wanted = [self._checkpoint_requested, self._stop_requested]
+                scheduled = record.update % self.spec.checkpoint.every_updates == 0 or s.done
+                checkpoint, stop = self.collective.agree([wanted[0] or scheduled, wanted[1]])
+                if checkpoint:
+                    with self._lock:
+                        self._checkpoint_requested = False
+                    self._checkpoint(record.update)
+                self._collect(self.writer.poll())
+                if stop and not s.done:
+                    state = "stopped"
+                    break
+            self._collect(self.writer.wait())
+        finally:
+            self.writer.close()
+            s.close()
+        with self._lock:
+            self._report.state = state
+        return state
+
+    def _checkpoint(self, update: int) -> None:
+        s = self.session
+        key = bundle_dir(self.spec.job_id, update, self.attempt)
+        prefetched = s.prefetched_ahead
+        capture = s.capture()
+        if self.rank == 0:
+            self._drafts[key] = build_manifest(
+                s.desc, s.state, bundle_key=key, lineage_id=self.lineage_id, attempt=self.attempt,
+                recovery_label=self.recovery_label, files=[], accum_steps=s.accum_steps,
+                prefetched_ahead=prefetched, stall_seconds=capture.stall_seconds, write_seconds=0.0,
+            ).model_dump(mode="json")
+        self._collect(self.writer.submit(capture, key))
+
+    def _collect(self, result: WriteResult | None) -> None:
+        if result is None:
+            return
+        report = BundleReport(
+            rank=self.rank, bundle_key=result.bundle_key, update=result.update,
+            files=[f.model_dump() for f in result.files], write_seconds=result.write_seconds,
+            draft=self._drafts.pop(result.bundle_key, None),
+        )
+        with self._lock:
+            self._report.bundles.append(report)
+
