@@ -46,7 +46,7 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
         t.add_column(c.replace("_", " "), overflow="fold")
     for r in rows:
         t.add_row(*(_cell(r.get(c)) for c in columns))
-    Console(width=max(Console().width, 120)).print(t)
+    Console(width=max(Console().width, 160)).print(t)
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -64,6 +64,12 @@ def cmd_run(a: argparse.Namespace) -> int:
               f"in this run: attempted {c.attempted_updates}, applied {c.applied_updates}, "
               f"{c.samples_consumed} samples, {c.tokens_consumed} tokens", highlight=False)
     return 0
+
+
+def cmd_submit(a: argparse.Namespace) -> int:
+    from orchestrator.submit import submit
+
+    return submit(a.config, a.set, a.job_id, address=a.address, wait=a.wait, as_json=a.json)
 
 
 def _split_bundle_uri(uri: str) -> tuple[str, str]:
@@ -135,9 +141,9 @@ def cmd_history(a: argparse.Namespace) -> int:
         return 0
     _table(f"{a.job_id}: attempts ({doc['state']})", doc["attempts"],
            ["attempt", "started_at", "world_size", "published", "last_update", "ended"])
-    _table("restarts", doc["restarts"], ["attempt", "cause", "restored_from", "recovery_label",
+    _table("restarts", doc["restarts"], ["attempt", "cause", "detected_at", "restored_from", "recovery_label",
                                         "world_size_before", "world_size_after", "lost_updates",
-                                        "restore_seconds"])
+                                        "downtime_seconds"])
     return 0
 
 
@@ -182,6 +188,16 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--init-from", metavar="BUNDLE_URI", help="start a new lineage from another job's bundle")
     r.add_argument("--reset", metavar="PARTS", help="with --init-from: optimizer,scheduler,data start afresh")
     r.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("submit", help="run a job on a Ray cluster through its Jobs API")
+    s.add_argument("config")
+    s.add_argument("--address", required=True, metavar="http://HEAD:8265", help="the cluster's dashboard")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec key")
+    s.add_argument("--job-id")
+    s.add_argument("--wait", action=argparse.BooleanOptionalAction, default=True,
+                   help="follow the job until it ends; exit 0 only when it succeeded (default)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_submit)
 
     i = sub.add_parser("inspect", help="a bundle's manifest and what it will do next")
     i.add_argument("bundle", metavar="BUNDLE_URI")

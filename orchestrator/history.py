@@ -16,50 +16,70 @@ from orchestrator.ledger import (
     BundlePublished,
     BundleRejected,
     CorruptEvent,
+    InitializedFrom,
     JobFailed,
     JobFinished,
     Ledger,
     Restored,
+    TopologyChanged,
+    WorkerLost,
 )
 
 
 def history(storage: Storage, job_id: str) -> dict[str, Any]:
-    """Attempts, and one row per restart with what it cost."""
+    """Attempts, and one row per restart with its cause and what it cost.
+
+    A restart row joins the loss that ended an attempt (``worker_lost``; absent when
+    the driver itself died) with the restore that began the next one."""
     events = Ledger(storage, job_id).read()
     attempts: dict[int, dict[str, Any]] = {}
     restarts: list[dict[str, Any]] = []
-    corrupt = []
+    losses: dict[int, WorkerLost] = {}
+    corrupt, topology, rejected = [], [], []
     state = "unknown"
     for e in events:
         if isinstance(e, CorruptEvent):
             corrupt.append(e.model_dump())
             continue
-        a = attempts.setdefault(e.attempt, {"attempt": e.attempt, "started_at": None, "world_size": None,
-                                            "published": 0, "last_update": None, "ended": None})
+        a = attempts.setdefault(e.attempt, {"attempt": e.attempt, "started_at": None, "ended_at": None,
+                                            "world_size": None, "node_ids": [], "published": 0,
+                                            "last_update": None, "ended": None})
+        a["ended_at"] = e.at.isoformat()
         if isinstance(e, AttemptStarted):
-            a.update(started_at=e.at.isoformat(), world_size=e.world_size, lineage_id=e.lineage_id)
+            a.update(started_at=e.at.isoformat(), world_size=e.world_size, node_ids=e.node_ids,
+                     lineage_id=e.lineage_id)
             state = "running"
         elif isinstance(e, BundlePublished):
             a["published"] += 1
-            a["last_update"] = e.update
+            a["last_update"] = max(a["last_update"] or 0, e.update)
+        elif isinstance(e, WorkerLost):
+            losses[e.attempt] = e
+            a.update(ended=f"lost: {e.cause}", last_update=e.last_update)
         elif isinstance(e, Restored):
-            prev = attempts.get(e.attempt - 1, {})
+            loss = losses.get(e.attempt - 1)
+            previous_ended = attempts.get(e.attempt - 1, {}).get("ended")
             restarts.append({
                 "attempt": e.attempt,
-                "cause": e.cause or ("process-exit" if prev.get("ended") is None else "resumed"),
-                "detected_at": e.at.isoformat(),
+                # no loss recorded: the driver itself died (or a finished job was run again)
+                "cause": loss.cause if loss else ("resumed" if previous_ended else "driver-exit"),
+                "detected_at": (loss.at if loss else e.at).isoformat(),
                 "restored_from": e.bundle,
                 "restored_update": e.update,
                 "recovery_label": e.recovery_label,
                 "policy": e.policy,
                 "restore_mode": e.restore_mode,
-                "world_size_before": prev.get("world_size"),
-                "world_size_after": a["world_size"],
+                "world_size_before": e.world_size_before,
+                "world_size_after": e.world_size_after,
                 "lost_updates": e.lost_updates,
                 "restore_seconds": round(e.restore_seconds, 4),
+                "downtime_seconds": round((e.at - loss.at).total_seconds(), 3) if loss else None,
             })
+        elif isinstance(e, InitializedFrom):
+            a.update(initialized_from=e.bundle, recovery_label=e.recovery_label, reset=e.reset)
+        elif isinstance(e, TopologyChanged):
+            topology.append(e.model_dump(mode="json"))
         elif isinstance(e, BundleRejected):
-            a.setdefault("rejected", []).append({"bundle": e.bundle, "reason": e.reason})
+            rejected.append(e.model_dump(mode="json"))
         elif isinstance(e, JobFinished):
             a["ended"] = "finished"
             a["last_update"] = e.counters.attempted_updates
@@ -67,8 +87,8 @@ def history(storage: Storage, job_id: str) -> dict[str, Any]:
         elif isinstance(e, JobFailed):
             a["ended"] = f"failed: {e.reason}"
             state = "failed"
-    return {"job_id": job_id, "state": state, "attempts": list(attempts.values()),
-            "restarts": restarts, "corrupt_events": corrupt}
+    return {"job_id": job_id, "state": state, "attempts": list(attempts.values()), "restarts": restarts,
+            "topology_changes": topology, "rejected_bundles": rejected, "corrupt_events": corrupt}
 
 
 def bundles(storage: Storage, job_id: str) -> list[dict[str, Any]]:

@@ -31,8 +31,9 @@ class _Event(BaseModel):
 class AttemptStarted(_Event):
     kind: Literal["attempt_started"] = "attempt_started"
     world_size: int
-    node_ids: list[str] = []
-    pid: int
+    node_ids: list[str] = []  # per rank
+    rank_pids: list[int] = []  # per rank: the process a preemption would take
+    pid: int  # the supervisor's
     lineage_id: str
 
 

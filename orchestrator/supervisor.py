@@ -227,7 +227,8 @@ class Supervisor:
 
         def started() -> None:
             self.ledger.append(AttemptStarted(attempt=self.attempts, world_size=size, node_ids=group.node_ids,
-                                              pid=os.getpid(), lineage_id=self.lineage_id))
+                                              rank_pids=group.pids(), pid=os.getpid(),
+                                              lineage_id=self.lineage_id))
 
         if not candidates and self.init_from:
             uri, key = self.init_from

@@ -123,6 +123,9 @@ class LocalStorage:
         base = self._path(prefix.rstrip("/"))
         if not base.exists():
             return
+        if base.is_file():
+            base.unlink()
+            return
         for p in sorted(base.rglob("*"), reverse=True):
             p.unlink() if p.is_file() or p.is_symlink() else p.rmdir()
         base.rmdir()

@@ -12,6 +12,7 @@ from trainer.bundle import list_bundles
 from trainer.storage import open_storage
 from trainer.trace import first_divergence, latest_per_update, read_trace
 
+from orchestrator.history import history
 from orchestrator.launch import run_on_ray
 from orchestrator.ledger import BundleRejected, Ledger, Restored, WorkerLost
 
@@ -64,6 +65,13 @@ def test_rank_sigkilled_mid_accumulation_resumes_bitwise(reference, tmp_path):
     assert restored[0].lost_updates == k - 1 - bundle_update
     assert restored[0].recovery_label == "exact"
     assert (restored[0].world_size_before, restored[0].world_size_after) == (2, 2)
+    row = history(open_storage(spec.storage), "killed")["restarts"][0]  # what `history --json` prints
+    assert {k: row[k] for k in ("attempt", "cause", "lost_updates", "world_size_before", "world_size_after",
+                                "recovery_label")} == {
+        "attempt": 2, "cause": "process-exit", "lost_updates": k - 1 - bundle_update,
+        "world_size_before": 2, "world_size_after": 2, "recovery_label": "exact"}
+    assert row["restored_from"].endswith(f"u{bundle_update:010d}-a1")
+    assert row["detected_at"] and row["restore_seconds"] >= 0
 
 
 def test_kill_during_background_write_is_never_restored(reference, tmp_path):

@@ -1,0 +1,224 @@
+"""``spotrun submit``: run a job on a Ray cluster through Ray's Jobs API.
+
+``spotrun submit CONFIG --address http://HEAD:8265`` validates the spec here
+(a typo fails before anything reaches the cluster), then submits the
+entrypoint::
+
+    python -m orchestrator.cli run /abs/CONFIG --set ... --job-id ID --address auto
+
+to the cluster's Jobs API (:class:`ray.job_submission.JobSubmissionClient`).
+The driver runs on the head node; ``--address auto`` makes it connect to the
+cluster it runs in (the Jobs supervisor sets ``RAY_ADDRESS`` to the cluster's
+GCS) instead of starting an embedded Ray. Because the entrypoint is
+``spotrun run``, a resubmitted job resumes from its newest published bundle
+exactly as a rerun of ``spotrun run`` does.
+
+What travels, and what does not
+    Nothing is uploaded: no ``working_dir``, no ``py_modules``, no
+    ``runtime_env`` at all. spotrun and its dependencies must already be
+    installed on every node (the ranks import ``trainer`` and ``orchestrator``
+    in their own workers anyway, so the cluster image has to carry them), and
+    ``python`` on the head's ``PATH`` must be that environment's interpreter
+    (activate the environment before ``ray start``, or use an image whose
+    ``python`` is it). Uploading the repository would only add seconds and a
+    second, possibly different, copy of the code.
+
+    The spec file is passed by path, and local paths are made absolute here:
+    the config file, ``data.shards`` and a ``file://`` (or plain-path)
+    ``storage``. They are resolved against this command's working directory,
+    exactly as ``spotrun run`` would resolve them, so they must name the same
+    files on the head: the same machine or a shared file system. Paths that
+    are already absolute are passed through unchanged. (A remote head without
+    a shared file system needs absolute head-side paths, and the config file
+    at the same absolute path there.)
+
+Token authentication (Ray 2.60 turns it on by default)
+    Authentication stays on; this client makes itself able to talk to a
+    token-authenticated dashboard. Ray's Jobs client only attaches the token
+    when ``RAY_AUTH_MODE=token`` is in its own environment, which ``ray job
+    submit`` leaves to the user. Here, as ``ray start`` and ``ray.init()`` do
+    for a local cluster: an explicit ``RAY_AUTH_MODE`` is respected as it is
+    (``disabled`` sends no token); when it is unset and a token is available
+    (``RAY_AUTH_TOKEN``, the file named by ``RAY_AUTH_TOKEN_PATH``, or
+    ``~/.ray/auth_token``), token mode is enabled for this process and Ray's
+    client sends ``Authorization: Bearer <token>``. A cluster with
+    authentication disabled ignores the header. A rejection (401: no token,
+    403: wrong token) exits 2 with a paragraph saying where the token is
+    looked for. The token itself is never printed or logged by spotrun, and
+    it is never put into the job's entrypoint or runtime environment: the
+    driver on the head uses the head's own token.
+
+Output and exit status
+    The Ray submission id is printed on stderr as soon as the job is accepted.
+    With ``--wait`` (the default) the job's log is streamed to stderr until the
+    job ends, the final status is printed on stderr, and the exit status is 0
+    only when the job SUCCEEDED (1 when it FAILED or was STOPPED; 130 when the
+    wait is interrupted, which leaves the job running). With ``--no-wait`` the
+    command exits 0 once the job is accepted. ``--json`` prints
+    ``{"submission_id", "status", "job_id"}`` on stdout and nothing else there
+    (``job_id`` is spotrun's job id, ``status`` Ray's). A spec that does not
+    validate, an unreachable cluster or a refused token exit 2 before or
+    instead of submitting (raised as :class:`SubmitError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, TextIO
+from urllib.parse import urlparse
+
+from trainer.spec import JobSpec
+
+from orchestrator.specfile import load_spec
+
+TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
+_AUTH_HELP = ("the cluster uses token authentication: make its token available to this command as "
+              "RAY_AUTH_TOKEN, in the file named by RAY_AUTH_TOKEN_PATH, or in ~/.ray/auth_token "
+              "(RAY_AUTH_MODE, when set, must be 'token')")
+
+
+class SubmitError(ValueError):
+    """The job could not be submitted or followed; the message says why and what to do."""
+
+
+def _abs_storage(uri: str) -> str | None:
+    """``file://rel`` or a plain relative path -> ``file:///abs``; None when nothing changes."""
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("", "file"):
+        return None
+    path = uri[len("file://"):] if uri.startswith("file://") else uri
+    if os.path.isabs(path):
+        return None
+    return f"file://{os.path.abspath(path)}"
+
+
+def _abs_path(path: str) -> str | None:
+    return None if os.path.isabs(path) else os.path.abspath(path)
+
+
+def entrypoint(spec_path: str | Path, overrides: list[str], spec: JobSpec) -> str:
+    """The shell command the head runs: ``spotrun run`` of this spec, connected to the cluster."""
+    sets = list(overrides)
+    storage = _abs_storage(spec.storage)
+    if storage is not None:
+        sets.append(f"storage={json.dumps(storage)}")  # a quoted YAML string: any path parses back as is
+    shards = _abs_path(spec.data.shards)
+    if shards is not None:
+        sets.append(f"data.shards={json.dumps(shards)}")
+    argv = ["python", "-m", "orchestrator.cli", "run", os.path.abspath(spec_path)]
+    for item in sets:
+        argv += ["--set", item]
+    argv += ["--job-id", spec.job_id, "--address", "auto"]
+    return shlex.join(argv)
+
+
+def _enable_token_auth_if_available() -> None:
+    """Token mode for this process when RAY_AUTH_MODE is unset and a token exists (see module doc)."""
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    # Its notice ("token authentication is enabled...") is Ray's secure default, not news.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    try:
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    except Exception as e:  # e.g. RAY_AUTH_TOKEN_PATH names a missing file; Ray's message has no token
+        raise SubmitError(f"cannot load the Ray authentication token: {e}") from e
+
+
+def _explain(address: str, e: BaseException) -> SubmitError:
+    from ray.exceptions import AuthenticationError
+
+    text = str(e).strip()
+    if isinstance(e, AuthenticationError) or text.startswith(("Authentication required", "Authentication failed")):
+        first = text.splitlines()[0] if text else type(e).__name__
+        return SubmitError(f"the Ray cluster at {address} refused this client ({first}); {_AUTH_HELP}")
+    if isinstance(e, ConnectionError) or "Failed to connect" in text:
+        return SubmitError(f"cannot reach the Ray Jobs API at {address}: {text or type(e).__name__} "
+                           "(pass the dashboard address, e.g. --address http://HEAD:8265)")
+    return SubmitError(f"the Ray Jobs API at {address} failed: {text or type(e).__name__}")
+
+
+def connect(address: str):
+    """A :class:`JobSubmissionClient` for ``address``, authenticated as the module doc describes."""
+    _enable_token_auth_if_available()
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(address)
+    except Exception as e:
+        raise _explain(address, e) from e
+
+
+async def _tail(client, submission_id: str, sink: TextIO) -> None:
+    async for chunk in client.tail_job_logs(submission_id):
+        sink.write(chunk)
+        sink.flush()
+
+
+def follow(client, submission_id: str, *, log_sink: TextIO, poll_s: float = 0.5,
+           sleep: Callable[[float], None] = time.sleep) -> str:
+    """Stream the job's log to ``log_sink`` until it ends; return its terminal status."""
+    try:
+        asyncio.run(_tail(client, submission_id, log_sink))
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # the log stream is a convenience; the status below decides
+        log_sink.write(f"spotrun submit: log streaming stopped ({type(e).__name__}: {e}); polling the status\n")
+    while True:  # the stream ends when the job does; the status may trail it by a moment
+        status = str(client.get_job_status(submission_id).value)
+        if status in TERMINAL:
+            return status
+        sleep(poll_s)
+
+
+def submit(spec_path: str | Path, overrides: list[str] = (), job_id: str | None = None, *, address: str,
+           wait: bool = True, as_json: bool = False, out: TextIO | None = None,
+           err: TextIO | None = None) -> int:
+    """Validate, submit, and (with ``wait``) follow. Returns the exit status (see the module doc)."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if not address:
+        raise SubmitError("submit needs the cluster's dashboard address: --address http://HEAD:8265")
+    spec = load_spec(spec_path, list(overrides), job_id)  # SpecError (a ValueError) before any network
+    command = entrypoint(spec_path, list(overrides), spec)
+
+    client = connect(address)
+    try:
+        submission_id = client.submit_job(entrypoint=command, metadata={"spotrun_job_id": spec.job_id})
+    except Exception as e:
+        raise _explain(address, e) from e
+    err.write(f"submitted {spec.job_id} to {address} as Ray job {submission_id}\n")
+    err.flush()
+
+    if not wait:
+        status = str(client.get_job_status(submission_id).value)
+        code = 0
+    else:
+        try:
+            status = follow(client, submission_id, log_sink=err)
+        except KeyboardInterrupt:
+            err.write(f"stopped waiting; Ray job {submission_id} keeps running "
+                      f"(ray job stop {submission_id} --address {address} stops it)\n")
+            return 130
+        except Exception as e:
+            raise _explain(address, e) from e
+        info: Any = client.get_job_info(submission_id)
+        message = f": {info.message}" if status != "SUCCEEDED" and getattr(info, "message", None) else ""
+        err.write(f"Ray job {submission_id} ({spec.job_id}) {status}{message}\n")
+        code = 0 if status == "SUCCEEDED" else 1
+    err.flush()
+    if as_json:
+        out.write(json.dumps({"submission_id": submission_id, "status": status, "job_id": spec.job_id}) + "\n")
+        out.flush()
+    return code
+
+
+__all__ = ["SubmitError", "connect", "entrypoint", "follow", "submit"]
