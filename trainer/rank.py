@@ -24,6 +24,7 @@ from typing import Any
 
 from trainer.bundle import BundleWriter, WriteResult, build_manifest, bundle_dir, load_bundle
 from trainer.collective import Collective
+from trainer.metrics import MetricSink, metrics_dir, open_sinks, points_of
 from trainer.session import TrainSession
 from trainer.spec import JobSpec
 from trainer.storage import open_storage
@@ -69,6 +70,10 @@ class RankRunner:
                                     grad_sync=collective.sync_gradients if world_size > 1 else None,
                                     record_ids=record_ids and rank == 0)
         self.writer = BundleWriter(self.storage, self.session.faults)
+        # Rank 0 writes the metric points; each upserts by <job>/<update>/<name>.
+        self.metrics: MetricSink = open_sinks(
+            spec.metrics.sinks if rank == 0 else (),
+            metrics_dir(spec.storage, spec.job_id, spec.metrics.local_dir))
         self._lock = threading.Lock()
         self._checkpoint_requested = False
         self._stop_requested = False
@@ -113,6 +118,8 @@ class RankRunner:
             while not s.done:
                 record = s.run_update()
                 record.loss = self.collective.mean(record.loss)
+                self.metrics.write(points_of(self.spec.job_id, record.update, self.attempt, self.lineage_id,
+                                             {"loss": record.loss, "lr": record.lr, "applied": record.applied}))
                 with self._lock:
                     if self.rank == 0:
                         self._report.records.append(record)
@@ -131,6 +138,7 @@ class RankRunner:
             self._collect(self.writer.wait())
         finally:
             self.writer.close()
+            self.metrics.close()
             s.close()
         with self._lock:
             self._report.state = state

@@ -142,6 +142,14 @@ class FaultSpec(_Strict):
     rank: int = Field(0, ge=0)
 
 
+class MetricsSpec(_Strict):
+    """Where metric points go. Local sink files sit beside the bundles on file storage,
+    else under ``local_dir``."""
+
+    sinks: tuple[Literal["sqlite", "jsonl"], ...] = ("sqlite",)
+    local_dir: str = "./spotrun-metrics"
+
+
 class JobSpec(_Strict):
     """A whole job. See DESIGN.md "Job spec" for the meaning of each key."""
 
@@ -154,6 +162,7 @@ class JobSpec(_Strict):
     train: TrainSpec = TrainSpec()
     world: WorldSpec = WorldSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
+    metrics: MetricsSpec = MetricsSpec()
     faults: tuple[FaultSpec, ...] = ()
 
     @model_validator(mode="after")

@@ -1,0 +1,42 @@
+"""Metric sinks upsert by idempotency key: a replayed update replaces the lost attempt's point."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.runs import kill_after, run_cmd, run_to_end
+from trainer.metrics import FanOut, JsonlSink, NullSink, SqliteSink, points_of
+from trainer.trace import latest_per_update, read_trace
+
+
+@pytest.mark.parametrize("kind", [SqliteSink, JsonlSink])
+def test_upsert_by_key_records_the_writing_attempt(tmp_path, kind):
+    sink = kind(tmp_path / "m")
+    sink.write(points_of("j", 3, attempt=1, lineage_id="L", values={"loss": 2.0, "lr": 0.1}))
+    sink.write(points_of("j", 3, attempt=2, lineage_id="L", values={"loss": 1.5}))
+    sink.write(points_of("other", 3, attempt=1, lineage_id="M", values={"loss": 9.0}))
+    points = sink.read("j")
+    assert [(p.key, p.value, p.attempt) for p in points] == [("j/3/loss", 1.5, 2), ("j/3/lr", 0.1, 1)]
+    sink.close()
+
+
+def test_fanout_and_null():
+    assert NullSink().read("j") == []
+    fan = FanOut([NullSink()])
+    fan.write(points_of("j", 1, 1, "L", {"loss": 1.0}))
+    assert fan.read("j") == []
+
+
+def test_killed_job_has_one_point_per_update_equal_to_reference(tmp_path):
+    """A job SIGKILLed after update 17 and resumed: exactly one loss point per update, each the value
+    of the final attempt's trace (which equals the uninterrupted run)."""
+    trace = tmp_path / "t.jsonl"
+    cmd = run_cmd(tmp_path / "runs", "m", trace, "train.updates=25", "metrics.sinks=[sqlite, jsonl]")
+    assert kill_after(cmd, trace, 17) == -9
+    assert run_to_end(cmd).returncode == 0
+    final = latest_per_update(read_trace(trace))
+    for sink in (SqliteSink(tmp_path / "runs/m/metrics.sqlite"), JsonlSink(tmp_path / "runs/m/metrics.jsonl")):
+        loss = [p for p in sink.read("m") if p.name == "loss"]
+        assert [p.update for p in loss] == list(range(1, 26))
+        assert all(p.value == pytest.approx(final[p.update].loss, rel=0, abs=1e-12) for p in loss)
+        assert {p.attempt for p in loss if p.update > 20} == {2}

@@ -1,0 +1,175 @@
+"""Metric sinks: one small interface, idempotent by key, so replayed updates never duplicate a point.
+
+Every point has the key ``<job_id>/<update>/<name>`` (update = the attempted
+update's index) and records the attempt and lineage that wrote it. Sinks
+*upsert* by key: after a restart, the replayed updates replace the points the
+lost attempt wrote instead of adding to them.
+
+- :class:`SqliteSink` (default): a table with the key as primary key.
+- :class:`JsonlSink`: append-only lines; :meth:`JsonlSink.read` keeps the
+  newest line per key (the file itself is a log, the reader is the upsert).
+- :class:`NullSink` and :class:`FanOut`, so call sites never branch on
+  "is logging on".
+
+An object-store sink (one object per key) lives with the S3 backend.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class MetricPoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str
+    update: int
+    name: str
+    value: float
+    attempt: int
+    lineage_id: str
+    at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+
+    @property
+    def key(self) -> str:
+        return f"{self.job_id}/{self.update}/{self.name}"
+
+
+class MetricSink(Protocol):
+    def write(self, points: Iterable[MetricPoint]) -> None:
+        """Upsert each point by its key."""
+
+    def read(self, job_id: str) -> list[MetricPoint]:
+        """One point per key, ordered by (update, name)."""
+
+    def close(self) -> None: ...
+
+
+class NullSink:
+    def write(self, points: Iterable[MetricPoint]) -> None:
+        return None
+
+    def read(self, job_id: str) -> list[MetricPoint]:
+        return []
+
+    def close(self) -> None:
+        return None
+
+
+class FanOut:
+    """Writes to every sink; reads from the first."""
+
+    def __init__(self, sinks: list[MetricSink]) -> None:
+        self.sinks = sinks
+
+    def write(self, points: Iterable[MetricPoint]) -> None:
+        points = list(points)
+        for s in self.sinks:
+            s.write(points)
+
+    def read(self, job_id: str) -> list[MetricPoint]:
+        return self.sinks[0].read(job_id) if self.sinks else []
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+
+class SqliteSink:
+    SCHEMA = """CREATE TABLE IF NOT EXISTS points (
+        key TEXT PRIMARY KEY, job_id TEXT NOT NULL, update_index INTEGER NOT NULL, name TEXT NOT NULL,
+        value REAL NOT NULL, attempt INTEGER NOT NULL, lineage_id TEXT NOT NULL, at TEXT NOT NULL)"""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")  # readers (the dashboard) never block the writer
+        self._db.execute(self.SCHEMA)
+        self._db.commit()
+
+    def write(self, points: Iterable[MetricPoint]) -> None:
+        rows = [(p.key, p.job_id, p.update, p.name, p.value, p.attempt, p.lineage_id, p.at.isoformat())
+                for p in points]
+        with self._lock:
+            self._db.executemany(
+                "INSERT INTO points VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(key) DO UPDATE SET "
+                "value=excluded.value, attempt=excluded.attempt, lineage_id=excluded.lineage_id, at=excluded.at",
+                rows)
+            self._db.commit()
+
+    def read(self, job_id: str) -> list[MetricPoint]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT job_id, update_index, name, value, attempt, lineage_id, at FROM points "
+                "WHERE job_id = ? ORDER BY update_index, name", (job_id,)).fetchall()
+        return [MetricPoint(job_id=r[0], update=r[1], name=r[2], value=r[3], attempt=r[4], lineage_id=r[5],
+                            at=datetime.fromisoformat(r[6])) for r in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+class JsonlSink:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def write(self, points: Iterable[MetricPoint]) -> None:
+        text = "".join(p.model_dump_json() + "\n" for p in points)
+        with self._lock, open(self.path, "a") as f:
+            f.write(text)
+
+    def read(self, job_id: str) -> list[MetricPoint]:
+        if not self.path.exists():
+            return []
+        latest: dict[str, MetricPoint] = {}
+        for line in self.path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                p = MetricPoint.model_validate_json(line)
+            except ValueError:
+                continue  # a torn last line from a killed writer: the replay rewrites that point
+            if p.job_id == job_id:
+                latest[p.key] = p  # later lines win: the upsert
+        return sorted(latest.values(), key=lambda p: (p.update, p.name))
+
+    def close(self) -> None:
+        return None
+
+
+def points_of(job_id: str, update: int, attempt: int, lineage_id: str, values: dict[str, float]) -> list[MetricPoint]:
+    return [MetricPoint(job_id=job_id, update=update, name=n, value=float(v), attempt=attempt, lineage_id=lineage_id)
+            for n, v in values.items()]
+
+
+
+def metrics_dir(storage_uri: str, job_id: str, local_dir: str) -> Path:
+    """Where a job's local sink files live: beside its bundles on file storage, else under ``local_dir``."""
+    if storage_uri.startswith("file://") or "://" not in storage_uri:
+        root = storage_uri[len("file://"):] if storage_uri.startswith("file://") else storage_uri
+        return Path(root).resolve() / job_id
+    return Path(local_dir).resolve() / job_id
+
+
+def open_sinks(kinds: Iterable[str], directory: Path) -> MetricSink:
+    sinks: list[MetricSink] = []
+    for kind in kinds:
+        if kind == "sqlite":
+            sinks.append(SqliteSink(directory / "metrics.sqlite"))
+        elif kind == "jsonl":
+            sinks.append(JsonlSink(directory / "metrics.jsonl"))
+        else:
+            raise ValueError(f"metrics.sinks: unknown sink {kind!r}; choose from sqlite, jsonl")
+    return FanOut(sinks) if sinks else NullSink()
