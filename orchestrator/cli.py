@@ -59,6 +59,9 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise SpecError("--reset applies to --init-from BUNDLE_URI only")
     kw = dict(trace_path=a.trace, record_ids=a.trace_ids, init_from=init_from, reset=reset)
     outcome = run_in_process(spec, **kw) if a.no_ray else run_on_ray(spec, address=a.address, **kw)
+    if outcome.state == "stopped":
+        err.print(f"spotrun run: {escape(outcome.reason)}", highlight=False, soft_wrap=True)
+        return 143
     c = outcome.counters
     err.print(f"[bold]{spec.job_id}[/] finished after {outcome.attempts} attempt(s), {outcome.restarts} restart(s) "
               f"in this run: attempted {c.attempted_updates}, applied {c.applied_updates}, "
@@ -159,6 +162,25 @@ def cmd_bundles(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(a: argparse.Namespace) -> int:
+    import dataclasses
+    import tempfile
+
+    from orchestrator.verify import Verifier, render
+
+    workdir = Path(tempfile.mkdtemp(prefix="spotrun-verify-"))
+    verifier = Verifier(a.config, a.set, kills=a.kills, seed=a.seed, no_ray=a.no_ray, workdir=workdir,
+                        load=lambda path, overrides: load_spec(path, overrides, a.job_id))
+    report = verifier.run()
+    if a.json:
+        _out(dataclasses.asdict(report))
+    else:
+        render(report, Console())
+        err.print(f"traces in {workdir}; jobs {report.reference_job} and {report.chaos_job} in "
+                  f"{verifier.spec.storage}", highlight=False)
+    return 0 if report.verdict == "pass" else 1
+
+
 def cmd_inventory(a: argparse.Namespace) -> int:
     from trainer.inventory import CATEGORIES, markdown
 
@@ -170,6 +192,15 @@ def cmd_inventory(a: argparse.Namespace) -> int:
             sys.stdout.write(text)
         return 0
     _table("state inventory", [c.__dict__ for c in CATEGORIES], ["name", "owner", "serialization", "restore"])
+    return 0
+
+
+def cmd_dashboard(a: argparse.Namespace) -> int:
+    from orchestrator.dashboard.server import resolve_token, serve
+
+    serve(a.storage, a.host, a.port, token=resolve_token(a.token), allow_remote=a.allow_remote,
+          endpoint_url=a.endpoint_url,
+          announce=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
     return 0
 
 
@@ -212,10 +243,29 @@ def parser() -> argparse.ArgumentParser:
         h.add_argument("--json", action="store_true")
         h.set_defaults(func=func)
 
+    f = sub.add_parser("verify", help="prove the recovery contract on this job: a reference run, then faults")
+    f.add_argument("config")
+    f.add_argument("--kills", type=int, default=10, help="faults to inject (default 10)")
+    f.add_argument("--seed", type=int, default=0, help="seed of the fault plan")
+    f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    f.add_argument("--job-id")
+    f.add_argument("--no-ray", action="store_true", help="world size 1 in this process, without Ray")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=cmd_verify)
+
     v = sub.add_parser("inventory", help="the state inventory (docs/STATE.md is generated from it)")
     v.add_argument("--markdown", action="store_true")
     v.add_argument("--write", metavar="PATH")
     v.set_defaults(func=cmd_inventory)
+
+    d = sub.add_parser("dashboard", help="a read-only web dashboard of every job under a storage root")
+    d.add_argument("--storage", default="file://./runs")
+    d.add_argument("--endpoint-url", help="an S3-compatible service for s3:// storage")
+    d.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    d.add_argument("--port", type=int, default=8263)
+    d.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (needs a token)")
+    d.add_argument("--token", help="required on every request (default: $SPOTRUN_DASHBOARD_TOKEN)")
+    d.set_defaults(func=cmd_dashboard)
     return p
 
 

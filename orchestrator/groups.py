@@ -17,6 +17,8 @@ from trainer.collective import LocalCollective
 from trainer.rank import RankRunner, Report
 from trainer.spec import JobSpec
 
+from orchestrator.notices import Notice
+
 
 class RankLost(RuntimeError):
     def __init__(self, rank: int | None, cause: str, detail: str = "", node_id: str | None = None) -> None:
@@ -39,8 +41,10 @@ class WorkerGroup(Protocol):
     world_size: int
     node_ids: list[str]
 
-    def restore(self, bundle_key: str, storage_uri: str | None = None, reset: tuple[str, ...] = ()) -> float:
-        """Every rank verifies and loads the bundle (from ``storage_uri`` when it is another job's)."""
+    def restore(self, bundle_key: str, storage_uri: str | None = None,
+                reset: tuple[str, ...] = ()) -> tuple[float, list[str]]:
+        """Every rank verifies and loads the bundle (from ``storage_uri`` when it is another job's).
+        Returns the seconds it took and the restore oracle's mismatches ("rank r: category")."""
 
     def start(self) -> None: ...
 
@@ -51,6 +55,9 @@ class WorkerGroup(Protocol):
 
     def salvage(self) -> list[Report]:
         """After a loss, the last reports of the ranks that still answer."""
+
+    def take_notices(self) -> list[Notice]:
+        """Preemption notices the ranks' watchers saw since the last call."""
 
     def pids(self) -> list[int]: ...
 
@@ -70,8 +77,10 @@ class InProcessGroup:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def restore(self, bundle_key: str, storage_uri: str | None = None, reset: tuple[str, ...] = ()) -> float:
-        return self.runner.restore(bundle_key, storage_uri=storage_uri, reset=reset)
+    def restore(self, bundle_key: str, storage_uri: str | None = None,
+                reset: tuple[str, ...] = ()) -> tuple[float, list[str]]:
+        seconds, mismatches = self.runner.restore(bundle_key, storage_uri=storage_uri, reset=reset)
+        return seconds, [f"rank 0: {m}" for m in mismatches]
 
     def start(self) -> None:
         def target() -> None:
@@ -94,9 +103,14 @@ class InProcessGroup:
     def salvage(self) -> list[Report]:
         return []  # a lost in-process rank took this whole process with it
 
+    def take_notices(self) -> list[Notice]:
+        return []  # in this process, the supervisor's own watchers see everything
+
     def pids(self) -> list[int]:
         return [os.getpid()]
 
     def teardown(self) -> None:
+        """Stop the rank at its next boundary, without a checkpoint, and wait for it."""
         if self._thread is not None:
+            self.runner.abort()
             self._thread.join()

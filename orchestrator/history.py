@@ -20,6 +20,7 @@ from orchestrator.ledger import (
     JobFailed,
     JobFinished,
     Ledger,
+    NoticeHandled,
     Restored,
     TopologyChanged,
     WorkerLost,
@@ -35,6 +36,7 @@ def history(storage: Storage, job_id: str) -> dict[str, Any]:
     attempts: dict[int, dict[str, Any]] = {}
     restarts: list[dict[str, Any]] = []
     losses: dict[int, WorkerLost] = {}
+    handled: dict[int, NoticeHandled] = {}
     corrupt, topology, rejected = [], [], []
     state = "unknown"
     for e in events:
@@ -52,6 +54,8 @@ def history(storage: Storage, job_id: str) -> dict[str, Any]:
         elif isinstance(e, BundlePublished):
             a["published"] += 1
             a["last_update"] = max(a["last_update"] or 0, e.update)
+        elif isinstance(e, NoticeHandled):
+            handled[e.attempt] = e
         elif isinstance(e, WorkerLost):
             losses[e.attempt] = e
             a.update(ended=f"lost: {e.cause}", last_update=e.last_update)
@@ -73,6 +77,8 @@ def history(storage: Storage, job_id: str) -> dict[str, Any]:
                 "lost_updates": e.lost_updates,
                 "restore_seconds": round(e.restore_seconds, 4),
                 "downtime_seconds": round((e.at - loss.at).total_seconds(), 3) if loss else None,
+                "notice_to_publish_seconds": (handled[e.attempt - 1].notice_to_publish_seconds
+                                              if e.attempt - 1 in handled else None),
             })
         elif isinstance(e, InitializedFrom):
             a.update(initialized_from=e.bundle, recovery_label=e.recovery_label, reset=e.reset)

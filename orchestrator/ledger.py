@@ -49,6 +49,9 @@ class Restored(_Event):
     cause: str | None = None
     world_size_before: int | None = None
     world_size_after: int | None = None
+    # The restore oracle: state categories that differed from the bundle right after the
+    # restore ("rank r: category"); empty when the restore was faithful.
+    roundtrip_mismatches: list[str] = []
 
 
 class InitializedFrom(_Event):
@@ -82,6 +85,30 @@ class TopologyChanged(_Event):
     world_size_before: int
     world_size_after: int
     accum_steps_after: int
+
+
+class NoticeSeen(_Event):
+    """A preemption notice and what the supervisor did about it."""
+
+    kind: Literal["notice"] = "notice"
+    source: str
+    node_id: str | None
+    rank: int | None
+    deadline: datetime | None
+    action: Literal["emergency-checkpoint", "fallback", "ignored"]
+    reason: str
+    remaining_seconds: float | None = None  # until the deadline, when it arrived
+    needed_seconds: float | None = None  # estimated to finish the update in flight and publish
+
+
+class NoticeHandled(_Event):
+    """The emergency bundle a notice asked for is published; the ranks have stopped."""
+
+    kind: Literal["notice_handled"] = "notice_handled"
+    source: str
+    bundle: str
+    update: int
+    notice_to_publish_seconds: float
 
 
 class OffsetsCommitted(_Event):
@@ -118,7 +145,7 @@ class JobFailed(_Event):
 
 Event = Annotated[
     AttemptStarted | Restored | InitializedFrom | BundleRejected | BundlePublished | WorkerLost | CapacityWait
-    | TopologyChanged | OffsetsCommitted | JobFinished | JobFailed,
+    | TopologyChanged | OffsetsCommitted | NoticeSeen | NoticeHandled | JobFinished | JobFailed,
     Field(discriminator="kind"),
 ]
 _EVENT = TypeAdapter(Event)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+from datetime import timedelta
 from typing import Any
 
 import ray
@@ -26,6 +28,7 @@ from trainer.rank import RankRunner, Report
 from trainer.spec import JobSpec
 
 from orchestrator.groups import CapacityUnavailable, RankFailed, RankLost
+from orchestrator.notices import ImdsWatcher, Notice, install_signal_notices
 
 POLL_TIMEOUT_S = 10.0
 
@@ -36,6 +39,22 @@ class RankActor:
     def __init__(self) -> None:
         self.runner: RankRunner | None = None
         self.collective = None
+        self.rank: int | None = None
+        self.grace_s = 110.0
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self._notices: list[Notice] = []
+        self._lock = threading.Lock()
+        self._imds: ImdsWatcher | None = None
+        # __init__ runs on the actor's main thread, the only one that may install signal handlers:
+        # a SIGTERM to this process becomes a notice instead of an exit.
+        install_signal_notices(self.node_id, None, self.grace_s, self._on_notice)
+
+    def _on_notice(self, notice: Notice) -> None:
+        with self._lock:
+            if notice.source in ("sigterm", "sigint"):  # the handler was installed before setup
+                notice = notice.model_copy(update={"rank": self.rank, "deadline": notice.received_at
+                                                   + timedelta(seconds=self.grace_s)})
+            self._notices.append(notice)
 
     def where(self) -> dict[str, Any]:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
@@ -50,6 +69,10 @@ class RankActor:
               lineage_id: str, recovery_label: str, restore_mode: str | None, drop: tuple[str, ...],
               record_ids: bool) -> None:
         spec = JobSpec.model_validate_json(spec_json)
+        self.rank, self.grace_s = rank, spec.preemption.grace_s
+        if spec.preemption.imds_url:
+            self._imds = ImdsWatcher(spec.preemption.imds_url, spec.preemption.imds_poll_s, self.node_id, rank,
+                                     self._on_notice).start()
         if world_size > 1:
             backend = "nccl" if spec.world.num_gpus_per_rank else "gloo"
             self.collective = TorchCollective(init_method, rank, world_size, backend, spec.world.collective_timeout_s)
@@ -59,28 +82,33 @@ class RankActor:
                                  recovery_label=recovery_label, collective=self.collective,
                                  restore_mode=restore_mode, drop=drop, record_ids=record_ids)
 
-    def restore(self, bundle_key: str, storage_uri: str | None, reset: tuple[str, ...]) -> float:
+    def restore(self, bundle_key: str, storage_uri: str | None, reset: tuple[str, ...]) -> tuple[float, list[str]]:
         return self.runner.restore(bundle_key, storage_uri=storage_uri, reset=reset)
 
     def run(self) -> str:
         try:
             return self.runner.run()
         finally:
+            if self._imds is not None:
+                self._imds.stop()
             self.collective.close()
 
-    def poll(self) -> Report:
-        return self.runner.poll()
+    def poll(self) -> tuple[Report, list[Notice]]:
+        with self._lock:
+            notices, self._notices = self._notices, []
+        return self.runner.poll(), notices
 
     def request(self, checkpoint: bool, stop: bool) -> None:
         self.runner.request(checkpoint, stop)
 
 
-def available_rank_slots(spec: JobSpec) -> int:
-    """How many ranks the alive nodes can hold (resources per rank from the spec)."""
+def available_rank_slots(spec: JobSpec, exclude: set[str] = frozenset()) -> int:
+    """How many ranks the alive nodes can hold (resources per rank from the spec), not counting
+    ``exclude`` (nodes that are draining: they take no new work and are about to go)."""
     cpus, gpus = spec.world.cpus_per_rank, spec.world.num_gpus_per_rank
     slots = 0
     for node in ray.nodes():
-        if not node.get("Alive"):
+        if not node.get("Alive") or node["NodeID"] in exclude:
             continue
         res = node.get("Resources", {})
         fit = int(res.get("CPU", 0) // cpus)
@@ -100,6 +128,7 @@ class RayGroup:
         self.pg: PlacementGroup | None = placement_group([bundle] * world_size, strategy=w.placement)
         self.actors: list[Any] = []
         self._runs: list[Any] = []
+        self.notices: list[Notice] = []
         try:
             ray.get(self.pg.ready(), timeout=placement_timeout_s)
         except GetTimeoutError as e:
@@ -149,8 +178,11 @@ class RayGroup:
             cause = "process-exit"
         return RankLost(rank, cause, str(e).splitlines()[0] if str(e) else type(e).__name__, node)
 
-    def restore(self, bundle_key: str, storage_uri: str | None = None, reset: tuple[str, ...] = ()) -> float:
-        return max(self._call([a.restore.remote(bundle_key, storage_uri, reset) for a in self.actors], timeout=None))
+    def restore(self, bundle_key: str, storage_uri: str | None = None,
+                reset: tuple[str, ...] = ()) -> tuple[float, list[str]]:
+        results = self._call([a.restore.remote(bundle_key, storage_uri, reset) for a in self.actors], timeout=None)
+        mismatches = [f"rank {r}: {m}" for r, (_, ms) in enumerate(results) for m in ms]
+        return max(sec for sec, _ in results), mismatches
 
     def start(self) -> None:
         self._runs = [a.run.remote() for a in self.actors]
@@ -160,7 +192,15 @@ class RayGroup:
         for rank, ref in enumerate(self._runs):
             if ref in done:
                 self._get(rank, ref)  # raises if the rank died or raised; returns if it finished
-        return self._call([a.poll.remote() for a in self.actors])
+        reports = []
+        for report, notices in self._call([a.poll.remote() for a in self.actors]):
+            reports.append(report)
+            self.notices += notices
+        return reports
+
+    def take_notices(self) -> list[Notice]:
+        notices, self.notices = self.notices, []
+        return notices
 
     def request(self, checkpoint: bool = True, stop: bool = False) -> None:
         self._call([a.request.remote(checkpoint, stop) for a in self.actors])
@@ -171,7 +211,7 @@ class RayGroup:
         out = []
         for a in self.actors:
             try:
-                out.append(ray.get(a.poll.remote(), timeout=2.0))
+                out.append(ray.get(a.poll.remote(), timeout=2.0)[0])
             except (RayActorError, ActorUnavailableError, GetTimeoutError, RayTaskError):
                 continue
         return out

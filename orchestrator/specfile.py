@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from trainer.spec import JobSpec
+from trainer.spec import DataSpec, JobSpec
 
 
 class SpecError(ValueError):
@@ -69,8 +69,23 @@ def explain(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def absolute_paths(raw: dict[str, Any]) -> dict[str, Any]:
+    """Local paths (``data.shards``, ``file://`` storage) resolved against the working directory here:
+    ranks run in other processes, with other working directories."""
+    raw.setdefault("storage", JobSpec.model_fields["storage"].default)
+    data = raw.setdefault("data", {})
+    if isinstance(data, dict):
+        data.setdefault("shards", DataSpec.model_fields["shards"].default)
+    if isinstance(data, dict) and isinstance(data.get("shards"), str) and "://" not in data["shards"]:
+        data["shards"] = str(Path(data["shards"]).resolve())
+    storage = raw.get("storage")
+    if isinstance(storage, str) and (storage.startswith("file://") or "://" not in storage):
+        raw["storage"] = f"file://{Path(storage.removeprefix('file://')).resolve()}"
+    return raw
+
+
 def load_spec(path: str | Path | None, overrides: list[str] = (), job_id: str | None = None) -> JobSpec:
-    """Read, override, validate. ``job_id`` defaults to the file's stem."""
+    """Read, override, validate. ``job_id`` defaults to the file's stem; local paths become absolute."""
     raw: dict[str, Any] = {}
     source = "(command line)"
     if path is not None:
@@ -86,7 +101,7 @@ def load_spec(path: str | Path | None, overrides: list[str] = (), job_id: str | 
             raise SpecError(f"spec file {path} must be a mapping of keys, got {type(loaded).__name__}")
         raw = loaded or {}
         raw.setdefault("job_id", path.stem)
-    raw = apply_overrides(raw, list(overrides))
+    raw = absolute_paths(apply_overrides(raw, list(overrides)))
     if job_id:
         raw["job_id"] = job_id
     try:

@@ -105,13 +105,12 @@ def _abs_path(path: str) -> str | None:
 
 def entrypoint(spec_path: str | Path, overrides: list[str], spec: JobSpec) -> str:
     """The shell command the head runs: ``spotrun run`` of this spec, connected to the cluster."""
-    sets = list(overrides)
-    storage = _abs_storage(spec.storage)
-    if storage is not None:
-        sets.append(f"storage={json.dumps(storage)}")  # a quoted YAML string: any path parses back as is
-    shards = _abs_path(spec.data.shards)
-    if shards is not None:
-        sets.append(f"data.shards={json.dumps(shards)}")
+    absolute = {"storage": _abs_storage(spec.storage), "data.shards": _abs_path(spec.data.shards)}
+    absolute = {k: v for k, v in absolute.items() if v is not None}
+    # A replaced key's own --set goes (the absolute value supersedes it); the value is a quoted YAML
+    # string, so any path parses back unchanged.
+    sets = [s for s in overrides if s.partition("=")[0].strip() not in absolute]
+    sets += [f"{k}={json.dumps(v)}" for k, v in absolute.items()]
     argv = ["python", "-m", "orchestrator.cli", "run", os.path.abspath(spec_path)]
     for item in sets:
         argv += ["--set", item]
@@ -151,6 +150,8 @@ def connect(address: str):
     _enable_token_auth_if_available()
     from ray.job_submission import JobSubmissionClient
 
+    # The Jobs SDK logs "WebSocket closed" at INFO after every log stream (it sets INFO on import).
+    logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)
     try:
         return JobSubmissionClient(address)
     except Exception as e:
@@ -211,7 +212,9 @@ def submit(spec_path: str | Path, overrides: list[str] = (), job_id: str | None 
         except Exception as e:
             raise _explain(address, e) from e
         info: Any = client.get_job_info(submission_id)
-        message = f": {info.message}" if status != "SUCCEEDED" and getattr(info, "message", None) else ""
+        # Ray's failure message repeats the log tail already streamed above: its first sentence is enough.
+        first = ((getattr(info, "message", None) or "").splitlines() or [""])[0].split(", last available logs")[0]
+        message = f": {first}" if status != "SUCCEEDED" and first else ""
         err.write(f"Ray job {submission_id} ({spec.job_id}) {status}{message}\n")
         code = 0 if status == "SUCCEEDED" else 1
     err.flush()

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 
 from tenacity import RetryCallState, wait_exponential_jitter
 
@@ -36,12 +40,15 @@ from trainer.trace import TraceWriter
 
 from orchestrator import policy
 from orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WorkerGroup
+from orchestrator.notices import Notice, install_signal_notices
 from orchestrator.ledger import (
     AttemptStarted,
     BundleRejected,
     CapacityWait,
     InitializedFrom,
     JobFailed,
+    NoticeHandled,
+    NoticeSeen,
     JobFinished,
     Ledger,
     Restored,
@@ -84,6 +91,8 @@ class Running:
     attempt: int
     world_size: int
     last_update: int
+    draining: Notice | None = None  # a notice being acted on: checkpoint at the next boundary, then stop
+    progress_at: float | None = None  # clock when last_update last advanced
 
 
 @dataclass
@@ -101,12 +110,19 @@ class Finished:
 
 
 @dataclass
+class Stopped:
+    """The driver itself was told to go (SIGTERM): an emergency bundle is published, nothing restarts."""
+
+    reason: str
+
+
+@dataclass
 class Failed:
     reason: str
     error: BaseException | None = None  # re-raised by run() after the ledger records the failure
 
 
-State = Pending | Placing | Running | Recovering | Finished | Failed
+State = Pending | Placing | Running | Recovering | Finished | Stopped | Failed
 
 
 @dataclass
@@ -124,6 +140,7 @@ class Supervisor:
     def __init__(self, spec: JobSpec, make_group: GroupFactory, capacity: Callable[[], int], *,
                  trace_path: str | None = None, record_ids: bool = False,
                  init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = (),
+                 drain_source: Callable[[], set[str]] | None = None,
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
         self.make_group = make_group
@@ -141,6 +158,11 @@ class Supervisor:
         self.published: list[Manifest] = []
         self.restored_from: str | None = None
         self._faults: FaultInjector | None = None
+        self.notices: queue.Queue[Notice] = queue.Queue()  # the driver's own watchers and tests feed it
+        self.drain_source = drain_source  # node ids Ray reports as draining
+        self._drain_checked = float("-inf")
+        self._seen_notices: set[tuple] = set()
+        self.sec_per_update: float | None = None  # measured, to judge whether a deadline leaves time
         self.publisher = Publisher(self.storage, self.ledger, spec.job_id, spec.checkpoint.keep_last,
                                    after_publish=lambda u: self._faults and self._faults.hit("after_publish", u))
 
@@ -150,18 +172,35 @@ class Supervisor:
         """Drive the job to its end. A failure is recorded in the ledger, then raised: the
         original typed error (``BundleIncompatible``, ...) or :class:`JobFailedError`."""
         state: State = Pending()
+        restore_signals = self._watch_driver_signals()
         try:
-            while not isinstance(state, Finished | Failed):
+            while not isinstance(state, Finished | Stopped | Failed):
                 state = self.step(state)
         finally:
+            restore_signals()
             if self.trace:
                 self.trace.close()
+        if isinstance(state, Stopped):
+            return Outcome("stopped", self.published[-1].counters if self.published else None, self.attempts,
+                           self.restarts, state.reason, self._keys(), self.restored_from)
         if isinstance(state, Failed):
             self.ledger.append(JobFailed(attempt=max(self.attempts, 1), reason=state.reason))
             raise state.error if state.error is not None else JobFailedError(state.reason)
         self.ledger.append(JobFinished(attempt=self.attempts, counters=state.counters))
         return Outcome("finished", state.counters, self.attempts, self.restarts, published=self._keys(),
                        restored_from=self.restored_from)
+
+    def notify(self, notice: Notice) -> None:
+        """Hand the supervisor a notice (its own signal handlers and tests call this)."""
+        self.notices.put(notice)
+
+    def _watch_driver_signals(self) -> Callable[[], None]:
+        """SIGTERM/SIGINT to the driver become notices; returns a function restoring the old handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        old = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        install_signal_notices(None, None, self.spec.preemption.grace_s, self.notify)
+        return lambda: [signal.signal(sig, h) for sig, h in old.items()]
 
     def _keys(self) -> list[str]:
         return [f"{self.spec.job_id}/bundles/{m.bundle_id}" for m in self.published]
@@ -232,23 +271,26 @@ class Supervisor:
 
         if not candidates and self.init_from:
             uri, key = self.init_from
-            seconds = group.restore(key, storage_uri=uri, reset=self.reset)
+            seconds, _ = group.restore(key, storage_uri=uri, reset=self.reset)
             started()
             self.ledger.append(InitializedFrom(attempt=self.attempts, bundle=f"{uri}/{key}", reset=list(self.reset)))
             log.info("new lineage %s from %s in %.3fs", self.lineage_id, key, seconds)
             return 0
-        key, seconds, _ = first_that_loads(candidates, group.restore, on_reject=lambda r: self.ledger.append(
+        key, result, _ = first_that_loads(candidates, group.restore, on_reject=lambda r: self.ledger.append(
             BundleRejected(attempt=self.attempts, bundle=r.bundle_key, reason=r.reason)))
         started()
         if key is None:
             return 0
+        seconds, mismatches = result
+        if mismatches:
+            log.warning("restore oracle: state differs from bundle %s right after restore: %s", key, mismatches)
         manifest = read_manifest(self.storage, key)
         update = manifest.counters.attempted_updates
         lost = None if st.last_update is None else max(0, st.last_update - update)
         self.ledger.append(Restored(
             attempt=self.attempts, bundle=key, update=update, recovery_label=label,
             policy=self.spec.world.policy, restore_mode=policy.restore_mode(self.spec),
-            restore_seconds=seconds, lost_updates=lost, cause=st.cause or "resumed",
+            restore_seconds=seconds, lost_updates=lost, cause=st.cause or "resumed", roundtrip_mismatches=mismatches,
             world_size_before=st.world_before if st.world_before is not None else manifest.world.size,
             world_size_after=size))
         self.restored_from = self.restored_from or key
@@ -268,11 +310,95 @@ class Supervisor:
         if all(r.state == "finished" for r in reports):
             st.group.teardown()
             return Finished(self.published[-1].counters if self.published else Counters())
+        for notice in self._new_notices(st):
+            nxt = self._on_notice(st, notice)
+            if nxt is not None:
+                return nxt
+        if st.draining is not None and all(r.state in ("stopped", "finished") for r in reports):
+            return self._drained(st)
         self.sleep(POLL_S)
         return st
 
+    # -- preemption notices ---------------------------------------------------------------
+
+    def _new_notices(self, st: Running) -> list[Notice]:
+        out = st.group.take_notices()
+        while not self.notices.empty():
+            out.append(self.notices.get_nowait())
+        if self.drain_source is not None and self.clock() - self._drain_checked >= self.spec.preemption.drain_poll_s:
+            self._drain_checked = self.clock()
+            for node in self.drain_source() & set(st.group.node_ids):
+                out.append(Notice(source="ray-drain", node_id=node, rank=st.group.node_ids.index(node),
+                                  deadline=None, detail="Ray reports the node DRAINING"))
+        return out
+
+    def _on_notice(self, st: Running, n: Notice) -> State | None:
+        """Decide what a notice means: emergency checkpoint, fallback to the last bundle, or nothing."""
+        def record(action: str, reason: str, remaining=None, needed=None) -> None:
+            self.ledger.append(NoticeSeen(attempt=st.attempt, source=n.source, node_id=n.node_id, rank=n.rank,
+                                          deadline=n.deadline, action=action, reason=reason,
+                                          remaining_seconds=remaining, needed_seconds=needed))
+
+        if n.malformed:
+            log.warning("ignoring a malformed %s notice: %s", n.source, n.malformed)
+            record("ignored", f"malformed: {n.malformed}")
+            return None
+        identity = n.identity if n.source != "ray-drain" else (n.source, n.node_id)
+        if identity in self._seen_notices:
+            log.info("ignoring a duplicate %s notice for node %s", n.source, n.node_id)
+            return None
+        self._seen_notices.add(identity)
+        if n.node_id is not None and n.node_id not in st.group.node_ids:
+            record("ignored", f"node {n.node_id} hosts no rank of this attempt")
+            return None
+        if st.draining is not None:
+            record("ignored", f"already draining for a {st.draining.source} notice")
+            return None
+        deadline = n.deadline or (n.received_at + timedelta(seconds=self.spec.preemption.grace_s))
+        remaining = (deadline - datetime.now(timezone.utc)).total_seconds()
+        needed = self._time_to_publish()
+        if remaining <= needed:
+            reason = (f"deadline in {remaining:.1f}s, finishing the update in flight and publishing needs "
+                      f"~{needed:.1f}s: falling back to the newest published bundle")
+            record("fallback", reason, remaining, needed)
+            return Recovering(st.group, st.attempt, st.world_size, st.last_update,
+                              RankLost(n.rank, f"notice:{n.source}", reason, n.node_id))
+        record("emergency-checkpoint", f"checkpoint at the next boundary, then stop ({remaining:.1f}s left)",
+               remaining, needed)
+        st.group.request(checkpoint=True, stop=True)
+        st.draining = n
+        return None
+
+    def _time_to_publish(self) -> float:
+        """Estimated seconds to finish the update in flight, capture, write and publish, with margin."""
+        per_update = self.sec_per_update if self.sec_per_update is not None else 1.0
+        save = max((m.stall_seconds + m.write_seconds for m in self.published[-3:]), default=1.0)
+        return self.spec.preemption.safety_factor * (per_update + save) + POLL_S
+
+    def _drained(self, st: Running) -> State:
+        n = st.draining
+        st.group.teardown()
+        last = self.published[-1]
+        key = f"{self.spec.job_id}/bundles/{last.bundle_id}"
+        seconds = (datetime.now(timezone.utc) - n.received_at).total_seconds()
+        self.ledger.append(NoticeHandled(attempt=st.attempt, source=n.source, bundle=key,
+                                         update=last.counters.attempted_updates,
+                                         notice_to_publish_seconds=round(seconds, 3)))
+        if n.node_id is None:
+            return Stopped(f"stopped by {n.source} after publishing {key}; run the same command to resume")
+        return Recovering(st.group, st.attempt, st.world_size, st.last_update,
+                          RankLost(n.rank, f"notice:{n.source}", f"drained after publishing {key}", n.node_id))
+
     def _absorb(self, st: Running, reports: list) -> None:
         """Progress and trace lines from rank reports; publish every bundle all ranks have written."""
+        progressed = max((r.last_update for r in reports), default=st.last_update)
+        now = self.clock()
+        if progressed > st.last_update and st.progress_at is not None:
+            per_update = (now - st.progress_at) / (progressed - st.last_update)
+            self.sec_per_update = per_update if self.sec_per_update is None else (
+                0.8 * self.sec_per_update + 0.2 * per_update)
+        if progressed > st.last_update or st.progress_at is None:
+            st.progress_at = now
         for r in reports:
             st.last_update = max(st.last_update, r.last_update)
             for record in r.records:

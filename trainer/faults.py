@@ -1,8 +1,9 @@
-"""Deliberate process death at named sites, for the kill tests and ``spotrun verify``.
+"""Deliberate signals at named sites, for the kill tests and ``spotrun verify``.
 
-A fault is a real ``SIGKILL`` of the running process (no cleanup, no flush
-beyond what already reached the OS), scoped to one attempt so that the resumed
-job runs past the same place.
+A ``SIGKILL`` fault really kills the running process (no cleanup, no flush
+beyond what already reached the OS); a ``SIGTERM`` fault is a preemption
+notice the process must survive and act on. Each fault is scoped to one
+attempt and fires once, so the resumed job runs past the same place.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from trainer.spec import FaultSite, FaultSpec
 class FaultInjector:
     def __init__(self, faults: Iterable[FaultSpec], attempt: int, rank: int) -> None:
         self.armed = {
-            (f.site, f.update, f.microstep) for f in faults if f.attempt == attempt and f.rank == rank
+            (f.site, f.update, f.microstep): f.signal for f in faults if f.attempt == attempt and f.rank == rank
         }
 
     def hit(self, site: FaultSite, update: int, microstep: int = 0) -> None:
-        if (site, update, microstep) in self.armed:
+        sig = self.armed.pop((site, update, microstep), None)
+        if sig is not None:
             sys.stdout.flush()
             sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), getattr(signal, sig))

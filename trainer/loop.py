@@ -67,6 +67,7 @@ class TrainLoop:
             with _autocast(spec.train.precision, st.device):
                 logits = st.model(inputs)
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+            self.faults.hit("backward", update, m)
             st.scaler.scale(loss / self.accum_steps).backward()
             losses.append(loss.detach())
         self.faults.hit("before_update", update)

@@ -51,7 +51,7 @@ class Report:
     last_update: int
     records: list[UpdateRecord] = field(default_factory=list)  # rank 0 only
     bundles: list[BundleReport] = field(default_factory=list)
-    state: str = "running"  # running | finished | stopped
+    state: str = "running"  # running | finished | stopped | aborted
 
 
 class RankRunner:
@@ -73,33 +73,43 @@ class RankRunner:
         # Rank 0 writes the metric points; each upserts by <job>/<update>/<name>.
         self.metrics: MetricSink = open_sinks(
             spec.metrics.sinks if rank == 0 else (),
-            metrics_dir(spec.storage, spec.job_id, spec.metrics.local_dir))
+            metrics_dir(spec.storage, spec.job_id, spec.metrics.local_dir), self.storage)
         self._lock = threading.Lock()
         self._checkpoint_requested = False
         self._stop_requested = False
+        self._abort_requested = False
         self._report = Report(rank=rank, last_update=self.session.counters.attempted_updates)
         self._drafts: dict[str, dict[str, Any]] = {}
 
     # -- called by the supervisor ---------------------------------------------------------
 
-    def restore(self, bundle_key: str, *, storage_uri: str | None = None, reset: tuple[str, ...] = ()) -> float:
+    def restore(self, bundle_key: str, *, storage_uri: str | None = None,
+                reset: tuple[str, ...] = ()) -> tuple[float, list[str]]:
         """Verify and load a published bundle; raises a ``BundleError`` naming why not.
+        Returns the seconds it took and the state categories the restore oracle found
+        different from the bundle (empty when faithful; see TrainSession.roundtrip).
 
         ``storage_uri`` names another job's storage (``--init-from``): the bundle may then
         belong to another job, and ``reset`` lists what the new lineage starts afresh."""
         storage = open_storage(storage_uri) if storage_uri else self.storage
         bundle = load_bundle(storage, bundle_key, self.session.desc, same_job=storage_uri is None)
         seconds = self.session.restore(bundle)
+        mismatches = [] if storage_uri is not None else self.session.roundtrip(bundle)
         if storage_uri is not None:
             self.session.start_new_lineage(reset)
         self._report.last_update = self.session.counters.attempted_updates
-        return seconds
+        return seconds, mismatches
 
     def request(self, checkpoint: bool = True, stop: bool = False) -> None:
         """Ask for a checkpoint at the next boundary (and to stop after publishing it)."""
         with self._lock:
             self._checkpoint_requested |= checkpoint or stop
             self._stop_requested |= stop
+
+    def abort(self) -> None:
+        """Stop at the next boundary without a checkpoint (the supervisor gave this attempt up)."""
+        with self._lock:
+            self._abort_requested = True
 
     def poll(self) -> Report:
         with self._lock:
@@ -124,9 +134,12 @@ class RankRunner:
                     if self.rank == 0:
                         self._report.records.append(record)
                     self._report.last_update = record.update
-                    wanted = [self._checkpoint_requested, self._stop_requested]
+                    wanted = [self._checkpoint_requested, self._stop_requested, self._abort_requested]
                 scheduled = record.update % self.spec.checkpoint.every_updates == 0 or s.done
-                checkpoint, stop = self.collective.agree([wanted[0] or scheduled, wanted[1]])
+                checkpoint, stop, abort = self.collective.agree([wanted[0] or scheduled, wanted[1], wanted[2]])
+                if abort:
+                    state = "aborted"
+                    break
                 if checkpoint:
                     with self._lock:
                         self._checkpoint_requested = False

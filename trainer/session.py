@@ -20,7 +20,7 @@ from trainer.data.loader import PlanSampler, SequenceDataset, make_loader
 from trainer.data.planner import RestoreMode
 from trainer.data.tokenizer import CharTokenizer
 from trainer.faults import FaultInjector
-from trainer.inventory import BY_NAME
+from trainer.inventory import BY_NAME, roundtrip_mismatches
 from trainer.loop import GradSync, TrainLoop
 from trainer.optim import build_scheduler
 from trainer.spec import JobSpec
@@ -65,7 +65,18 @@ class TrainSession:
         self.state.restore(bundle.payloads)
         for name in self.drop:  # a deliberately broken build (oracle tests, verify's mutants)
             BY_NAME[name].drop(self.state)
+        self.state.planner_state = self.state.planner.state_dict()
         return time.perf_counter() - t0
+
+    def roundtrip(self, bundle: LoadedBundle) -> list[str]:
+        """The restore oracle: capture right after :meth:`restore` and name every state category
+        that differs from the bundle (empty for a faithful restore). Same world size only: at
+        another size the ranks' random streams are new by design."""
+        if bundle.manifest.world.size != self.world_size:
+            return []
+        capture = self.state.capture()
+        restored = {**capture.torch_files, **capture.json_files}
+        return roundtrip_mismatches(bundle.payloads, restored)
 
     RESETTABLE = ("optimizer", "scheduler", "data")
 

@@ -125,28 +125,44 @@ class CheckpointSpec(_Strict):
     restore_mode: Literal["snapshot", "replay"] = "snapshot"
 
 
-FaultSite = Literal["microstep", "before_update", "bundle_write", "after_publish"]
+# microstep: before micro-batch m (m > 0: mid-accumulation); backward: inside microstep m, after the
+# forward pass; before_update: all microsteps done, optimizer not stepped; bundle_write: after a
+# rank's first bundle file is written; after_publish: manifest created, offsets not committed.
+FaultSite = Literal["microstep", "backward", "before_update", "bundle_write", "after_publish"]
 
 
 class FaultSpec(_Strict):
-    """A deliberate SIGKILL of the running process at a named site.
+    """A deliberate signal to the running process at a named site.
 
-    Used by the kill tests and ``spotrun verify``: the process really dies.
-    ``attempt`` scopes the fault so that the resumed job does not kill itself
-    again at the same place."""
+    Used by the kill tests and ``spotrun verify``: ``SIGKILL`` really kills the
+    process; ``SIGTERM`` is a preemption notice. ``attempt`` scopes the fault so
+    that the resumed job does not hit it again at the same place."""
 
     site: FaultSite
+    signal: Literal["SIGKILL", "SIGTERM"] = "SIGKILL"
     update: int = Field(ge=1)
     microstep: int = Field(0, ge=0)
     attempt: int = Field(1, ge=1)
     rank: int = Field(0, ge=0)
 
 
+class PreemptionSpec(_Strict):
+    """How notices are watched. A notice asks for a checkpoint at the next boundary and a
+    drain before its deadline; SIGTERM and Ray drains give ``grace_s`` from their arrival."""
+
+    grace_s: float = Field(110, gt=0)
+    imds_url: str | None = None  # e.g. http://169.254.169.254 on EC2; None disables the AWS watcher
+    imds_poll_s: float = Field(1.0, gt=0)
+    watch_ray_drain: bool = True
+    drain_poll_s: float = Field(1.0, gt=0)
+    safety_factor: float = Field(1.5, ge=1)  # margin on the estimated time to finish an update and publish
+
+
 class MetricsSpec(_Strict):
     """Where metric points go. Local sink files sit beside the bundles on file storage,
     else under ``local_dir``."""
 
-    sinks: tuple[Literal["sqlite", "jsonl"], ...] = ("sqlite",)
+    sinks: tuple[Literal["sqlite", "jsonl", "s3"], ...] = ("sqlite",)  # s3: into the job's s3:// storage
     local_dir: str = "./spotrun-metrics"
 
 
@@ -163,10 +179,14 @@ class JobSpec(_Strict):
     world: WorldSpec = WorldSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     metrics: MetricsSpec = MetricsSpec()
+    preemption: PreemptionSpec = PreemptionSpec()
     faults: tuple[FaultSpec, ...] = ()
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
+        if "s3" in self.metrics.sinks and not self.storage.startswith("s3://"):
+            raise ValueError(f"metrics.sinks lists s3, which writes into the job's storage, but storage="
+                             f"{self.storage!r} is not s3://BUCKET/PREFIX")
         w = self.world
         if w.max_size is not None and w.max_size < w.min_size:
             raise ValueError(f"world.max_size={w.max_size} is below world.min_size={w.min_size}")

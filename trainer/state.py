@@ -125,7 +125,8 @@ class TrainState:
         check_version("rank-0/model.pt", model, STATE_VERSION)
         self.model.load_state_dict(model["model"], strict=True)
         self.ema.load_state_dict(model["ema"])
-        load_named_state(self.optimizer, self.group_names, payloads["rank-0/optimizer.pt"])
+        # A copy: torch's load keeps same-dtype tensors as given, and the optimizer must own its state.
+        load_named_state(self.optimizer, self.group_names, _clone(payloads["rank-0/optimizer.pt"]))
         state = payloads["rank-0/state.json"]
         check_version("rank-0/state.json", state, STATE_VERSION)
         self.counters.load_state_dict(state["counters"])

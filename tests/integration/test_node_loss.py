@@ -20,7 +20,16 @@ from trainer.storage import open_storage
 from trainer.trace import first_divergence, latest_per_update, read_trace
 
 from orchestrator.launch import run_on_ray
-from orchestrator.ledger import AttemptStarted, CapacityWait, JobFailed, Ledger, Restored, TopologyChanged, WorkerLost
+from orchestrator.ledger import (
+    AttemptStarted,
+    CapacityWait,
+    JobFailed,
+    Ledger,
+    NoticeHandled,
+    Restored,
+    TopologyChanged,
+    WorkerLost,
+)
 from orchestrator.supervisor import JobFailedError
 
 pytestmark = pytest.mark.slow
@@ -166,3 +175,28 @@ def test_strict_fails_clearly_when_capacity_never_returns(cluster, tmp_path):
     events = job.events()
     assert any(isinstance(e, JobFailed) for e in events)
     assert any(isinstance(e, CapacityWait) and e.outcome == "timed-out" for e in events)
+
+
+def test_ray_drain_notice_checkpoints_then_moves_off_the_node(cluster, reference, tmp_path):
+    """Ray marks rank 1's node DRAINING (as the autoscaler does on spot preemption): an emergency bundle,
+    0 lost updates, and the elastic restart leaves the draining node out."""
+    from ray.core.generated import autoscaler_pb2
+
+    two_workers(cluster)
+    spec = make_spec(tmp_path, *SETS, "world.policy=elastic", "checkpoint.every_updates=100",
+                     "preemption.drain_poll_s=0.1", job_id="drained")
+    job = Background(spec, tmp_path / "t.jsonl")
+    job.wait_for(lambda: job.trace_lines() >= 8)
+    started = [e for e in job.events() if isinstance(e, AttemptStarted)][-1]
+    gcs = ray._raylet.GcsClient(address=cluster.address)
+    accepted, why = gcs.drain_node(started.node_ids[1], autoscaler_pb2.DrainNodeReason.Value(
+        "DRAIN_NODE_REASON_PREEMPTION"), "spot interruption (test)", int(time.time() * 1000) + 60_000)
+    assert accepted, why
+    job.join()
+    assert job.error is None and job.outcome.restarts == 1
+    events = job.events()
+    handled = next(e for e in events if isinstance(e, NoticeHandled))
+    assert handled.source == "ray-drain"
+    restored = next(e for e in events if isinstance(e, Restored))
+    assert restored.lost_updates == 0 and restored.update == handled.update
+    assert restored.world_size_after == 1 and restored.recovery_label == "exact-data"

@@ -1,0 +1,132 @@
+"""Preemption notices on a real 2-rank Ray job: the AWS notice (IMDS stand-in on 127.0.0.1) and
+SIGTERM to a worker process each give one emergency bundle, zero lost updates and an exact finish;
+SIGTERM to the driver publishes and exits, and the same command resumes with nothing lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import ray
+
+from tests.conftest import ROOT, make_spec
+from tests.helpers.imds import Imds
+from tests.helpers.runs import lines, run_cmd, run_to_end
+from trainer.storage import open_storage
+from trainer.trace import first_divergence, latest_per_update, read_trace
+
+from orchestrator.history import history
+from orchestrator.launch import run_on_ray
+from orchestrator.ledger import AttemptStarted, Ledger, NoticeHandled, NoticeSeen, Restored
+
+pytestmark = pytest.mark.slow
+# every_updates is large: the only bundles before the end are the ones notices ask for.
+SETS = ("world.size=2", "train.updates=30", "checkpoint.every_updates=100", "data.workers=1",
+        "model.dropout=0.1", "preemption.imds_poll_s=0.05", "world.restart_backoff_s=0.1")
+
+
+@pytest.fixture(scope="module")
+def imds():
+    server = Imds()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("noticeref")
+    run_on_ray(make_spec(tmp, *SETS, job_id="ref"), trace_path=str(tmp / "ref.jsonl"))
+    return read_trace(tmp / "ref.jsonl")
+
+
+def run_in_background(spec, trace):
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("outcome", run_on_ray(spec, trace_path=str(trace))),
+                              daemon=True)
+    thread.start()
+    return thread, result
+
+
+def wait_lines(trace, n, thread):
+    deadline = time.monotonic() + 120
+    while lines(trace) < n:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.01)  # polling a condition
+
+
+def check_exact_after_one_notice(spec, trace, reference, source):
+    events = Ledger(open_storage(spec.storage), spec.job_id).read()
+    handled = [e for e in events if isinstance(e, NoticeHandled)]
+    assert len(handled) == 1 and handled[0].source == source
+    restored = [e for e in events if isinstance(e, Restored)]
+    assert len(restored) == 1 and restored[0].lost_updates == 0 and restored[0].update == handled[0].update
+    row = history(open_storage(spec.storage), spec.job_id)["restarts"][0]
+    assert row["cause"] == f"notice:{source}" and row["lost_updates"] == 0
+    assert row["notice_to_publish_seconds"] == handled[0].notice_to_publish_seconds
+    final = latest_per_update(read_trace(trace))
+    assert sorted(final) == list(range(1, 31))
+    assert first_divergence(reference, list(final.values())) is None
+
+
+def test_aws_notice_gives_emergency_bundle_and_exact_finish(imds, reference, tmp_path):
+    spec = make_spec(tmp_path, *SETS, f"preemption.imds_url={imds.url}", job_id="aws")
+    trace = tmp_path / "t.jsonl"
+    imds.set(None)
+    thread, result = run_in_background(spec, trace)
+    wait_lines(trace, 9, thread)
+    when = datetime.now(timezone.utc) + timedelta(seconds=120)
+    imds.set(json.dumps({"action": "terminate", "time": when.isoformat().replace("+00:00", "Z")}).encode())
+    thread.join(timeout=180)
+    imds.set(None)
+    assert result["outcome"].state == "finished" and result["outcome"].restarts == 1
+    check_exact_after_one_notice(spec, trace, reference, "aws")
+
+
+def test_sigterm_to_a_worker_process_gives_the_same_outcome(reference, tmp_path):
+    spec = make_spec(tmp_path, *SETS, job_id="sigterm")
+    trace = tmp_path / "t.jsonl"
+    thread, result = run_in_background(spec, trace)
+    wait_lines(trace, 9, thread)
+    started = [e for e in Ledger(open_storage(spec.storage), "sigterm").read() if isinstance(e, AttemptStarted)][0]
+    os.kill(started.rank_pids[1], signal.SIGTERM)
+    thread.join(timeout=180)
+    assert result["outcome"].restarts == 1
+    check_exact_after_one_notice(spec, trace, reference, "sigterm")
+    seen = [e for e in Ledger(open_storage(spec.storage), "sigterm").read() if isinstance(e, NoticeSeen)]
+    assert seen[0].rank == 1 and seen[0].action == "emergency-checkpoint"
+
+
+def test_sigterm_to_the_driver_publishes_exits_and_resumes(tmp_path):
+    """`spotrun run` (in-process rank) gets SIGTERM: emergency bundle, exit 143; rerun loses nothing."""
+    trace = tmp_path / "t.jsonl"
+    cmd = run_cmd(tmp_path / "runs", "drv", trace, "train.updates=30", "checkpoint.every_updates=100")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while lines(trace) < 9:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)  # polling a condition
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    assert "run the same command to resume" in proc.stderr.read()
+    events = Ledger(open_storage(f"file://{tmp_path / 'runs'}"), "drv").read()
+    handled = next(e for e in events if isinstance(e, NoticeHandled))
+    assert handled.source == "sigterm"
+    done = run_to_end(cmd)
+    assert done.returncode == 0, done.stderr
+    restored = [e for e in Ledger(open_storage(f"file://{tmp_path / 'runs'}"), "drv").read()
+                if isinstance(e, Restored)]
+    assert restored[0].update == handled.update
+    assert sorted(latest_per_update(read_trace(trace))) == list(range(1, 31))

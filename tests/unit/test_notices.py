@@ -1,0 +1,118 @@
+"""Notice handling in the supervisor (in-process rank) and the IMDS watcher against a real HTTP stand-in."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from tests.helpers.imds import Imds
+from tests.helpers.oracle import reference_run
+from trainer.trace import first_divergence, latest_per_update, read_trace
+
+from orchestrator.launch import in_process_supervisor
+from orchestrator.ledger import Ledger, NoticeHandled, NoticeSeen, Restored
+from orchestrator.notices import ImdsWatcher, Notice, parse_instance_action
+
+SETS = ("train.updates=40", "checkpoint.every_updates=10", "data.workers=1", "model.dropout=0.1")
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from tests.conftest import make_spec
+
+    tmp = tmp_path_factory.mktemp("noticeref")
+    trace, _ = reference_run(make_spec(tmp, *SETS, job_id="ref"), tmp / "ref.jsonl")
+    return trace
+
+
+def run_with_notices(spec, trace, notices_after: int, notices: list[Notice]):
+    """Run the job on a thread; once the trace has ``notices_after`` lines, hand the supervisor ``notices``."""
+    sup = in_process_supervisor(spec, trace_path=str(trace))
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("outcome", sup.run()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not (trace.exists() and len(trace.read_text().splitlines()) >= notices_after):
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.005)  # polling a condition
+    for n in notices:
+        sup.notify(n)
+    thread.join(timeout=120)
+    return result["outcome"], Ledger(sup.storage, spec.job_id).read()
+
+
+def test_notice_in_time_gives_an_emergency_bundle_and_loses_nothing(spec_factory, tmp_path, reference):
+    spec = spec_factory(*SETS, job_id="warned")
+    notice = Notice(source="aws", node_id="local", rank=0, deadline=_now() + timedelta(seconds=120))
+    outcome, events = run_with_notices(spec, tmp_path / "t.jsonl", 13, [notice, notice])  # the second: a duplicate
+    assert outcome.restarts == 1
+    seen = [e for e in events if isinstance(e, NoticeSeen)]
+    assert [e.action for e in seen] == ["emergency-checkpoint"], "the duplicate must be ignored"
+    handled = next(e for e in events if isinstance(e, NoticeHandled))
+    assert handled.update % 10 != 0, "an emergency bundle, not a periodic one"
+    assert handled.notice_to_publish_seconds >= 0
+    restored = next(e for e in events if isinstance(e, Restored))
+    assert restored.update == handled.update and restored.lost_updates == 0
+    assert restored.cause == "notice:aws"
+    final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
+    assert first_divergence(reference, list(final.values())) is None and len(final) == 40
+
+
+def test_deadline_already_passed_falls_back_and_finishes_exactly(spec_factory, tmp_path, reference):
+    spec = spec_factory(*SETS, job_id="late")
+    notice = Notice(source="aws", node_id="local", rank=0, deadline=_now() - timedelta(seconds=5))
+    outcome, events = run_with_notices(spec, tmp_path / "t.jsonl", 15, [notice])
+    seen = next(e for e in events if isinstance(e, NoticeSeen))
+    assert seen.action == "fallback" and "falling back" in seen.reason
+    assert not [e for e in events if isinstance(e, NoticeHandled)]
+    restored = next(e for e in events if isinstance(e, Restored))
+    assert restored.update % 10 == 0 and restored.cause == "notice:aws"
+    final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
+    assert first_divergence(reference, list(final.values())) is None and len(final) == 40
+
+
+def test_malformed_and_unknown_node_notices_are_ignored(spec_factory, tmp_path, reference):
+    spec = spec_factory(*SETS, job_id="noise")
+    notices = [Notice(source="aws", node_id="local", deadline=None, malformed="instance-action body is not JSON"),
+               Notice(source="aws", node_id="some-other-node", deadline=_now() + timedelta(seconds=120))]
+    outcome, events = run_with_notices(spec, tmp_path / "t.jsonl", 5, notices)
+    assert outcome.restarts == 0 and outcome.state == "finished"
+    seen = [e for e in events if isinstance(e, NoticeSeen)]
+    assert [e.action for e in seen] == ["ignored", "ignored"]
+    assert "malformed" in seen[0].reason and "hosts no rank" in seen[1].reason
+    assert first_divergence(reference, read_trace(tmp_path / "t.jsonl")) is None
+
+
+def test_parse_instance_action():
+    action, deadline = parse_instance_action(b'{"action": "terminate", "time": "2026-11-29T10:22:00Z"}')
+    assert action == "terminate" and deadline == datetime(2026, 11, 29, 10, 22, tzinfo=timezone.utc)
+    for bad in (b"not json", b"[]", b'{"action": "stop"}', b'{"action": "stop", "time": "soon"}'):
+        with pytest.raises(ValueError):
+            parse_instance_action(bad)
+
+
+def test_imds_watcher_reports_once_per_notice_and_marks_malformed():
+    imds = Imds()
+    got: list[Notice] = []
+    watcher = ImdsWatcher(imds.url, poll_s=60, node_id="n1", rank=3, on_notice=got.append)
+    try:
+        watcher.poll_once()
+        assert got == [] and imds.requests == 1  # 404: nothing scheduled
+        when = (_now() + timedelta(seconds=120)).replace(microsecond=0)
+        imds.set(json.dumps({"action": "terminate", "time": when.isoformat().replace("+00:00", "Z")}).encode())
+        watcher.poll_once()
+        watcher.poll_once()  # polled again: the same notice, reported once
+        assert len(got) == 1 and got[0].deadline == when and got[0].rank == 3 and got[0].node_id == "n1"
+        imds.set(b"{broken")
+        watcher.poll_once()
+        assert len(got) == 2 and got[1].malformed and got[1].deadline is None
+    finally:
+        imds.close()
