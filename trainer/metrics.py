@@ -11,7 +11,8 @@ lost attempt wrote instead of adding to them.
 - :class:`NullSink` and :class:`FanOut`, so call sites never branch on
   "is logging on".
 
-An object-store sink (one object per key) lives with the S3 backend.
+- :class:`S3Sink`: one object per key, ``<job>/metrics/<update>/<name>.json``
+  under the job's storage; a put overwrites, which is the upsert.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trainer.storage import Storage
 
 
 class MetricPoint(BaseModel):
@@ -149,6 +153,43 @@ class JsonlSink:
         return None
 
 
+class S3Sink:
+    """One object per point key in the job's storage (``<job>/metrics/<update>/<name>.json``).
+
+    ``put`` replaces an object whole, so a replayed update overwrites the lost attempt's
+    point: the upsert. Works over any :class:`~trainer.storage.Storage`; ``metrics.sinks: [s3]``
+    requires ``storage: s3://...``. The points of one update are written in parallel (a few
+    requests of object-store latency each would otherwise stall the training loop in series)."""
+
+    def __init__(self, storage: Storage, workers: int = 8) -> None:
+        self.storage = storage
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="s3-metrics")
+
+    @staticmethod
+    def key_of(p: MetricPoint) -> str:
+        return f"{p.job_id}/metrics/{p.update}/{p.name}.json"
+
+    def write(self, points: Iterable[MetricPoint]) -> None:
+        jobs = [self._pool.submit(self.storage.put, self.key_of(p), p.model_dump_json().encode()) for p in points]
+        for j in jobs:
+            j.result()  # raise the first failure; every point of this update was attempted
+
+    def read(self, job_id: str) -> list[MetricPoint]:
+        keys = [k for k in self.storage.list(f"{job_id}/metrics") if k.endswith(".json")]
+        points = []
+        for blob in self._pool.map(self.storage.get, keys):
+            try:
+                p = MetricPoint.model_validate_json(blob)
+            except (ValidationError, ValueError):
+                continue  # not a point (a foreign object): never one of ours, whose puts are whole
+            if p.job_id == job_id:
+                points.append(p)
+        return sorted(points, key=lambda p: (p.update, p.name))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
 def points_of(job_id: str, update: int, attempt: int, lineage_id: str, values: dict[str, float]) -> list[MetricPoint]:
     return [MetricPoint(job_id=job_id, update=update, name=n, value=float(v), attempt=attempt, lineage_id=lineage_id)
             for n, v in values.items()]
@@ -163,13 +204,19 @@ def metrics_dir(storage_uri: str, job_id: str, local_dir: str) -> Path:
     return Path(local_dir).resolve() / job_id
 
 
-def open_sinks(kinds: Iterable[str], directory: Path) -> MetricSink:
+def open_sinks(kinds: Iterable[str], directory: Path, storage: Storage | None = None) -> MetricSink:
+    """The sinks named in ``kinds``; file sinks under ``directory``, ``s3`` in ``storage`` (the job's)."""
     sinks: list[MetricSink] = []
     for kind in kinds:
         if kind == "sqlite":
             sinks.append(SqliteSink(directory / "metrics.sqlite"))
         elif kind == "jsonl":
             sinks.append(JsonlSink(directory / "metrics.jsonl"))
+        elif kind == "s3":
+            if storage is None or not storage.uri.startswith("s3://"):
+                raise ValueError("metrics.sinks: the s3 sink writes into the job's storage, which must be "
+                                 "s3://BUCKET/PREFIX")
+            sinks.append(S3Sink(storage))
         else:
-            raise ValueError(f"metrics.sinks: unknown sink {kind!r}; choose from sqlite, jsonl")
+            raise ValueError(f"metrics.sinks: unknown sink {kind!r}; choose from sqlite, jsonl, s3")
     return FanOut(sinks) if sinks else NullSink()

@@ -132,9 +132,17 @@ class LocalStorage:
 
 
 def open_storage(uri: str, endpoint_url: str | None = None) -> Storage:
-    """``file://path`` (relative paths are relative to the working directory) or a plain path."""
+    """``file://path`` (relative paths are relative to the working directory), a plain path, or
+    ``s3://bucket/prefix`` (``endpoint_url`` for S3-compatible services), checked before it is returned."""
     parsed = urlparse(uri)
     if parsed.scheme in ("", "file"):
         path = uri[len("file://"):] if uri.startswith("file://") else uri
         return LocalStorage(path)
-    raise StorageError(f"storage={uri!r}: scheme {parsed.scheme!r} is not supported; use file://PATH")
+    if parsed.scheme == "s3":
+        from trainer.s3 import S3Storage  # boto3 is imported only when S3 is used
+
+        s3 = S3Storage(uri, endpoint_url)
+        s3.check()
+        return s3
+    raise StorageError(f"storage={uri!r}: scheme {parsed.scheme!r} is not supported; "
+                       "use file://PATH or s3://BUCKET/PREFIX")
