@@ -170,6 +170,68 @@ CATEGORIES: tuple[Category, ...] = (
 BY_NAME = {c.name: c for c in CATEGORIES}
 
 
+# Where each category sits in a capture: (file, path of keys) -> category. A path prefix
+# covers everything below it; "*" matches any key at that level.
+LOCATIONS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("rank-0/model.pt", ("model",), "model_params"),
+    ("rank-0/model.pt", ("ema",), "ema"),
+    ("rank-0/optimizer.pt", ("state", "*", "step"), "optimizer_steps"),
+    ("rank-0/optimizer.pt", ("state",), "optimizer_moments"),
+    ("rank-0/optimizer.pt", ("param_groups",), "scheduler"),  # the live lr is the schedule's
+    ("rank-0/state.json", ("counters",), "counters"),
+    ("rank-0/state.json", ("scheduler",), "scheduler"),
+    ("rank-0/state.json", ("scaler",), "grad_scaler"),
+    ("rank-0/state.json", ("planner", "cursor"), "data_cursor"),
+    ("rank-0/state.json", ("planner", "snapshot", "stream"), "shuffle_buffer"),
+    ("rank-0/state.json", ("planner", "snapshot", "packer"), "packer_remainder"),
+    ("rank-0/state.json", ("train_mode",), "train_mode"),
+    ("rank-*/rng.json", ("python",), "rng_python"),
+    ("rank-*/rng.json", ("numpy",), "rng_numpy"),
+    ("rank-*/rng.json", ("torch_cpu",), "rng_torch"),
+    ("rank-*/rng.json", ("torch_cuda",), "rng_cuda"),
+)
+
+
+def _category_of(path: str, keys: tuple[str, ...]) -> str:
+    for file, prefix, category in LOCATIONS:
+        if (file == path or (file.startswith("rank-*") and path.endswith(file[6:]))) and len(keys) >= len(prefix) \
+                and all(p in ("*", k) for p, k in zip(prefix, keys)):
+            return category
+    return "unlisted:" + path + ":" + ".".join(keys)
+
+
+def _differences(a, b, keys: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            if k not in a or k not in b:
+                out.append((*keys, str(k)))
+            else:
+                out += _differences(a[k], b[k], (*keys, str(k)))
+        return out
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [keys]
+        return [d for x, y in zip(a, b) for d in _differences(x, y, keys)]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return [] if a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) else [keys]
+    return [] if a == b else [keys]
+
+
+def roundtrip_mismatches(saved: dict[str, object], restored: dict[str, object]) -> list[str]:
+    """Categories whose state right after a restore differs from the bundle it was restored from.
+
+    A faithful restore followed by a capture gives back exactly what was saved; a category
+    that was lost (or only partly restored) shows up here, by name, before any update runs."""
+    found: list[str] = []
+    for path in sorted(set(saved) & set(restored)):
+        for keys in _differences(saved[path], restored[path]):
+            category = _category_of(path, keys)
+            if category not in found:
+                found.append(category)
+    return found
+
+
 def markdown() -> str:
     """``docs/STATE.md``: the registry as a document."""
     lines = [
