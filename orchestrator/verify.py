@@ -80,7 +80,7 @@ def plan_faults(spec: JobSpec, kills: int, seed: int) -> list[FaultSpec]:
     every, last = spec.checkpoint.every_updates, spec.train.updates
     accum = spec.train.accum_steps
     faults: list[FaultSpec] = []
-    update = 1
+    update = every  # from the first bundle on, so that every fault is followed by a real restore
     for i in range(kills):
         site = SITES[i % len(SITES)]
         if site in ("bundle-write", "publish-to-offsets"):
