@@ -1,0 +1,131 @@
+"""The FastAPI app: HTML pages rendered on the server, each with its JSON twin under ``/api``.
+
+Read-only: every route is a GET, the storage is opened for reading only, and an
+unknown job id, a job id that is not a plain name, or a key that would leave the
+storage root answers 404. FastAPI's interactive docs are off (they load assets
+from a CDN); ``/api`` lists the endpoints instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup
+
+from trainer.storage import Storage, StorageError, UnsafeKeyError
+
+from orchestrator.dashboard import charts, labs
+from orchestrator.dashboard.access import JobNotFound, open_readonly, redact
+from orchestrator.dashboard.security import guard
+from orchestrator.dashboard.templating import FILTERS
+from orchestrator.dashboard.views import Reader
+
+HERE = Path(__file__).resolve().parent
+REFRESH_MS = 2000
+ENDPOINTS = {
+    "/api/jobs": "every job: state, attempts, restarts, updates done of total, last published bundle, time lost",
+    "/api/jobs/{job_id}": "the job page: summary, history, timeline, restarts (with observed replay), bundles, loss",
+    "/api/jobs/{job_id}/history": "exactly what `spotrun history JOB_ID --json` prints",
+    "/api/jobs/{job_id}/bundles?verify=false": "bundles, published or orphaned; verify=true checks every checksum",
+    "/api/jobs/{job_id}/metrics?name=": "final metric points (one per update) and the writes a restart replaced",
+    "/api/jobs/{job_id}/events": "the ledger, event by event (an unparsable file is an event of kind corrupt)",
+    "/api/labs/modular?m=8&a=3&steps=0&predict_at=&predict=": "the modular lab's state and whole history",
+    "/api/labs/descent?eta=0.5&x0=2&steps=0&predict_at=&predict=": "the optimization instrument's history",
+}
+
+
+def create_app(storage: Storage | str, *, token: str | None = None, endpoint_url: str | None = None,
+               metrics_local_dir: str = "./spotrun-metrics", refresh_ms: int = REFRESH_MS) -> FastAPI:
+    """The dashboard over ``storage`` (a URI is opened read-only). ``token``: required on every request.
+    ``metrics_local_dir``: where jobs on object storage kept their SQLite/JSONL sinks (the spec's
+    ``metrics.local_dir``, relative to this process's working directory)."""
+    store = open_readonly(storage, endpoint_url) if isinstance(storage, str) else storage
+    reader = Reader(store, metrics_local_dir=metrics_local_dir)
+    env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
+    env.filters.update(FILTERS)
+    env.globals.update(storage_uri=redact(store.uri), refresh_ms=refresh_ms)
+
+    app = FastAPI(title="spotrun dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    app.middleware("http")(guard(token))
+    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+    app.state.reader = reader
+
+    def page(name: str, status: int = 200, **context: Any) -> HTMLResponse:
+        return HTMLResponse(env.get_template(name).render(**context), status_code=status)
+
+    @app.exception_handler(JobNotFound)
+    @app.exception_handler(UnsafeKeyError)
+    async def not_found(request: Request, exc: Exception) -> HTMLResponse | JSONResponse:
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"detail": str(exc)}, status_code=404)
+        return page("error.html", 404, title="Not found", message=str(exc))
+
+    @app.exception_handler(labs.LabError)
+    async def bad_lab(request: Request, exc: labs.LabError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=422)
+
+    @app.exception_handler(StorageError)
+    async def storage_down(request: Request, exc: StorageError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=503)
+
+    @app.get("/", response_class=HTMLResponse)
+    def jobs_page() -> HTMLResponse:
+        jobs = reader.jobs()
+        return page("jobs.html", jobs=jobs, refresh=any(j["state"] == "running" for j in jobs))
+
+    @app.get("/jobs/{job_id}", response_class=HTMLResponse)
+    def job_page(job_id: str) -> HTMLResponse:
+        job = reader.job(job_id)
+        return page("job.html", job=job, events=reader.events(job_id),
+                    timeline_svg=Markup(charts.timeline(job["timeline"])),
+                    loss_svg=Markup(charts.loss_curve(job["loss"])),
+                    refresh=job["summary"]["state"] == "running")
+
+    @app.get("/labs", response_class=HTMLResponse)
+    def labs_page() -> HTMLResponse:
+        return page("labs.html", modular=labs.modular(8, 3, 0), descent=labs.descent(0.5, 2.0, 0), refresh=False)
+
+    @app.get("/api")
+    def api_index() -> dict[str, str]:
+        return ENDPOINTS
+
+    @app.get("/api/jobs")
+    def api_jobs() -> list[dict[str, Any]]:
+        return reader.jobs()
+
+    @app.get("/api/jobs/{job_id}")
+    def api_job(job_id: str) -> dict[str, Any]:
+        return reader.job(job_id)
+
+    @app.get("/api/jobs/{job_id}/history")
+    def api_history(job_id: str) -> dict[str, Any]:
+        return reader.history(job_id)
+
+    @app.get("/api/jobs/{job_id}/bundles")
+    def api_bundles(job_id: str, verify: bool = False) -> list[dict[str, Any]]:
+        return reader.bundles(job_id, verify=verify)
+
+    @app.get("/api/jobs/{job_id}/metrics")
+    def api_metrics(job_id: str, name: str | None = None) -> dict[str, Any]:
+        return reader.metrics(job_id, name)
+
+    @app.get("/api/jobs/{job_id}/events")
+    def api_events(job_id: str) -> list[dict[str, Any]]:
+        return reader.events(job_id)
+
+    @app.get("/api/labs/modular")
+    def api_modular(m: int = 8, a: int = 3, steps: int = Query(0), predict_at: int | None = None,
+                    predict: float | None = None) -> dict[str, Any]:
+        return labs.modular(m, a, steps, predict_at, predict)
+
+    @app.get("/api/labs/descent")
+    def api_descent(eta: float = 0.5, x0: float = 2.0, steps: int = Query(0), predict_at: int | None = None,
+                    predict: float | None = None) -> dict[str, Any]:
+        return labs.descent(eta, x0, steps, predict_at, predict)
+
+    return app

@@ -1,0 +1,166 @@
+"""A job's metric points, read without writing: the upserted view and, when kept, the write log.
+
+The sinks upsert by ``<job>/<update>/<name>``, so the *final* view has one point
+per update, written by the attempt that last reached it. The JSONL sink's file is
+also a log of every write: from it the dashboard shows which points a restart
+replaced (an earlier attempt's value, superseded by the replay) and how far a
+killed attempt really got. With the SQLite sink alone that log does not exist,
+and the views say so instead of guessing.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from trainer.metrics import MetricPoint, metrics_dir
+from trainer.storage import Storage
+
+from orchestrator.dashboard.access import ReadOnlyLocalStorage
+
+SQLITE, JSONL = "metrics.sqlite", "metrics.jsonl"
+
+
+@dataclass
+class Points:
+    """``final``: one point per key, ordered by (update, name). ``log``: every write in order, or
+    ``None`` when no JSONL sink kept one. ``source`` names where ``final`` came from."""
+
+    final: list[MetricPoint] = field(default_factory=list)
+    log: list[MetricPoint] | None = None
+    source: str = "none"
+
+
+def sink_dir(storage: Storage, job_id: str, local_dir: str) -> Path:
+    """Where the job's sink files are: beside its bundles on local storage, else under ``local_dir``."""
+    if isinstance(storage, ReadOnlyLocalStorage):
+        return storage.local_path(job_id)  # checked: inside the root
+    return metrics_dir(storage.uri, job_id, local_dir)
+
+
+def _query(uri: str, job_id: str) -> list[tuple]:
+    db = sqlite3.connect(uri, uri=True, timeout=5)
+    try:
+        return db.execute("SELECT job_id, update_index, name, value, attempt, lineage_id, at FROM points "
+                          "WHERE job_id = ? ORDER BY update_index, name", (job_id,)).fetchall()
+    finally:
+        db.close()
+
+
+def _read_sqlite(path: Path, job_id: str) -> list[MetricPoint]:
+    """mode=ro: the dashboard never alters a sink (SQLite may still add its -shm/-wal coordination
+    files beside a WAL database, as every reader does). On a read-only folder, where SQLite cannot
+    create those, the file is read as immutable: a snapshot, which is all a read-only mount offers."""
+    try:
+        rows = _query(f"{path.as_uri()}?mode=ro", job_id)
+    except sqlite3.OperationalError:
+        rows = _query(f"{path.as_uri()}?mode=ro&immutable=1", job_id)
+    return [MetricPoint(job_id=r[0], update=r[1], name=r[2], value=r[3], attempt=r[4], lineage_id=r[5],
+                        at=datetime.fromisoformat(r[6])) for r in rows]
+
+
+class LogCache:
+    """Parsed JSONL logs, kept while the file's size and mtime are unchanged (pages refresh often)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[Path, tuple[tuple[int, int], list[MetricPoint]]] = {}
+
+    def read(self, path: Path, job_id: str) -> list[MetricPoint]:
+        st = path.stat()
+        stamp = (st.st_size, st.st_mtime_ns)
+        with self._lock:
+            hit = self._cache.get(path)
+        if hit and hit[0] == stamp:
+            return hit[1]
+        out = []
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    p = MetricPoint.model_validate_json(line)
+                except (ValidationError, ValueError):
+                    continue  # a torn last line from a killed writer, or a blank line
+                if p.job_id == job_id:
+                    out.append(p)
+        with self._lock:
+            self._cache[path] = (stamp, out)
+        return out
+
+
+def _read_objects(storage: Storage, job_id: str) -> list[MetricPoint]:
+    """The object-store sink: one JSON object per key under ``<job>/metrics/`` in the job's storage."""
+    out = []
+    for key in storage.list(f"{job_id}/metrics/"):
+        if not key.endswith(".json"):
+            continue
+        try:
+            p = MetricPoint.model_validate_json(storage.get(key))
+        except (ValidationError, ValueError, OSError):
+            continue  # not a point, or removed meanwhile
+        if p.job_id == job_id:
+            out.append(p)
+    return sorted(out, key=lambda p: (p.update, p.name))
+
+
+def read_points(storage: Storage, job_id: str, local_dir: str, logs: LogCache) -> Points:
+    """The job's points from SQLite, else the object sink, else the JSONL log; an unreadable sink
+    yields what another one has (never an exception)."""
+    folder = sink_dir(storage, job_id, local_dir)
+    sqlite_path, jsonl_path = folder / SQLITE, folder / JSONL
+    result = Points()
+    if jsonl_path.is_file():
+        try:
+            result.log = logs.read(jsonl_path, job_id)
+        except OSError:
+            result.log = None
+    if sqlite_path.is_file():
+        try:
+            result.final, result.source = _read_sqlite(sqlite_path, job_id), "sqlite"
+            return result
+        except sqlite3.Error:
+            pass  # a locked or damaged file: fall back to the others
+    objects = _read_objects(storage, job_id)
+    if objects:
+        result.final, result.source = objects, "objects"
+        return result
+    if result.log is not None:
+        latest: dict[str, MetricPoint] = {}
+        for p in result.log:
+            latest[p.key] = p  # later lines win: the same upsert the sink's reader does
+        result.final = sorted(latest.values(), key=lambda p: (p.update, p.name))
+        result.source = "jsonl"
+    return result
+
+
+def replaced(points: Points, name: str) -> list[dict]:
+    """Writes of ``name`` that a later write of the same update superseded (from the log)."""
+    if points.log is None:
+        return []
+    final = {p.update: p for p in points.final if p.name == name}
+    out = []
+    for p in points.log:
+        if p.name != name:
+            continue
+        winner = final.get(p.update)
+        if winner is None or p.attempt == winner.attempt:
+            continue  # the winning write itself (or its own attempt's rewrite): nothing was replaced
+        out.append({"update": p.update, "value": p.value, "attempt": p.attempt, "at": p.at.isoformat(),
+                    "replaced_by_attempt": winner.attempt})
+    return out
+
+
+def furthest_by_attempt(points: Points) -> dict[int, tuple[int, datetime]]:
+    """Per attempt: the furthest update it wrote a point for, and its last write time.
+
+    From the log when there is one (it still holds what a killed attempt wrote before
+    the replay overwrote it); otherwise from the final view (a lower bound)."""
+    out: dict[int, tuple[int, datetime]] = {}
+    for p in points.log if points.log is not None else points.final:
+        update, at = out.get(p.attempt, (0, p.at))
+        out[p.attempt] = (max(update, p.update), max(at, p.at))
+    return out

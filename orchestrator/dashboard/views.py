@@ -1,0 +1,160 @@
+"""View models: the plain dicts behind every page and every ``/api`` answer.
+
+:class:`Reader` holds what outlives a request (the storage, the checksum verdicts,
+parsed metric logs). Each view reads the job afresh, so a refresh shows a running
+job's progress. ``history`` is :func:`orchestrator.history.history` unchanged: the
+same fields ``spotrun history --json`` prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from trainer.bundle import BundleError, list_bundles, read_manifest
+from trainer.manifest import ManifestError
+from trainer.storage import Storage
+
+from orchestrator.dashboard import observed
+from orchestrator.dashboard.access import job_ids, require_job
+from orchestrator.dashboard.checksums import ChecksumCache
+from orchestrator.dashboard.points import LogCache, Points, read_points, replaced
+from orchestrator.history import history
+from orchestrator.ledger import CorruptEvent, Ledger
+
+QUIET_AFTER_S = 300.0  # a "running" job silent this long is flagged: its driver may be gone
+
+
+@dataclass
+class Reader:
+    storage: Storage
+    metrics_local_dir: str = "./spotrun-metrics"  # where non-file storage keeps local sinks
+    checks: ChecksumCache = field(default_factory=ChecksumCache)
+    logs: LogCache = field(default_factory=LogCache)
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return [self.job(j)["summary"] for j in job_ids(self.storage)]
+
+    def points(self, job_id: str) -> Points:
+        return read_points(self.storage, job_id, self.metrics_local_dir, self.logs)
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        """Everything the job page shows. Raises :class:`~.access.JobNotFound` for an unknown id."""
+        require_job(self.storage, job_id)
+        hist = history(self.storage, job_id)
+        points = self.points(job_id)
+        attempt_spans = observed.spans(hist, points)
+        restarts = observed.restarts(hist, points, attempt_spans)
+        rows, total = self._bundles(job_id, hist, verify=False)
+        return {
+            "summary": _summary(hist, attempt_spans, restarts, rows, points, total),
+            "history": hist,
+            "timeline": attempt_spans,
+            "restarts": restarts,
+            # the columns of `spotrun history --json`, in its order, whatever fields it grows
+            "restart_fields": list(hist["restarts"][0]) if hist["restarts"] else [],
+            "bundles": rows,
+            "loss": self._curve(points, restarts),
+        }
+
+    def history(self, job_id: str) -> dict[str, Any]:
+        """What ``spotrun history JOB_ID --json`` prints."""
+        return history(self.storage, require_job(self.storage, job_id))
+
+    def bundles(self, job_id: str, verify: bool = False) -> list[dict[str, Any]]:
+        require_job(self.storage, job_id)
+        return self._bundles(job_id, history(self.storage, job_id), verify)[0]
+
+    def metrics(self, job_id: str, name: str | None = None) -> dict[str, Any]:
+        require_job(self.storage, job_id)
+        points = self.points(job_id)
+        names = sorted({p.name for p in points.final})
+        chosen = [name] if name else names
+        return {
+            "job_id": job_id, "source": points.source, "has_log": points.log is not None, "names": names,
+            "points": [{"update": p.update, "name": p.name, "value": p.value, "attempt": p.attempt,
+                        "at": p.at.isoformat()} for p in points.final if p.name in chosen],
+            "replaced": {n: replaced(points, n) for n in chosen},
+        }
+
+    def events(self, job_id: str) -> list[dict[str, Any]]:
+        """Every ledger event in order; an unparsable file is an event of kind ``corrupt``."""
+        require_job(self.storage, job_id)
+        out = []
+        for e in Ledger(self.storage, job_id).read():
+            doc = e.model_dump(mode="json")
+            if not isinstance(e, CorruptEvent):
+                doc = {"kind": doc.pop("kind"), "attempt": doc.pop("attempt"), "at": doc.pop("at"), **doc}
+            out.append(doc)
+        return out
+
+    def _bundles(self, job_id: str, hist: dict[str, Any], verify: bool) -> tuple[list[dict[str, Any]], int | None]:
+        """The bundles table (newest first) and the job's total updates from the newest readable manifest."""
+        last_attempt = hist["attempts"][-1]["attempt"] if hist["attempts"] else None
+        rows, total, newest_published = [], None, None
+        for ref in list_bundles(self.storage, job_id):
+            row: dict[str, Any] = {"bundle": ref.key, "name": ref.key.rsplit("/", 1)[-1], "update": ref.update,
+                                   "attempt": ref.attempt, "published": ref.published}
+            if ref.published:
+                newest_published = newest_published or ref.update
+                try:
+                    m = read_manifest(self.storage, ref.key)
+                    row.update(bytes=m.total_bytes, stall_seconds=m.stall_seconds, write_seconds=m.write_seconds,
+                               cursor=m.data.cursor.model_dump(), recovery_label=m.recovery_label,
+                               created_at=m.created_at.isoformat(), files=len(m.files))
+                    if total is None:
+                        total = m.spec.get("train", {}).get("updates")
+                except (ManifestError, BundleError, OSError) as e:  # BundleError: collected meanwhile
+                    row["error"] = str(e)
+                verdict = self.checks.verify(self.storage, ref.key) if verify else self.checks.get(ref.key)
+                if "error" in row:
+                    verdict = {"state": "corrupt", "detail": row["error"], "verified_at": None}
+                row.update(status="published", checksum=verdict["state"], checksum_detail=verdict["detail"],
+                           verified_at=verdict["verified_at"])
+            else:
+                writing = (hist["state"] == "running" and ref.attempt == last_attempt
+                           and (newest_published is None or ref.update > newest_published))
+                row.update(status="writing" if writing else "orphaned", checksum="n/a",
+                           checksum_detail="no manifest: never published, never restored",
+                           files=len(self.storage.list(ref.key + "/")))
+            rows.append(row)
+        return rows, total
+
+    @staticmethod
+    def _curve(points: Points, restarts: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "points": [{"update": p.update, "value": p.value, "attempt": p.attempt}
+                       for p in points.final if p.name == "loss"],
+            "replaced": replaced(points, "loss"),
+            "restarts": [{"attempt": r["attempt"], "restored_update": r["restored_update"],
+                          "replayed_updates": r["replayed_updates"], "cause": r["cause"]} for r in restarts],
+            "source": points.source, "has_log": points.log is not None,
+        }
+
+
+def _summary(hist: dict[str, Any], attempt_spans: list[dict[str, Any]], restarts: list[dict[str, Any]],
+             rows: list[dict[str, Any]], points: Points, total: int | None) -> dict[str, Any]:
+    """One jobs-page row: state, attempts, restarts, updates done of total, last bundle, time lost."""
+    published = [r for r in rows if r["published"]]
+    last_seen = max((s["end"] for s in attempt_spans if s["end"]), default=None)
+    quiet = (datetime.now(timezone.utc) - datetime.fromisoformat(last_seen)).total_seconds() if last_seen else None
+    done = max([0, *(p.update for p in points.final),
+                *(s["reached_update"] or 0 for s in attempt_spans), *(r["update"] for r in published)])
+    lost = [r["time_lost_seconds"] for r in restarts if r["time_lost_seconds"] is not None]
+    return {
+        "job_id": hist["job_id"],
+        "state": hist["state"],
+        "quiet": hist["state"] == "running" and quiet is not None and quiet > QUIET_AFTER_S,
+        "quiet_seconds": round(quiet, 1) if quiet is not None else None,
+        "attempts": len(hist["attempts"]),
+        "restarts": len(hist["restarts"]),
+        "updates_done": done,
+        "updates_total": total,
+        "last_published": {"bundle": published[0]["bundle"], "update": published[0]["update"]} if published else None,
+        "time_lost_seconds": round(sum(lost), 3) if lost else (0.0 if not restarts else None),
+        "started_at": attempt_spans[0]["start"] if attempt_spans else None,
+        "last_seen_at": last_seen,
+        "corrupt_events": len(hist["corrupt_events"]),
+        "orphaned_bundles": sum(r["status"] == "orphaned" for r in rows),
+    }

@@ -1,0 +1,43 @@
+"""The dashboard over S3 (a real moto server): jobs, events, the object metric sink, orphans, 404s,
+and never a write (not even the probe object that ``open_storage`` puts to check a root)."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+pytest.importorskip("trainer.s3", reason="the S3 backend is not in this build")
+s3_helpers = pytest.importorskip("tests.helpers.s3", reason="the S3 test helpers are not in this build")
+
+from trainer.metrics import MetricPoint  # noqa: E402
+from trainer.s3 import S3Storage  # noqa: E402
+
+from orchestrator.dashboard import create_app  # noqa: E402
+from orchestrator.ledger import AttemptStarted, Ledger  # noqa: E402
+
+moto, s3_env, bucket = s3_helpers.moto, s3_helpers.s3_env, s3_helpers.bucket
+pytestmark = pytest.mark.slow
+
+
+def test_dashboard_reads_a_job_on_s3(moto, bucket):
+    uri = f"s3://{bucket}/runs"
+    writer = S3Storage(uri, moto.url)
+    Ledger(writer, "j").append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="L"))
+    writer.put("j/events/000000000001.json", b"{torn")
+    for u in (1, 2):
+        point = MetricPoint(job_id="j", update=u, name="loss", value=3.0 - u, attempt=1, lineage_id="L")
+        writer.put(f"j/metrics/{u}/loss.json", point.model_dump_json().encode())
+    writer.put("j/bundles/u0000000002-a0/rank-0/model.pt", b"torn")
+    before = sorted(writer.list(""))
+
+    client = TestClient(create_app(uri, endpoint_url=moto.url), base_url="http://127.0.0.1")
+    jobs = client.get("/api/jobs")
+    assert jobs.status_code == 200, jobs.text
+    assert [j["job_id"] for j in jobs.json()] == ["j"]
+    job = client.get("/api/jobs/j").json()
+    assert job["summary"]["state"] == "running" and job["summary"]["corrupt_events"] == 1
+    assert [p["update"] for p in job["loss"]["points"]] == [1, 2] and job["loss"]["source"] == "objects"
+    assert [b["status"] for b in client.get("/api/jobs/j/bundles").json()] == ["orphaned"]
+    assert client.get("/jobs/j").status_code == 200
+    assert client.get("/api/jobs/..%2Fj").status_code == 404 and client.get("/api/jobs/k").status_code == 404
+    assert sorted(writer.list("")) == before  # read-only: not even a probe object

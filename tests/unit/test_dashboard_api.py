@@ -1,0 +1,181 @@
+"""The dashboard's JSON API and pages, over a real job whose storage also holds trouble:
+an orphaned (unpublished) bundle, a corrupt event file, a bundle file that no longer
+matches its checksum and a manifest that cannot be parsed. Each is shown, never a crash."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.conftest import make_spec
+from trainer.metrics import JsonlSink, SqliteSink, points_of
+from trainer.storage import open_storage
+
+from orchestrator.cli import main
+from orchestrator.dashboard import create_app
+from orchestrator.launch import run_in_process
+from orchestrator.ledger import AttemptStarted, BundlePublished, Ledger, Restored
+
+JOB = "api"
+BASE = "http://127.0.0.1"  # without a token the app answers only requests addressed to the loopback
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A finished 12-update job (bundles 5, 10, 12), then damaged in four ways."""
+    tmp = tmp_path_factory.mktemp("dashapi")
+    run_in_process(make_spec(tmp, "train.updates=12", "checkpoint.every_updates=5", "metrics.sinks=[sqlite, jsonl]",
+                             job_id=JOB))
+    runs = tmp / "runs"
+    bundles = runs / JOB / "bundles"
+    orphan = bundles / "u0000000007-a1"  # a writer died mid-bundle: files, no manifest
+    shutil.copytree(bundles / "u0000000005-a1" / "rank-0", orphan / "rank-0")
+    (runs / JOB / "events" / "000000000900.json").write_bytes(b'{"kind": "attempt_started", "at": ')  # torn
+    model = bundles / "u0000000005-a1" / "rank-0" / "model.pt"
+    blob = bytearray(model.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF  # one flipped byte: same size, other sha256
+    model.write_bytes(bytes(blob))
+    (bundles / "u0000000010-a1" / "manifest.json").write_text("{not json")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def client(root):
+    return TestClient(create_app(f"file://{root}"), base_url=BASE)
+
+
+def test_jobs_lists_the_job_with_its_summary(client):
+    [job] = client.get("/api/jobs").json()
+    assert job["job_id"] == JOB and job["state"] == "finished"
+    assert (job["attempts"], job["restarts"], job["updates_done"], job["updates_total"]) == (1, 0, 12, 12)
+    assert job["last_published"] == {"bundle": f"{JOB}/bundles/u0000000012-a1", "update": 12}
+    assert job["time_lost_seconds"] == 0.0
+    assert (job["corrupt_events"], job["orphaned_bundles"]) == (1, 1)
+
+
+def test_job_history_is_what_history_json_prints(client, root, capsys):
+    assert main(["history", JOB, "--storage", f"file://{root}", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert client.get(f"/api/jobs/{JOB}/history").json() == printed
+    job = client.get(f"/api/jobs/{JOB}").json()
+    assert job["history"] == printed
+    assert [c["key"] for c in printed["corrupt_events"]] == [f"{JOB}/events/000000000900.json"]
+    [span] = job["timeline"]
+    assert (span["attempt"], span["world_size"], span["ended"], span["reached_update"]) == (1, 1, "finished", 12)
+    assert [p["update"] for p in job["loss"]["points"]] == list(range(1, 13)) and job["loss"]["replaced"] == []
+
+
+def test_bundles_published_orphaned_and_checksum_states(client):
+    rows = {r["name"]: r for r in client.get(f"/api/jobs/{JOB}/bundles").json()}
+    assert list(rows) == ["u0000000012-a1", "u0000000010-a1", "u0000000007-a1", "u0000000005-a1"]
+    assert rows["u0000000007-a1"]["status"] == "orphaned" and rows["u0000000007-a1"]["checksum"] == "n/a"
+    assert rows["u0000000007-a1"]["files"] == 4
+    assert rows["u0000000012-a1"]["checksum"] == "unverified"  # verified on demand only
+    assert rows["u0000000010-a1"]["checksum"] == "corrupt" and "error" in rows["u0000000010-a1"]
+    good = rows["u0000000012-a1"]
+    assert good["bytes"] > 0 and good["stall_seconds"] >= 0 and good["write_seconds"] > 0
+    verified = {r["name"]: r for r in client.get(f"/api/jobs/{JOB}/bundles?verify=true").json()}
+    assert verified["u0000000012-a1"]["checksum"] == "ok"
+    assert verified["u0000000005-a1"]["checksum"] == "corrupt"
+    assert "model.pt sha256" in verified["u0000000005-a1"]["checksum_detail"]
+    assert verified["u0000000010-a1"]["checksum"] == "corrupt"
+    # remembered: the plain listing now shows the verdicts
+    assert client.get(f"/api/jobs/{JOB}/bundles").json()[0]["checksum"] == "ok"
+
+
+def test_metrics_one_point_per_update(client):
+    doc = client.get(f"/api/jobs/{JOB}/metrics").json()
+    assert doc["source"] == "sqlite" and doc["has_log"] and doc["names"] == ["applied", "loss", "lr"]
+    loss = client.get(f"/api/jobs/{JOB}/metrics?name=loss").json()
+    assert [p["update"] for p in loss["points"]] == list(range(1, 13))
+    assert {p["attempt"] for p in loss["points"]} == {1} and loss["replaced"] == {"loss": []}
+
+
+def test_events_include_the_corrupt_file(client):
+    events = client.get(f"/api/jobs/{JOB}/events").json()
+    assert events[0]["kind"] == "attempt_started" and events[-1]["kind"] == "corrupt"
+    assert events[-1]["key"].endswith("000000000900.json") and events[-1]["error"]
+
+
+def test_pages_render_the_trouble(client):
+    assert JOB in client.get("/").text
+    page = client.get(f"/jobs/{JOB}").text
+    for text in ("Corrupt event files", "000000000900.json", "orphaned", "u0000000007-a1", 'class="timeline"',
+                 'class="loss"', "corrupt"):
+        assert text in page
+    assert client.get("/labs").status_code == 200
+    assert client.get("/static/dashboard.js").status_code == 200
+    assert "/api/jobs" in client.get("/api").json()
+
+
+def test_labs_api_worked_examples(client):
+    get = lambda path: client.get(path).json()  # noqa: E731
+    assert get("/api/labs/modular?m=8&a=3&steps=3")["state"] == 1
+    eleven = get("/api/labs/modular?m=8&a=3&steps=11&predict_at=11&predict=1")
+    assert eleven["state"] == 1 and eleven["history"] == [0, 3, 6, 1, 4, 7, 2, 5, 0, 3, 6, 1]
+    assert eleven["prediction"]["matches"] is True
+    assert get("/api/labs/modular?m=8&a=1&steps=3")["state"] == 3
+    assert get("/api/labs/descent?eta=0.5&x0=2&steps=2")["history"] == [2.0, 1.0, 0.5]
+    wrong = get("/api/labs/descent?eta=0.25&x0=2&steps=2&predict_at=2&predict=0.5")
+    assert wrong["state"] == 1.125 and wrong["prediction"] == {"at": 2, "value": 0.5, "actual": 1.125,
+                                                                "matches": False}
+    assert get("/api/labs/descent?eta=0.25&x0=2&steps=1&predict_at=2&predict=1.125")["prediction"]["matches"] is None
+    for bad in ("/api/labs/modular?m=0&steps=1", "/api/labs/modular?steps=1001", "/api/labs/descent?eta=50&steps=1000",
+                "/api/labs/descent?eta=nan"):
+        assert client.get(bad).status_code == 422, bad
+
+
+def test_a_restart_after_a_driver_death_is_observed_from_the_metric_log(tmp_path):
+    """The ledger cannot count what a killed driver lost; the JSONL log shows it, and which points were replaced."""
+    storage = open_storage(f"file://{tmp_path}")
+    ledger = Ledger(storage, "k")
+    ledger.append(AttemptStarted(attempt=1, world_size=2, pid=1, lineage_id="L"))
+    ledger.append(BundlePublished(attempt=1, bundle="k/bundles/u0000000005-a1", update=5, bytes=1, stall_seconds=0,
+                                  write_seconds=0))
+    sinks = [SqliteSink(tmp_path / "k/metrics.sqlite"), JsonlSink(tmp_path / "k/metrics.jsonl")]
+
+    def write(attempt: int, updates: range) -> None:
+        for u in updates:
+            for sink in sinks:
+                sink.write(points_of("k", u, attempt, "L", {"loss": 10.0 - u + attempt}))
+
+    write(1, range(1, 9))  # attempt 1 reached update 8, then its driver was SIGKILLed
+    ledger.append(AttemptStarted(attempt=2, world_size=1, pid=2, lineage_id="L"))
+    ledger.append(Restored(attempt=2, bundle="k/bundles/u0000000005-a1", update=5, recovery_label="exact-data",
+                           policy="elastic", restore_mode="snapshot", restore_seconds=0.1, lost_updates=None,
+                           cause="resumed", world_size_before=2, world_size_after=1))
+    write(2, range(6, 11))
+    job = TestClient(create_app(f"file://{tmp_path}"), base_url=BASE).get("/api/jobs/k").json()
+    [r] = job["restarts"]
+    assert (r["cause"], r["lost_updates"], r["lost_updates_seen"], r["lost_updates_source"]) == (
+        "driver-exit", None, 3, "metrics log")
+    assert r["replayed_updates"] == [6, 8] and r["gap_seconds"] is not None and r["replay_seconds"] >= 0
+    assert [p["update"] for p in job["loss"]["points"]] == list(range(1, 11))
+    assert [(p["update"], p["attempt"], p["replaced_by_attempt"]) for p in job["loss"]["replaced"]] == [
+        (6, 1, 2), (7, 1, 2), (8, 1, 2)]
+    assert [s["world_size"] for s in job["timeline"]] == [2, 1]
+    assert job["summary"]["state"] == "running"
+    (tmp_path / "k/metrics.jsonl").unlink()  # SQLite alone keeps no log: the figure is unknown, not guessed
+    [r] = TestClient(create_app(f"file://{tmp_path}"), base_url=BASE).get("/api/jobs/k").json()["restarts"]
+    assert r["lost_updates_seen"] is None and r["lost_updates_source"] is None
+    for s in sinks:
+        s.close()
+
+
+def test_an_unpublished_bundle_of_the_running_attempt_is_being_written(tmp_path):
+    storage = open_storage(f"file://{tmp_path}")
+    Ledger(storage, "w").append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="L"))
+    storage.put("w/bundles/u0000000010-a1/rank-0/model.pt", b"half")
+    [row] = TestClient(create_app(f"file://{tmp_path}"), base_url=BASE).get("/api/jobs/w/bundles").json()
+    assert (row["status"], row["published"], row["checksum"]) == ("writing", False, "n/a")
+
+
+def test_the_dashboard_writes_nothing(root, client):
+    before = sorted(p.relative_to(root) for p in root.rglob("*") if not p.name.endswith(("-shm", "-wal")))
+    for path in ("/", f"/jobs/{JOB}", "/api/jobs", f"/api/jobs/{JOB}", f"/api/jobs/{JOB}/bundles?verify=true",
+                 f"/api/jobs/{JOB}/metrics", f"/api/jobs/{JOB}/events", f"/api/jobs/{JOB}/history"):
+        assert client.get(path).status_code == 200, path
+    assert sorted(p.relative_to(root) for p in root.rglob("*") if not p.name.endswith(("-shm", "-wal"))) == before
