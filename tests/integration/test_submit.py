@@ -200,3 +200,36 @@ def test_a_typo_fails_before_anything_is_submitted(capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "train.updatez" in err and "train.updates" in err
+
+
+@pytest.mark.slow
+def test_submit_runs_the_deploy_spec_as_the_cluster_would(head, tmp_path):
+    """``deploy/specs/gpt-char-spot.yaml`` submitted as deploy/README.md does, to a head in token mode as
+    ``deploy/aws-spot.yaml`` starts it: elastic world of 2, the IMDS notice watcher and the Ray-drain
+    watcher on, bf16, its model and checkpoint settings. Overridden: only what this machine lacks (the
+    bucket, GPUs, the corpus at /home/ray/spotrun, the metadata service: a local IMDSv2 stand-in with no
+    interruption scheduled) and the length."""
+    from tests.helpers.imds import Imds
+
+    imds = Imds()
+    try:
+        runs = tmp_path / "runs"
+        sets = [f"storage=file://{runs}", f"data.shards={ROOT / 'configs/data/gpt-char'}",
+                "world.num_gpus_per_rank=0", "metrics.sinks=[sqlite]", f"preemption.imds_url={imds.url}",
+                "train.updates=6", "checkpoint.every_updates=3"]
+        p = _spotrun("submit", "deploy/specs/gpt-char-spot.yaml", "--address", head["url"],
+                     *[a for s in sets for a in ("--set", s)], "--json", env=head["env"], timeout=170)
+        assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr[-4000:]}"
+        doc = json.loads(p.stdout)
+        assert doc["status"] == "SUCCEEDED" and doc["job_id"] == "gpt-char-spot"
+        assert head["token"] not in p.stdout + p.stderr
+        assert imds.requests > 0, "the ranks never polled the spot interruption notice"
+
+        h = _spotrun("history", "gpt-char-spot", "--storage", f"file://{runs}", "--json", env=head["env"], timeout=60)
+        assert h.returncode == 0, h.stderr
+        hist = json.loads(h.stdout)
+        assert hist["state"] == "finished" and not hist["restarts"]
+        first = next(a for a in hist["attempts"] if a["attempt"] == 1)
+        assert first["world_size"] == 2 and first["published"] >= 2
+    finally:
+        imds.close()
