@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.bundle import list_bundles, read_manifest
+from trainer.bundle import BundleCorrupt, list_bundles, read_manifest
 from trainer.manifest import ManifestError
 from trainer.storage import Storage
 
@@ -108,7 +108,7 @@ def bundles(storage: Storage, job_id: str) -> list[dict[str, Any]]:
                 row.update(bytes=m.total_bytes, stall_seconds=m.stall_seconds, write_seconds=m.write_seconds,
                            cursor=m.data.cursor.model_dump(), recovery_label=m.recovery_label,
                            created_at=m.created_at.isoformat())
-            except (ManifestError, OSError) as e:
+            except (ManifestError, BundleCorrupt, OSError) as e:  # e.g. retention removed it meanwhile
                 row["error"] = str(e)
         rows.append(row)
     return rows

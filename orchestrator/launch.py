@@ -89,6 +89,13 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | N
     def capacity() -> int:
         return available_rank_slots(spec, exclude=drain_source() if drain_source else set())
 
-    sup = Supervisor(spec, make_group, capacity=capacity, trace_path=trace_path,
-                     record_ids=record_ids, init_from=init_from, reset=reset, drain_source=drain_source)
+    def request_capacity(ranks: int) -> None:
+        from ray.autoscaler.sdk import request_resources
+
+        w = spec.world
+        bundle = {"CPU": w.cpus_per_rank, **({"GPU": w.num_gpus_per_rank} if w.num_gpus_per_rank else {})}
+        request_resources(bundles=[bundle] * ranks)
+
+    sup = Supervisor(spec, make_group, capacity=capacity, trace_path=trace_path, record_ids=record_ids,
+                     init_from=init_from, reset=reset, drain_source=drain_source, request_capacity=request_capacity)
     return sup.run()

@@ -35,6 +35,10 @@ class AttemptStarted(_Event):
     rank_pids: list[int] = []  # per rank: the process a preemption would take
     pid: int  # the supervisor's
     lineage_id: str
+    # Where the start-up time went (None where the worker group does not measure it).
+    placement_seconds: float | None = None  # reserving the ranks' resources and starting their processes
+    process_group_seconds: float | None = None  # the ranks forming their torch.distributed group (slowest rank)
+    rank_setup_seconds: float | None = None  # each rank building its state, data pipeline and sinks (slowest)
 
 
 class Restored(_Event):
@@ -45,6 +49,8 @@ class Restored(_Event):
     policy: str
     restore_mode: str
     restore_seconds: float
+    # Asking the ranks to restore until every rank is done: bundle read, verify, load, restore oracle.
+    restore_wall_seconds: float | None = None
     lost_updates: int | None = None  # None: the previous attempt died without reporting its progress
     cause: str | None = None
     world_size_before: int | None = None
@@ -70,6 +76,8 @@ class WorkerLost(_Event):
     cause: str  # node-lost | process-exit | notice:<source> | collective-timeout | driver-exit
     detail: str = ""
     last_update: int  # the furthest update the attempt is known to have completed
+    detected_at: datetime | None = None  # when the supervisor noticed the loss (``at`` is after the teardown)
+    teardown_seconds: float | None = None  # stopping the attempt's ranks and releasing their resources
 
 
 class CapacityWait(_Event):
@@ -131,11 +139,13 @@ class BundlePublished(_Event):
     bytes: int
     stall_seconds: float
     write_seconds: float
+    storage_retries: int = 0  # transient storage errors retried by the job so far, all processes
 
 
 class JobFinished(_Event):
     kind: Literal["job_finished"] = "job_finished"
     counters: Counters
+    storage_retries: int = 0
 
 
 class JobFailed(_Event):

@@ -31,6 +31,7 @@ class Publisher:
         self.offsets = OffsetsStore(storage, job_id)
         self.after_publish = after_publish  # a fault-injection seam between commit point and offsets
         self._reports: dict[str, list[BundleReport]] = defaultdict(list)
+        self.retries_elsewhere = 0  # storage retries the ranks reported (the supervisor keeps it current)
 
     def collect(self, reports: list[BundleReport], world_size: int) -> list[Manifest]:
         """Add rank reports; publish every bundle whose ranks have all reported. Returns those published."""
@@ -58,11 +59,16 @@ class Publisher:
         update = manifest.counters.attempted_updates
         self.ledger.append(BundlePublished(
             attempt=manifest.attempt, bundle=bundle_key, update=update, bytes=manifest.total_bytes,
-            stall_seconds=manifest.stall_seconds, write_seconds=manifest.write_seconds))
+            stall_seconds=manifest.stall_seconds, write_seconds=manifest.write_seconds,
+            storage_retries=self.storage_retries))
         self.after_publish(update)
         self.commit_offsets(manifest, bundle_key, manifest.attempt)
         self.retain()
         return True
+
+    @property
+    def storage_retries(self) -> int:
+        return getattr(self.storage, "retries", 0) + self.retries_elsewhere
 
     def commit_offsets(self, manifest: Manifest, bundle_key: str, attempt: int, recommit: bool = False) -> bool:
         """Commit the bundle's offsets unless the store already holds them (or newer)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -67,7 +68,9 @@ class RankActor:
 
     def setup(self, spec_json: str, rank: int, world_size: int, init_method: str, attempt: int,
               lineage_id: str, recovery_label: str, restore_mode: str | None, drop: tuple[str, ...],
-              record_ids: bool) -> None:
+              record_ids: bool) -> dict[str, float]:
+        """Returns where the time went: forming the process group, then building the rank."""
+        t0 = time.perf_counter()
         spec = JobSpec.model_validate_json(spec_json)
         self.rank, self.grace_s = rank, spec.preemption.grace_s
         if spec.preemption.imds_url:
@@ -78,9 +81,11 @@ class RankActor:
             self.collective = TorchCollective(init_method, rank, world_size, backend, spec.world.collective_timeout_s)
         else:
             self.collective = LocalCollective()
+        t1 = time.perf_counter()
         self.runner = RankRunner(spec, rank=rank, world_size=world_size, attempt=attempt, lineage_id=lineage_id,
                                  recovery_label=recovery_label, collective=self.collective,
                                  restore_mode=restore_mode, drop=drop, record_ids=record_ids)
+        return {"process_group_seconds": t1 - t0, "rank_setup_seconds": time.perf_counter() - t1}
 
     def restore(self, bundle_key: str, storage_uri: str | None, reset: tuple[str, ...]) -> tuple[float, list[str]]:
         return self.runner.restore(bundle_key, storage_uri=storage_uri, reset=reset)
@@ -122,6 +127,7 @@ class RayGroup:
     def __init__(self, spec: JobSpec, world_size: int, *, attempt: int, lineage_id: str, recovery_label: str,
                  restore_mode: str | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,
                  placement_timeout_s: float = 60.0) -> None:
+        t0 = time.perf_counter()
         self.world_size = world_size
         w = spec.world
         bundle = {"CPU": w.cpus_per_rank, **({"GPU": w.num_gpus_per_rank} if w.num_gpus_per_rank else {})}
@@ -145,11 +151,17 @@ class RayGroup:
         ]
         self.where = self._call([a.where.remote() for a in self.actors])
         self.node_ids = [w_["node_id"] for w_ in self.where]
+        placement = time.perf_counter() - t0
         port = self._call([self.actors[0].free_port.remote()])[0]
         init_method = f"tcp://{self.where[0]['ip']}:{port}"
         spec_json = spec.model_dump_json()
-        self._call([a.setup.remote(spec_json, r, world_size, init_method, attempt, lineage_id, recovery_label,
-                                   restore_mode, drop, record_ids) for r, a in enumerate(self.actors)])
+        setups = self._call([a.setup.remote(spec_json, r, world_size, init_method, attempt, lineage_id,
+                                            recovery_label, restore_mode, drop, record_ids)
+                             for r, a in enumerate(self.actors)])
+        # Recorded in AttemptStarted: where this attempt's start-up time went (slowest rank for each part).
+        self.timings = {"placement_seconds": round(placement, 4)}
+        for k in ("process_group_seconds", "rank_setup_seconds"):
+            self.timings[k] = round(max(s[k] for s in setups), 4)
 
     def _call(self, refs: list[Any], timeout: float | None = POLL_TIMEOUT_S) -> list[Any]:
         """``ray.get`` each rank's ref (``refs[r]`` belongs to rank r), turning a lost actor into

@@ -102,6 +102,7 @@ class Recovering:
     world_size: int
     last_update: int
     lost: RankLost
+    detected_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
 
 @dataclass
@@ -141,6 +142,7 @@ class Supervisor:
                  trace_path: str | None = None, record_ids: bool = False,
                  init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = (),
                  drain_source: Callable[[], set[str]] | None = None,
+                 request_capacity: Callable[[int], None] = lambda ranks: None,
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
         self.make_group = make_group
@@ -160,9 +162,13 @@ class Supervisor:
         self._faults: FaultInjector | None = None
         self.notices: queue.Queue[Notice] = queue.Queue()  # the driver's own watchers and tests feed it
         self.drain_source = drain_source  # node ids Ray reports as draining
+        # Ask an autoscaler for the largest allowed world while placing (a waiting supervisor that
+        # asks for nothing would never see a scaled-to-zero spot pool grow); cleared at the end.
+        self.request_capacity = request_capacity
         self._drain_checked = float("-inf")
         self._seen_notices: set[tuple] = set()
         self.sec_per_update: float | None = None  # measured, to judge whether a deadline leaves time
+        self._rank_retries: dict[tuple[int, int], int] = {}  # (attempt, rank) -> storage retries
         self.publisher = Publisher(self.storage, self.ledger, spec.job_id, spec.checkpoint.keep_last,
                                    after_publish=lambda u: self._faults and self._faults.hit("after_publish", u))
 
@@ -178,6 +184,7 @@ class Supervisor:
                 state = self.step(state)
         finally:
             restore_signals()
+            self.request_capacity(0)
             if self.trace:
                 self.trace.close()
         if isinstance(state, Stopped):
@@ -186,7 +193,8 @@ class Supervisor:
         if isinstance(state, Failed):
             self.ledger.append(JobFailed(attempt=max(self.attempts, 1), reason=state.reason))
             raise state.error if state.error is not None else JobFailedError(state.reason)
-        self.ledger.append(JobFinished(attempt=self.attempts, counters=state.counters))
+        self.ledger.append(JobFinished(attempt=self.attempts, counters=state.counters,
+                                       storage_retries=self.publisher.storage_retries))
         return Outcome("finished", state.counters, self.attempts, self.restarts, published=self._keys(),
                        restored_from=self.restored_from)
 
@@ -219,6 +227,7 @@ class Supervisor:
         return [r.key for r in list_bundles(self.storage, self.spec.job_id) if r.published]
 
     def _placing(self, st: Placing) -> State:
+        self.request_capacity(self.spec.max_world)
         decision = policy.decide(self.spec, self.capacity(), st.waited_s)
         if decision.action == "raise":
             self._capacity_event(st, decision.world_size or 0, "timed-out")
@@ -267,7 +276,7 @@ class Supervisor:
         def started() -> None:
             self.ledger.append(AttemptStarted(attempt=self.attempts, world_size=size, node_ids=group.node_ids,
                                               rank_pids=group.pids(), pid=os.getpid(),
-                                              lineage_id=self.lineage_id))
+                                              lineage_id=self.lineage_id, **getattr(group, "timings", {})))
 
         if not candidates and self.init_from:
             uri, key = self.init_from
@@ -276,8 +285,10 @@ class Supervisor:
             self.ledger.append(InitializedFrom(attempt=self.attempts, bundle=f"{uri}/{key}", reset=list(self.reset)))
             log.info("new lineage %s from %s in %.3fs", self.lineage_id, key, seconds)
             return 0
+        t0 = self.clock()
         key, result, _ = first_that_loads(candidates, group.restore, on_reject=lambda r: self.ledger.append(
             BundleRejected(attempt=self.attempts, bundle=r.bundle_key, reason=r.reason)))
+        restore_wall = self.clock() - t0
         started()
         if key is None:
             return 0
@@ -291,6 +302,7 @@ class Supervisor:
             attempt=self.attempts, bundle=key, update=update, recovery_label=label,
             policy=self.spec.world.policy, restore_mode=policy.restore_mode(self.spec),
             restore_seconds=seconds, lost_updates=lost, cause=st.cause or "resumed", roundtrip_mismatches=mismatches,
+            restore_wall_seconds=round(restore_wall, 4),
             world_size_before=st.world_before if st.world_before is not None else manifest.world.size,
             world_size_after=size))
         self.restored_from = self.restored_from or key
@@ -400,17 +412,22 @@ class Supervisor:
         if progressed > st.last_update or st.progress_at is None:
             st.progress_at = now
         for r in reports:
+            self._rank_retries[(st.attempt, r.rank)] = r.storage_retries
             st.last_update = max(st.last_update, r.last_update)
             for record in r.records:
                 if self.trace:
                     self.trace.write(record)
+        self.publisher.retries_elsewhere = sum(self._rank_retries.values())
         self.published += self.publisher.collect([b for r in reports for b in r.bundles], st.world_size)
 
     def _recovering(self, st: Recovering) -> State:
+        t0 = self.clock()
         st.group.teardown()
+        teardown = self.clock() - t0
         lost = st.lost
         self.ledger.append(WorkerLost(attempt=st.attempt, rank=lost.rank, node_id=lost.node_id, cause=lost.cause,
-                                      detail=lost.detail, last_update=st.last_update))
+                                      detail=lost.detail, last_update=st.last_update, detected_at=st.detected_at,
+                                      teardown_seconds=round(teardown, 4)))
         self.restarts += 1
         if self.restarts > self.spec.world.max_restarts:
             return Failed(f"rank {lost.rank} lost ({lost.cause}) and the job already restarted "

@@ -52,6 +52,7 @@ class Report:
     records: list[UpdateRecord] = field(default_factory=list)  # rank 0 only
     bundles: list[BundleReport] = field(default_factory=list)
     state: str = "running"  # running | finished | stopped | aborted
+    storage_retries: int = 0  # transient storage errors this rank retried so far (cumulative)
 
 
 class RankRunner:
@@ -91,7 +92,8 @@ class RankRunner:
 
         ``storage_uri`` names another job's storage (``--init-from``): the bundle may then
         belong to another job, and ``reset`` lists what the new lineage starts afresh."""
-        storage = open_storage(storage_uri) if storage_uri else self.storage
+        # Another job's storage is assumed to sit behind the same endpoint as this job's.
+        storage = open_storage(storage_uri, self.spec.storage_endpoint_url) if storage_uri else self.storage
         bundle = load_bundle(storage, bundle_key, self.session.desc, same_job=storage_uri is None)
         seconds = self.session.restore(bundle)
         mismatches = [] if storage_uri is not None else self.session.roundtrip(bundle)
@@ -115,6 +117,7 @@ class RankRunner:
         with self._lock:
             report, self._report = self._report, Report(rank=self.rank, last_update=self._report.last_update,
                                                         state=self._report.state)
+        report.storage_retries = getattr(self.storage, "retries", 0)  # the S3 metric sink shares this storage
         return report
 
     # -- the loop -----------------------------------------------------------------------

@@ -230,6 +230,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 class _ProxyServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # several ranks with parallel metric writers connect at once
 
     def __init__(self, upstream: str, rate: float, seed: int, faults: tuple[str, ...],
                  script: list[str | None]) -> None:

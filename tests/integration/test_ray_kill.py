@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import ray
 
+from tests.helpers.ray_local import local_ray
 from tests.conftest import make_spec
 from trainer.bundle import list_bundles
 from trainer.storage import open_storage
@@ -21,10 +21,9 @@ SETS = ("world.size=2", "train.updates=30", "checkpoint.every_updates=5", "data.
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def ray_for_module():
+    with local_ray():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
-import ray
 
+from tests.helpers.ray_local import local_ray
 from tests.conftest import ROOT, make_spec
 from tests.helpers.imds import Imds
 from tests.helpers.runs import lines, run_cmd, run_to_end
@@ -39,10 +39,9 @@ def imds():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def ray_for_module():
+    with local_ray():
+        yield
 
 
 @pytest.fixture(scope="module")
