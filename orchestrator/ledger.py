@@ -58,6 +58,7 @@ class Restored(_Event):
     # The restore oracle: state categories that differed from the bundle right after the
     # restore ("rank r: category"); empty when the restore was faithful.
     roundtrip_mismatches: list[str] = []
+    repeated_occurrences: int = 0  # bounded-repetition: occurrences this restore delivers again (<= max_repeat)
 
 
 class InitializedFrom(_Event):

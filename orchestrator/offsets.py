@@ -1,10 +1,13 @@
-"""External reader offsets, committed after a bundle is published.
+"""Reader offsets, committed after a bundle is published.
 
-Other systems (retention of consumed shards, a producer's dashboard) may trust
-``<job_id>/offsets/``: an entry appears only for a published bundle, entries
-are create-only and keyed by the bundle's update, and the newest entry never
-moves backwards. A restore re-commits the restored bundle's offsets if the
-store lags behind it (the job died between publish and commit).
+Two stores, one rule. ``<job_id>/offsets/`` in the job's storage holds the data
+cursor of every published bundle; with a streaming reader (``data.order:
+sequential``) the per-shard record offsets are also committed under the source
+itself, ``<data.shards>/_consumers/<job_id>/``, where other systems (retention of
+consumed shards, a producer's dashboard) look. An entry appears only for a
+published bundle, entries are create-only and keyed by the bundle's update, and
+the newest entry never moves backwards. A restore re-commits the restored
+bundle's offsets if a store lags behind it (the job died between publish and commit).
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from trainer.storage import Storage
 
 
 class OffsetsStore:
-    def __init__(self, storage: Storage, job_id: str) -> None:
+    def __init__(self, storage: Storage, job_id: str, *, under_source: bool = False) -> None:
         self.storage = storage
-        self.prefix = f"{job_id}/offsets/"
+        self.prefix = f"_consumers/{job_id}/" if under_source else f"{job_id}/offsets/"
 
     def latest(self) -> dict[str, Any] | None:
         keys = [k for k in self.storage.list(self.prefix) if k.endswith(".json")]
@@ -37,6 +40,7 @@ class OffsetsStore:
             "lineage_id": manifest.lineage_id,
             "dataset_version": manifest.data.dataset_version,
             "cursor": manifest.data.cursor.model_dump(),
-            "sources": manifest.data.source_offsets,
+            "epoch": manifest.data.cursor.epoch,
+            "records_consumed": manifest.data.source_offsets,
         }
         return self.storage.put_new(f"{self.prefix}u{update:010d}.json", json.dumps(entry, indent=2).encode())

@@ -52,6 +52,9 @@ def recovery_label(spec: JobSpec, size_before: int | None, size_after: int) -> s
 
 
 def restore_mode(spec: JobSpec) -> str:
+    """How the data planner restores: the data side of the contract decides."""
     if spec.world.policy == "fresh-epoch" or spec.data.recovery == "fresh-epoch":
         return "fresh-epoch"
+    if spec.data.recovery == "bounded-repetition":
+        return "bounded-repetition"
     return spec.checkpoint.restore_mode

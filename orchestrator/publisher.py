@@ -23,12 +23,13 @@ from orchestrator.offsets import OffsetsStore
 
 class Publisher:
     def __init__(self, storage: Storage, ledger: Ledger, job_id: str, keep_last: int,
-                 after_publish: Callable[[int], None] = lambda update: None) -> None:
+                 after_publish: Callable[[int], None] = lambda update: None,
+                 source_offsets: OffsetsStore | None = None) -> None:
         self.storage = storage
         self.ledger = ledger
         self.job_id = job_id
         self.keep_last = keep_last
-        self.offsets = OffsetsStore(storage, job_id)
+        self.offsets = [OffsetsStore(storage, job_id), *([source_offsets] if source_offsets else [])]
         self.after_publish = after_publish  # a fault-injection seam between commit point and offsets
         self._reports: dict[str, list[BundleReport]] = defaultdict(list)
         self.retries_elsewhere = 0  # storage retries the ranks reported (the supervisor keeps it current)
@@ -71,8 +72,8 @@ class Publisher:
         return getattr(self.storage, "retries", 0) + self.retries_elsewhere
 
     def commit_offsets(self, manifest: Manifest, bundle_key: str, attempt: int, recommit: bool = False) -> bool:
-        """Commit the bundle's offsets unless the store already holds them (or newer)."""
-        if not self.offsets.commit(manifest):
+        """Commit the bundle's offsets to every store that does not hold them (or newer) yet."""
+        if not any([store.commit(manifest) for store in self.offsets]):  # a list: commit to all
             return False
         self.ledger.append(OffsetsCommitted(attempt=attempt, bundle=bundle_key,
                                             update=manifest.counters.attempted_updates, recommit=recommit))

@@ -32,6 +32,7 @@ from tenacity import RetryCallState, wait_exponential_jitter
 
 from trainer.bundle import BundleCorrupt, BundleIncompatible, first_that_loads, list_bundles, read_manifest
 from trainer.counters import Counters
+from trainer.data.listing import open_source
 from trainer.faults import FaultInjector
 from trainer.manifest import Manifest, UnknownSchemaError
 from trainer.spec import JobSpec
@@ -55,6 +56,7 @@ from orchestrator.ledger import (
     TopologyChanged,
     WorkerLost,
 )
+from orchestrator.offsets import OffsetsStore
 from orchestrator.publisher import Publisher
 
 log = logging.getLogger("spotrun.supervisor")
@@ -169,8 +171,13 @@ class Supervisor:
         self._seen_notices: set[tuple] = set()
         self.sec_per_update: float | None = None  # measured, to judge whether a deadline leaves time
         self._rank_retries: dict[tuple[int, int], int] = {}  # (attempt, rank) -> storage retries
+        source = None
+        if spec.data.order == "sequential":  # a streaming reader: its offsets also go under the source
+            source = OffsetsStore(open_source(spec.data.shards, spec.storage_endpoint_url), spec.job_id,
+                                  under_source=True)
         self.publisher = Publisher(self.storage, self.ledger, spec.job_id, spec.checkpoint.keep_last,
-                                   after_publish=lambda u: self._faults and self._faults.hit("after_publish", u))
+                                   after_publish=lambda u: self._faults and self._faults.hit("after_publish", u),
+                                   source_offsets=source)
 
     # -- driving --------------------------------------------------------------------------
 
@@ -302,6 +309,8 @@ class Supervisor:
             attempt=self.attempts, bundle=key, update=update, recovery_label=label,
             policy=self.spec.world.policy, restore_mode=policy.restore_mode(self.spec),
             restore_seconds=seconds, lost_updates=lost, cause=st.cause or "resumed", roundtrip_mismatches=mismatches,
+            repeated_occurrences=(manifest.data.repeats_on_restore
+                                  if self.spec.data.recovery == "bounded-repetition" else 0),
             restore_wall_seconds=round(restore_wall, 4),
             world_size_before=st.world_before if st.world_before is not None else manifest.world.size,
             world_size_after=size))

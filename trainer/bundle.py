@@ -149,7 +149,8 @@ def versions() -> Versions:
 
 def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lineage_id: str,
                    attempt: int, recovery_label: str, files: list[FileEntry], accum_steps: int,
-                   prefetched_ahead: int, stall_seconds: float, write_seconds: float) -> Manifest:
+                   prefetched_ahead: int, stall_seconds: float, write_seconds: float,
+                   source_offsets: dict[str, int] | None = None) -> Manifest:
     spec = state.spec
     return Manifest(
         schema_version=SCHEMA_VERSION,
@@ -168,7 +169,8 @@ def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lin
         optimizer=desc.optimizer,
         data=DataInfo(dataset_version=desc.dataset_version, tokenizer_version=desc.tokenizer_version,
                       records=desc.records, cursor=Cursor(**state.planner_state["cursor"]),
-                      prefetched_ahead=prefetched_ahead),
+                      prefetched_ahead=prefetched_ahead, source_offsets=source_offsets or {},
+                      repeats_on_restore=state.planner_state["low_water"]["repeats"]),
         world=WorldInfo(size=state.world_size, accum_steps=accum_steps,
                         micro_batch=spec.train.micro_batch, policy=spec.world.policy),
         precision=Precision(stored="fp32", compute=spec.train.precision,

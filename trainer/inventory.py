@@ -182,6 +182,7 @@ LOCATIONS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("rank-0/state.json", ("scheduler",), "scheduler"),
     ("rank-0/state.json", ("scaler",), "grad_scaler"),
     ("rank-0/state.json", ("planner", "cursor"), "data_cursor"),
+    ("rank-0/state.json", ("planner", "low_water"), "data_cursor"),
     ("rank-0/state.json", ("planner", "snapshot", "stream"), "shuffle_buffer"),
     ("rank-0/state.json", ("planner", "snapshot", "packer"), "packer_remainder"),
     ("rank-0/state.json", ("train_mode",), "train_mode"),
@@ -216,6 +217,9 @@ def _differences(a, b, keys: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return [] if a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) else [keys]
     return [] if a == b else [keys]
+
+
+DATA_CATEGORIES = frozenset({"data_cursor", "shuffle_buffer", "packer_remainder"})
 
 
 def roundtrip_mismatches(saved: dict[str, object], restored: dict[str, object]) -> list[str]:

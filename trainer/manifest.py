@@ -72,7 +72,8 @@ class DataInfo(_M):
     records: int
     cursor: Cursor
     prefetched_ahead: int  # micro-batches fetched past the cursor when saved; replayed on restore
-    source_offsets: dict[str, int] = {}  # external readers: committed position per source shard
+    source_offsets: dict[str, int] = {}  # streaming reader: records fully consumed per shard (this epoch)
+    repeats_on_restore: int = 0  # occurrences a bounded-repetition restore from here delivers again
 
 
 class Versions(_M):

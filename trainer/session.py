@@ -20,7 +20,7 @@ from trainer.data.loader import PlanSampler, SequenceDataset, make_loader
 from trainer.data.planner import RestoreMode
 from trainer.data.tokenizer import CharTokenizer
 from trainer.faults import FaultInjector
-from trainer.inventory import BY_NAME, roundtrip_mismatches
+from trainer.inventory import BY_NAME, DATA_CATEGORIES, roundtrip_mismatches
 from trainer.loop import GradSync, TrainLoop
 from trainer.optim import build_scheduler
 from trainer.spec import JobSpec
@@ -37,7 +37,7 @@ class TrainSession:
         self.world_size = world_size
         self.attempt = attempt
         self.accum_steps = spec.accum_steps_for(world_size)
-        self.listing = scan(spec.data.shards)
+        self.listing = scan(spec.data.shards, spec.storage_endpoint_url)
         self.tokenizer = CharTokenizer(spec.data.vocab)
         self.state = TrainState(spec, self.listing, self.tokenizer, rank, world_size,
                                 restore_mode or spec.checkpoint.restore_mode)
@@ -76,7 +76,17 @@ class TrainSession:
             return []
         capture = self.state.capture()
         restored = {**capture.torch_files, **capture.json_files}
-        return roundtrip_mismatches(bundle.payloads, restored)
+        found = roundtrip_mismatches(bundle.payloads, restored)
+        if self.state.planner.restore_mode in ("bounded-repetition", "fresh-epoch"):
+            found = [c for c in found if c not in DATA_CATEGORIES]  # the data side moves on purpose
+        return found
+
+    def source_offsets(self) -> dict[str, int]:
+        """Per-shard record offsets a streaming reader has fully consumed at the last consumed
+        update (sequential order only; a permuted order has no meaningful per-shard position)."""
+        if self.spec.data.order != "sequential":
+            return {}
+        return self.listing.shard_offsets(self.state.planner_state["low_water"]["position"])
 
     RESETTABLE = ("optimizer", "scheduler", "data")
 

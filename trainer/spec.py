@@ -62,6 +62,9 @@ class DataSpec(_Strict):
     mask_prob: float = Field(0.1, ge=0.0, le=1.0)
     recovery: Literal["exact", "bounded-repetition", "fresh-epoch"] = "exact"
     max_repeat: int = Field(0, ge=0)
+    # permuted: a fresh permutation each epoch. sequential: the order a streaming reader delivers
+    # (shards by name, lines in order), with per-shard offsets committed under the source.
+    order: Literal["permuted", "sequential"] = "permuted"
 
     @model_validator(mode="after")
     def _check(self) -> DataSpec:
@@ -72,6 +75,9 @@ class DataSpec(_Strict):
                 "data.recovery=bounded-repetition needs data.max_repeat > 0 "
                 "(the most occurrences a restore may repeat)"
             )
+        if self.recovery == "bounded-repetition" and self.order != "sequential":
+            raise ValueError("data.recovery=bounded-repetition resumes a streaming reader from its committed "
+                             "offsets: it needs data.order=sequential")
         return self
 
 
@@ -231,7 +237,7 @@ class JobSpec(_Strict):
             "seed": self.seed,
             "model": self.model.model_dump(mode="json"),
             "data": self.data.model_dump(
-                mode="json", include={"seq_len", "mask_prob", "shuffle_buffer", "vocab"}
+                mode="json", include={"seq_len", "mask_prob", "shuffle_buffer", "vocab", "order"}
             ),
             "train": self.train.model_dump(
                 mode="json", exclude={"updates", "threads"}

@@ -87,7 +87,9 @@ class TrainState:
         self.counters = CountersState()
         tokens = listing.chars_of + 1  # CharTokenizer.token_count: a token per char, plus EOS
         self.planner = Planner(tokens, spec.seed, spec.data.shuffle_buffer, spec.data.seq_len,
-                               spec.global_sequences, restore_mode)
+                               spec.global_sequences, restore_mode, sequential=spec.data.order == "sequential",
+                               max_repeat=spec.data.max_repeat if spec.data.recovery == "bounded-repetition"
+                               else None)
         self.rng = RngState()
         # The planner runs ahead (prefetch); this is its state after the last *consumed*
         # update, set by the loop from the batch that carried it. It is what a bundle saves.

@@ -131,9 +131,10 @@ class LocalStorage:
         base.rmdir()
 
 
-def open_storage(uri: str, endpoint_url: str | None = None) -> Storage:
+def open_storage(uri: str, endpoint_url: str | None = None, *, check: bool = True) -> Storage:
     """``file://path`` (relative paths are relative to the working directory), a plain path, or
-    ``s3://bucket/prefix`` (``endpoint_url`` for S3-compatible services), checked before it is returned."""
+    ``s3://bucket/prefix`` (``endpoint_url`` for S3-compatible services), checked before it is returned
+    (``check=False``: for reading only, without the write probe)."""
     parsed = urlparse(uri)
     if parsed.scheme in ("", "file"):
         path = uri[len("file://"):] if uri.startswith("file://") else uri
@@ -142,7 +143,8 @@ def open_storage(uri: str, endpoint_url: str | None = None) -> Storage:
         from trainer.s3 import S3Storage  # boto3 is imported only when S3 is used
 
         s3 = S3Storage(uri, endpoint_url)
-        s3.check()
+        if check:
+            s3.check()
         return s3
     raise StorageError(f"storage={uri!r}: scheme {parsed.scheme!r} is not supported; "
                        "use file://PATH or s3://BUCKET/PREFIX")

@@ -23,7 +23,7 @@ from trainer.data.packer import Occurrence, Packer, Span
 from trainer.data.shuffle import EpochStream
 from trainer.stateful import check_version
 
-RestoreMode = Literal["snapshot", "replay", "fresh-epoch"]
+RestoreMode = Literal["snapshot", "replay", "fresh-epoch", "bounded-repetition"]
 
 
 class Cursor(BaseModel):
@@ -53,6 +53,9 @@ class Planner:
         seq_len: int,
         global_sequences: int,
         restore_mode: RestoreMode = "snapshot",
+        *,
+        sequential: bool = False,
+        max_repeat: int | None = None,
     ) -> None:
         if len(tokens) == 0:
             raise ValueError("the dataset has no record")
@@ -61,13 +64,19 @@ class Planner:
         self.buffer_size = buffer_size
         self.global_sequences = global_sequences
         self.restore_mode = restore_mode
+        self.sequential = sequential
+        self.max_repeat = max_repeat
         # A sequence holds seq_len inputs and their seq_len next-token targets.
         self.packer = Packer(seq_len + 1, lambda r: int(self.tokens[r]))
         self.reset()
 
+    def _stream(self, epoch: int) -> EpochStream:
+        return EpochStream(len(self.tokens), self.seed, epoch, self.buffer_size, sequential=self.sequential,
+                           max_repeat=self.max_repeat)
+
     def reset(self) -> None:
         """Back to the start of the stream: epoch 0, nothing drawn, no remainder."""
-        self.stream = EpochStream(len(self.tokens), self.seed, 0, self.buffer_size)
+        self.stream = self._stream(0)
         self.packer.current = None
 
     @property
@@ -77,7 +86,7 @@ class Planner:
     def _next_occurrence(self) -> Occurrence:
         record = self.stream.draw()
         while record is None:
-            self.stream = EpochStream(len(self.tokens), self.seed, self.stream.epoch + 1, self.buffer_size)
+            self.stream = self._stream(self.stream.epoch + 1)
             record = self.stream.draw()
         return Occurrence(self.stream.epoch, self.stream.draws - 1, record, 0)
 
@@ -91,11 +100,21 @@ class Planner:
             return Cursor(epoch=c.epoch, index=c.ordinal, offset=c.offset)
         return Cursor(epoch=self.stream.epoch, index=self.stream.draws, offset=0)
 
+    def low_water(self) -> tuple[int, int]:
+        """(epoch, position): the first record of the epoch's order not yet fully delivered."""
+        c = self.packer.current
+        return self.stream.epoch, self.stream.low_water(c.record if c is not None else None)
+
     def state_dict(self) -> dict[str, Any]:
+        c = self.packer.current
+        epoch, low = self.low_water()
         return {
             "version": self.VERSION,
             "cursor": self.cursor().model_dump(),
             "snapshot": {"stream": self.stream.state_dict(), "packer": self.packer.state_dict()},
+            # What an external reader without captured in-flight state resumes from (sequential order).
+            "low_water": {"epoch": epoch, "position": low,
+                          "repeats": self.stream.repeats(c.record if c is not None else None)},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -103,19 +122,33 @@ class Planner:
         check_version("data planner", state, self.VERSION)
         cursor = Cursor(**state["cursor"])
         if self.restore_mode == "fresh-epoch":
-            self.stream = EpochStream(len(self.tokens), self.seed, cursor.epoch + 1, self.buffer_size)
+            self.stream = self._stream(cursor.epoch + 1)
             self.packer.current = None
+        elif self.restore_mode == "bounded-repetition":
+            self._resume_from_low_water(state["low_water"])
         elif self.restore_mode == "snapshot":
             snap = state["snapshot"]
-            stream = EpochStream(len(self.tokens), self.seed, snap["stream"]["epoch"], self.buffer_size)
+            stream = self._stream(snap["stream"]["epoch"])
             stream.load_state_dict(snap["stream"])
             self.stream = stream
             self.packer.load_state_dict(snap["packer"])
         else:
             self._replay(cursor)
 
+    def _resume_from_low_water(self, low: dict[str, int]) -> None:
+        """A reader that lost its buffer: read again from the committed offset with an empty buffer
+        and a generator of its own (the lost one cannot be recovered). Repeats at most the records
+        delivered above the offset (``low["repeats"]`` <= data.max_repeat), skips none."""
+        if not self.sequential:
+            raise ValueError("bounded-repetition restores need data.order=sequential (a streaming reader)")
+        stream = self._stream(low["epoch"])
+        stream.pos = low["position"]
+        stream.rng = np.random.Generator(np.random.PCG64([self.seed, low["epoch"], low["position"], 0x5EED]))
+        self.stream = stream
+        self.packer.current = None
+
     def _replay(self, cursor: Cursor) -> None:
-        self.stream = EpochStream(len(self.tokens), self.seed, cursor.epoch, self.buffer_size)
+        self.stream = self._stream(cursor.epoch)
         self.stream.fast_forward(cursor.index)
         self.packer.current = None
         if cursor.offset:

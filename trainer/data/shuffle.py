@@ -17,7 +17,11 @@ import numpy as np
 from trainer.stateful import check_version
 
 
-def epoch_order(n_records: int, seed: int, epoch: int) -> np.ndarray:
+def epoch_order(n_records: int, seed: int, epoch: int, sequential: bool = False) -> np.ndarray:
+    """``permuted``: a fresh permutation per epoch. ``sequential``: listing order, as a streaming
+    reader delivers it (shards by name, lines in order); the shuffle buffer alone mixes it."""
+    if sequential:
+        return np.arange(n_records)
     return np.random.Generator(np.random.PCG64([seed, epoch, 0x0DE7])).permutation(n_records)
 
 
@@ -26,12 +30,17 @@ class EpochStream:
 
     VERSION = 1
 
-    def __init__(self, n_records: int, seed: int, epoch: int, buffer_size: int) -> None:
+    def __init__(self, n_records: int, seed: int, epoch: int, buffer_size: int, *, sequential: bool = False,
+                 max_repeat: int | None = None) -> None:
         self.n_records = n_records
         self.seed = seed
         self.epoch = epoch
         self.buffer_size = buffer_size
-        self.order = epoch_order(n_records, seed, epoch)
+        self.sequential = sequential
+        # bounded-repetition: a restore from the low-water mark repeats the records delivered above
+        # it; the buffer keeps that number at most max_repeat (see draw).
+        self.max_repeat = max_repeat
+        self.order = epoch_order(n_records, seed, epoch, sequential)
         self.pos = 0
         self.buffer: list[int] = []
         self.rng = np.random.Generator(np.random.PCG64([seed, epoch, 0xB0FF]))
@@ -49,12 +58,31 @@ class EpochStream:
             if not self.buffer:
                 return None
             i = int(self.rng.integers(len(self.buffer)))
+            if self.max_repeat is not None and self.repeats_after_draw() >= self.max_repeat:
+                i = self.buffer.index(min(self.buffer))  # the oldest record now, so the low-water mark moves
             record = self.buffer[i]
             self.buffer[i] = self.buffer[-1]
             self.buffer.pop()
             self._fill()  # keep the buffer full at boundaries: its contents are the state
         self.draws += 1
         return record
+
+    def low_water(self, current: int | None = None) -> int:
+        """Position (in this epoch's order) of the first record not yet fully delivered: a streaming
+        reader's committed offset. ``current`` is a record the packer holds partly delivered."""
+        pending = [*self.buffer, *([] if current is None else [current])]
+        return min(pending) if pending else self.pos
+
+    def repeats(self, current: int | None = None) -> int:
+        """Records a restore from :meth:`low_water` would deliver again (delivered, yet above it)."""
+        held = len(self.buffer)  # sequential order: positions are record indices
+        return self.pos - self.low_water(current) - held
+
+    def repeats_after_draw(self) -> int:
+        """:meth:`repeats` right after the next draw and refill, whichever record it takes: the drawn
+        record stays pending in the packer, so the low-water mark is still the buffer's minimum."""
+        refill = 1 if self.pos < self.n_records else 0
+        return (self.pos + refill) - min(self.buffer) - (len(self.buffer) - 1 + refill)
 
     def _fill(self) -> None:
         while len(self.buffer) < self.buffer_size and self.pos < self.n_records:

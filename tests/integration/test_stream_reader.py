@@ -1,0 +1,125 @@
+"""The streaming reader (data.order=sequential): offsets committed under the source, exact restores
+stay exact, bounded-repetition restores repeat at most max_repeat occurrences and skip none, and
+shards may live in an S3 bucket."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import defaultdict
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.helpers.runs import run_cmd, run_to_end
+from tests.helpers.s3 import DUMMY_CREDENTIALS, MotoServer
+from trainer.bundle import list_bundles, read_manifest
+from trainer.data.listing import scan
+from trainer.storage import LocalStorage, open_storage
+from trainer.trace import first_divergence, latest_per_update, read_trace
+
+from orchestrator.ledger import Ledger, Restored
+
+pytestmark = pytest.mark.slow
+STREAM = ("data.order=sequential", "train.updates=30", "checkpoint.every_updates=4", "data.shuffle_buffer=16")
+
+
+@pytest.fixture
+def data(tmp_path):
+    """A private copy of the shards: the reader commits its offsets under the source."""
+    shutil.copytree(ROOT / "configs/data/tiny", tmp_path / "data")
+    return tmp_path / "data"
+
+
+def cmd(tmp_path, data, job, trace, *sets):
+    return [*run_cmd(tmp_path / "runs", job, trace, *STREAM, *sets)[:-1], "--set", f"data.shards={data}", "--no-ray"]
+
+
+def coverage(records) -> dict[str, list[tuple[int, int]]]:
+    spans = defaultdict(list)
+    for r in records.values():
+        for oid in r.occurrences:
+            name, _, rng = oid.partition("[")
+            spans[name].append(tuple(int(x) for x in rng.rstrip("]").split(":")))
+    return spans
+
+
+def test_sequential_exact_restore_and_offsets_under_the_source(tmp_path, data):
+    ref_trace, trace = tmp_path / "ref.jsonl", tmp_path / "t.jsonl"
+    assert run_to_end(cmd(tmp_path, data, "ref", ref_trace)).returncode == 0
+    killed = cmd(tmp_path, data, "k", trace, "faults=[{site: microstep, update: 11, microstep: 1}]")
+    assert run_to_end(killed).returncode == -9
+    assert run_to_end(killed).returncode == 0
+    final = latest_per_update(read_trace(trace))
+    assert first_divergence(read_trace(ref_trace), list(final.values())) is None  # exact stays exact
+    consumers = LocalStorage(data)
+    entries = [json.loads(consumers.get(k)) for k in consumers.list("_consumers/k")]
+    updates = [e["update"] for e in entries]
+    assert updates == sorted(updates) and updates[-1] == 30  # never backwards, up to the final bundle
+    storage = LocalStorage(tmp_path / "runs")
+    final_manifest = read_manifest(storage, next(r for r in list_bundles(storage, "k") if r.published).key)
+    assert entries[-1]["records_consumed"] == final_manifest.data.source_offsets
+    consumed = sum(entries[-1]["records_consumed"].values())
+    assert 0 < consumed <= len(scan(data)) and list(entries[-1]["records_consumed"]) == sorted(
+        p.name for p in data.glob("*.jsonl"))
+
+
+def test_bounded_repetition_repeats_at_most_max_repeat_and_skips_nothing(tmp_path, data):
+    trace = tmp_path / "t.jsonl"
+    faults = ("faults=[{site: microstep, update: 13, microstep: 1, attempt: 1}, "
+              "{site: backward, update: 21, attempt: 2}, {site: before_update, update: 27, attempt: 3}]")
+    job = cmd(tmp_path, data, "b", trace, "data.recovery=bounded-repetition", "data.max_repeat=6", faults)
+    codes = [run_to_end(job).returncode for _ in range(4)]
+    assert codes == [-9, -9, -9, 0]
+    events = Ledger(LocalStorage(tmp_path / "runs"), "b").read()
+    restores = [e for e in events if isinstance(e, Restored)]
+    assert len(restores) >= 2  # a kill can land before the driver published the newest bundle: then fewer
+    assert all(r.recovery_label == "exact+bounded-repetition" for r in restores)
+    assert all(0 <= r.repeated_occurrences <= 6 for r in restores)
+    assert any(r.repeated_occurrences > 0 for r in restores), "the restores should really repeat something"
+    final = latest_per_update(read_trace(trace))
+    assert sorted(final) == list(range(1, 31))
+    listing = scan(data)
+    lengths = {f"0/{listing.record_key(i)}": int(listing.chars_of[i]) + 1 for i in range(len(listing))}
+    spans = coverage(final)
+    repeated = set()
+    for name, parts in spans.items():
+        covered = set()
+        for a, b in parts:
+            if covered & set(range(a, b)):
+                repeated.add(name)
+            covered |= set(range(a, b))
+        assert min(covered) == 0 and covered == set(range(max(covered) + 1)), f"{name} has a gap: {parts}"
+    # every record delivered before the last one started is complete: nothing skipped
+    delivered = [n for n in spans if max(b for _, b in spans[n]) == lengths[n]]
+    assert len(delivered) >= len(spans) - 1
+    assert len(repeated) <= sum(r.repeated_occurrences for r in restores)
+
+
+def test_shards_in_an_s3_bucket(tmp_path):
+    env = {**DUMMY_CREDENTIALS, "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    with MotoServer() as moto:
+        bucket = moto.new_bucket()
+        client = moto.client(aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                             aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+        for shard in sorted((ROOT / "configs/data/tiny").glob("*.jsonl")):
+            client.put_object(Bucket=bucket, Key=f"corpus/{shard.name}", Body=shard.read_bytes())
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            local = scan(ROOT / "configs/data/tiny")
+            remote = scan(f"s3://{bucket}/corpus", moto.url)
+            assert remote.version == local.version and len(remote) == len(local)
+            assert [remote.read_text(i) for i in (0, 57, len(remote) - 1)] == [
+                local.read_text(i) for i in (0, 57, len(local) - 1)]
+            trace = tmp_path / "t.jsonl"
+            job = [*run_cmd(tmp_path / "runs", "s3data", trace, *STREAM)[:-1], "--no-ray",
+                   "--set", f"data.shards=s3://{bucket}/corpus", "--set", f"storage_endpoint_url={moto.url}"]
+            done = run_to_end(job)
+            assert done.returncode == 0, done.stderr
+            consumers = open_storage(f"s3://{bucket}/corpus", moto.url, check=False)
+            assert any(k.startswith("_consumers/s3data/") for k in consumers.list("_consumers"))
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
