@@ -204,14 +204,19 @@ def cmd_dashboard(a: argparse.Namespace) -> int:
     return 0
 
 
+def _job_arguments(p: argparse.ArgumentParser) -> None:
+    """What every command that starts a job takes: the spec, overrides, the job id."""
+    p.add_argument("config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec key")
+    p.add_argument("--job-id")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spotrun", description="Provably faithful restarts for preemptible training.")
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="run a job; resumes from its newest published bundle")
-    r.add_argument("config")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec key")
-    r.add_argument("--job-id")
+    _job_arguments(r)
     r.add_argument("--trace", metavar="PATH", help="append one JSON line per completed update")
     r.add_argument("--trace-ids", action="store_true", help="include the occurrence ids in --trace lines")
     r.add_argument("--address", help="an existing Ray cluster (default: an embedded local Ray)")
@@ -221,10 +226,8 @@ def parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("submit", help="run a job on a Ray cluster through its Jobs API")
-    s.add_argument("config")
+    _job_arguments(s)
     s.add_argument("--address", required=True, metavar="http://HEAD:8265", help="the cluster's dashboard")
-    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec key")
-    s.add_argument("--job-id")
     s.add_argument("--wait", action=argparse.BooleanOptionalAction, default=True,
                    help="follow the job until it ends; exit 0 only when it succeeded (default)")
     s.add_argument("--json", action="store_true")
@@ -244,11 +247,9 @@ def parser() -> argparse.ArgumentParser:
         h.set_defaults(func=func)
 
     f = sub.add_parser("verify", help="prove the recovery contract on this job: a reference run, then faults")
-    f.add_argument("config")
+    _job_arguments(f)
     f.add_argument("--kills", type=int, default=10, help="faults to inject (default 10)")
     f.add_argument("--seed", type=int, default=0, help="seed of the fault plan")
-    f.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    f.add_argument("--job-id")
     f.add_argument("--no-ray", action="store_true", help="world size 1 in this process, without Ray")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_verify)

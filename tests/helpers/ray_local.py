@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 
+import pytest
 import ray
 
 
@@ -18,3 +19,10 @@ def local_ray(num_cpus: int = 3, env: dict[str, str] | None = None):
         yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_for_module():
+    """Import into a test module and mark it ``usefixtures``/autouse to share one local Ray."""
+    with local_ray():
+        yield

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tests.helpers.ray_local import local_ray
+from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
 from tests.conftest import make_spec
 from trainer.bundle import list_bundles
 from trainer.storage import open_storage
@@ -16,14 +16,8 @@ from orchestrator.history import history
 from orchestrator.launch import run_on_ray
 from orchestrator.ledger import BundlePublished, BundleRejected, Ledger, Restored, WorkerLost
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
 SETS = ("world.size=2", "train.updates=30", "checkpoint.every_updates=5", "data.workers=1", "model.dropout=0.1")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_for_module():
-    with local_ray():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from tests.helpers.ray_local import local_ray
+from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
 from tests.conftest import ROOT, make_spec
 from tests.helpers.imds import Imds
 from tests.helpers.runs import lines, run_cmd, run_to_end
@@ -25,7 +25,7 @@ from orchestrator.history import history
 from orchestrator.launch import run_on_ray
 from orchestrator.ledger import AttemptStarted, Ledger, NoticeHandled, NoticeSeen, Restored
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
 # every_updates is large: the only bundles before the end are the ones notices ask for.
 SETS = ("world.size=2", "train.updates=30", "checkpoint.every_updates=100", "data.workers=1",
         "model.dropout=0.1", "preemption.imds_poll_s=0.05", "world.restart_backoff_s=0.1")
@@ -36,12 +36,6 @@ def imds():
     server = Imds()
     yield server
     server.close()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_for_module():
-    with local_ray():
-        yield
 
 
 @pytest.fixture(scope="module")
