@@ -20,6 +20,10 @@ test: venv
 demo: venv
 	$(PY) -m orchestrator.demo
 
+# Every benchmark, each printing its table; together they write bench/RESULTS.md (~6 min on 2 cores).
+bench: venv
+	$(PY) -m bench
+
 docs: venv
 	$(VENV)/bin/spotrun inventory --markdown --write docs/STATE.md
 

@@ -1,0 +1,44 @@
+"""``make bench``: run every bench in its own process, then assemble bench/RESULTS.md.
+
+    python -m bench            # the full set (about 6 minutes on 2 cores)
+    python -m bench --quick    # tiny runs, results under bench/.work/quick/
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+from bench.report import SECTIONS, assemble
+from bench.tables import BENCH, DEFAULT_RESULTS, WORK
+
+MODULES = {"1-checkpoint-stall": "bench.checkpoint_stall", "2-training-overhead": "bench.training_overhead",
+           "3-restart-cost": "bench.restart_cost", "4-ray-train-side-by-side": "bench.ray_train_side_by_side"}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", nargs="*", choices=list(MODULES), help="run these benches only")
+    args = p.parse_args()
+    out = WORK / "quick" if args.quick else DEFAULT_RESULTS
+    target = out / "RESULTS.md" if args.quick else BENCH / "RESULTS.md"
+    t0 = time.perf_counter()
+    failed = []
+    for name in SECTIONS:
+        if args.only and name not in args.only:
+            continue
+        print(f"\n=== {name} ===", flush=True)
+        cmd = [sys.executable, "-m", MODULES[name], "--out", str(out), *(["--quick"] if args.quick else [])]
+        if subprocess.run(cmd).returncode != 0:
+            failed.append(name)
+    total = time.perf_counter() - t0
+    assemble(out, target, None if args.only else total, failed)
+    print(f"\nwrote {target} ({total / 60:.1f} min){'; failed: ' + ', '.join(failed) if failed else ''}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The peer: the side-by-side job written as a Ray Train user writes it, run on ``TorchTrainer`` as installed.
+
+What it does, following Ray Train's "Saving and Loading Checkpoints" and
+"Handling Failures" guides (Ray Train V2, the default in Ray 2.60):
+
+- the same model (spotrun's ``CharGPT`` at the same size), optimizer (AdamW,
+  same learning rate) and global batch (2 workers × micro-batch 4 × 2
+  accumulation steps of ``seq_len + 1`` tokens) over the same records (the
+  corpus as one token stream cut into fixed-length chunks, nanoGPT-style);
+- ``prepare_model`` (DDP; ``no_sync`` while accumulating) and
+  ``prepare_data_loader`` over a shuffled ``DataLoader`` with one worker
+  process, ``sampler.set_epoch(epoch)`` at each epoch, as the guide shows;
+- every K steps rank 0 saves model, optimizer, step and epoch position with
+  ``torch.save`` into a temporary directory and every rank calls
+  ``ray.train.report(metrics, checkpoint=...)`` (rank 0 with the checkpoint,
+  the others with none); at start, ``ray.train.get_checkpoint()`` resumes;
+- a metric point per step is appended to a log, as a tracker's
+  ``log_metric(name, value, step)`` stores it.
+
+Resume of the data position (``resume``), the part users write themselves:
+
+- ``epoch-restart``: re-enter the saved epoch and iterate its ``DataLoader``
+  from the start — the docs' pattern (they checkpoint once per epoch and
+  resume at an epoch) applied to checkpoints taken inside an epoch;
+- ``skip-steps``: also skip the batches of the steps already done in the
+  saved epoch (``itertools.islice``-style), which is exact here because the
+  sampler's order is a function of (seed, epoch) and the world size is
+  unchanged.
+
+Each worker appends what it did to ``<out>/rank-<r>.jsonl`` (its starts with
+their pid, every step's sample ids and time, every checkpoint's blocking
+time) so that the bench can compare it with spotrun's run the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset
+
+
+class ChunkDataset(Dataset):
+    """Every record (listing order) tokenized with EOS, concatenated, cut into chunks of ``seq_len + 1``."""
+
+    def __init__(self, shards: str, vocab: str, seq_len: int) -> None:
+        from trainer.data.listing import scan
+        from trainer.data.tokenizer import CharTokenizer
+
+        listing = scan(shards)
+        self.tokenizer = CharTokenizer(vocab)
+        stream = np.concatenate([self.tokenizer.encode(listing.read_text(r)) for r in range(len(listing))])
+        n = len(stream) // (seq_len + 1)
+        self.chunks = torch.from_numpy(stream[: n * (seq_len + 1)].reshape(n, seq_len + 1))
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        c = self.chunks[i]
+        return c[:-1], c[1:], i
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _attempt(log: Path) -> int:
+    if not log.exists():
+        return 1
+    return 1 + sum(1 for line in log.read_text().splitlines() if '"event": "start"' in line)
+
+
+class Worker:
+    """One Ray Train worker's loop state (built inside ``train_func``)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        import ray.train
+        import ray.train.torch
+
+        from trainer.model import build_model
+        from trainer.spec import ModelSpec
+
+        self.c = config
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.log = Path(config["out"]) / f"rank-{self.rank}.jsonl"
+        self.attempt = _attempt(self.log)
+        _append(self.log, {"event": "start", "attempt": self.attempt, "pid": os.getpid(), "t": time.time()})
+        torch.set_num_threads(1)
+        torch.manual_seed(config["seed"])
+        dataset = ChunkDataset(config["shards"], config["vocab"], config["seq_len"])
+        self.vocab_size = dataset.tokenizer.size
+        model = build_model(ModelSpec(**config["model"]), self.vocab_size, config["seq_len"])
+        self.model = ray.train.torch.prepare_model(model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=config["lr"])
+        loader = DataLoader(dataset, batch_size=config["micro_batch"], shuffle=True,
+                            num_workers=config["workers"], drop_last=True)
+        self.loader = ray.train.torch.prepare_data_loader(loader)
+        self.steps_per_epoch = len(self.loader) // config["accum_steps"]
+        self.step, self.epoch, self.step_in_epoch = 0, 0, 0
+
+    def resume(self) -> None:
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return
+        with checkpoint.as_directory() as d:
+            state = torch.load(Path(d) / "state.pt", weights_only=True)
+        self.model.module.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.step, self.epoch, self.step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
+
+    def train(self) -> None:
+        while self.step < self.c["updates"]:
+            if self.world > 1:
+                self.loader.sampler.set_epoch(self.epoch)  # as the guide says
+            batches = iter(self.loader)
+            done = self.step_in_epoch if self.c["resume"] == "skip-steps" else 0
+            for _ in range(done * self.c["accum_steps"]):
+                next(batches)  # skipped: loaded and thrown away
+            for i in range(done, self.steps_per_epoch):
+                self.one_step(batches, i)
+                if self.step >= self.c["updates"]:
+                    return
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+
+    def one_step(self, batches, i: int) -> None:
+        c = self.c
+        if self.step + 1 == c["kill_at"] and self.rank == c["kill_rank"] and self.attempt == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # the preemption, at the same place as spotrun's
+        ids, losses = [], []
+        for m in range(c["accum_steps"]):
+            x, y, idx = next(batches)
+            sync = contextlib.nullcontext() if m == c["accum_steps"] - 1 else self.model.no_sync()
+            with sync:
+                loss = F.cross_entropy(self.model(x).reshape(-1, self.vocab_size), y.reshape(-1))
+                (loss / c["accum_steps"]).backward()
+            ids += [f"{self.epoch}/chunk{j}" for j in idx.tolist()]
+            losses.append(float(loss))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step, self.step_in_epoch = self.step + 1, i + 1
+        now = time.time()
+        _append(self.log, {"event": "step", "step": self.step, "attempt": self.attempt, "t": now, "ids": ids})
+        if self.rank == 0:  # the tracker: one appended point per step
+            _append(Path(c["out"]) / "metrics.jsonl", {"step": self.step, "name": "loss",
+                                                       "value": sum(losses) / len(losses), "t": now})
+        if self.step % c["every"] == 0 or self.step == c["updates"]:
+            self.checkpoint(sum(losses) / len(losses))
+
+    def checkpoint(self, loss: float) -> None:
+        import ray.train
+
+        t0 = time.perf_counter()
+        epoch, in_epoch = self.epoch, self.step_in_epoch
+        if in_epoch == self.steps_per_epoch:
+            epoch, in_epoch = epoch + 1, 0
+        metrics = {"loss": loss, "step": self.step}
+        if self.rank == 0:
+            with tempfile.TemporaryDirectory() as d:
+                torch.save({"model": self.model.module.state_dict(), "optimizer": self.opt.state_dict(),
+                            "step": self.step, "epoch": epoch, "step_in_epoch": in_epoch}, Path(d) / "state.pt")
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+        else:
+            ray.train.report(metrics, checkpoint=None)
+        _append(self.log, {"event": "checkpoint", "step": self.step, "attempt": self.attempt,
+                           "seconds": time.perf_counter() - t0})
+
+
+def train_func(config: dict[str, Any]) -> None:
+    worker = Worker(config)
+    worker.resume()
+    worker.train()
+
+
+def fit(config: dict[str, Any], storage: Path, name: str, max_failures: int = 3):
+    """Run ``train_func`` on ``TorchTrainer`` with FailureConfig and CheckpointConfig."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    trainer = TorchTrainer(
+        train_func, train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=config["world_size"], use_gpu=False),
+        run_config=RunConfig(name=name, storage_path=str(storage),
+                             failure_config=FailureConfig(max_failures=max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=3)),
+    )
+    return trainer.fit()

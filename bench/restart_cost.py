@@ -1,0 +1,248 @@
+"""Bench 3 — what a restart costs, component by component, for both data restore modes.
+
+- **Data cursor restore**, measured directly on the ``Planner``: a synthetic
+  dataset of 1.2 M records is advanced once to cursor positions of 10³, 10⁴,
+  10⁵ and 10⁶ occurrences (the state saved at each, through JSON as in a
+  bundle's ``state.json``); then ``load_state_dict`` is timed on fresh planners
+  in ``snapshot`` mode (O(shuffle buffer)) and ``replay`` mode (O(position)),
+  and both are checked to give the same next update.
+- **Everything else**, from one real SIGKILL of rank 1 of a 2-rank job on local
+  Ray per mode: the kill time is seen from outside (``/proc`` polling), the
+  rest comes from the ledger's timestamps and timing fields (``WorkerLost``,
+  ``AttemptStarted``, ``Restored``) and the rank's timestamped metric points.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.observe import DeathWatch
+from bench.runs import first_attempt_pid
+from bench.tables import ROOT, WORK, Section, Stopwatch, Table, cli, fmt, median, pct, ratio
+from trainer.data.planner import Planner
+
+MODES = ("snapshot", "replay")
+FLAT_TARGET = 2.0
+
+
+@dataclass(frozen=True)
+class PlannerSetup:
+    records: int
+    positions: tuple[int, ...]
+    reps: dict[str, int]
+    seq_len: int = 128  # as configs/gpt-char.yaml
+    buffer: int = 256
+    global_sequences: int = 32
+
+
+FULL_PLANNER = PlannerSetup(1_200_000, (10**3, 10**4, 10**5, 10**6), {"snapshot": 7, "replay": 3})
+QUICK_PLANNER = PlannerSetup(20_000, (10**2, 10**3, 10**4), {"snapshot": 2, "replay": 1})
+
+
+def synthetic_tokens(records: int) -> np.ndarray:
+    """Token counts per record, 16..400 (mean ~208, so a sequence of 129 tokens spans ~1.6 records)."""
+    return np.random.default_rng(1234).integers(16, 400, size=records, dtype=np.int64)
+
+
+def planner(tokens: np.ndarray, setup: PlannerSetup, mode: str) -> Planner:
+    return Planner(tokens, seed=0, buffer_size=setup.buffer, seq_len=setup.seq_len,
+                   global_sequences=setup.global_sequences, restore_mode=mode)
+
+
+def advance(tokens: np.ndarray, setup: PlannerSetup) -> dict[int, dict[str, Any]]:
+    """Plan updates until the cursor passes each position; the saved state at each (JSON round trip)."""
+    p = planner(tokens, setup, "snapshot")
+    states: dict[int, dict[str, Any]] = {}
+    for target in setup.positions:
+        while p.cursor().index < target:
+            p.next_update()
+        states[target] = json.loads(json.dumps(p.state_dict()))
+    return states
+
+
+def time_restores(tokens: np.ndarray, setup: PlannerSetup, states: dict[int, dict]) -> dict[str, dict]:
+    out: dict[str, dict] = {m: {} for m in MODES}
+    for target, state in states.items():
+        nxt = {}
+        for mode in MODES:
+            samples = []
+            for _ in range(setup.reps[mode]):
+                p = planner(tokens, setup, mode)  # construction (epoch 0's order) is not the restore
+                t0 = time.perf_counter()
+                p.load_state_dict(state)
+                samples.append(time.perf_counter() - t0)
+            nxt[mode] = p.next_update()
+            out[mode][target] = {"seconds": median(samples), "samples": samples,
+                                 "cursor": state["cursor"]["index"]}
+        if nxt["snapshot"] != nxt["replay"]:
+            raise AssertionError(f"snapshot and replay restores disagree on the update after position {target}")
+    return out
+
+
+# -- one real kill on local Ray ----------------------------------------------------------------
+
+RAY_SETS = ("world.size=2", "checkpoint.every_updates=5", "world.restart_backoff_s=0")
+# (restore mode, prefetch worker processes per rank): both modes as configured, and once without the
+# forked prefetch worker, which is what holds the dead rank's connection to Ray open (see detection)
+RAY_VARIANTS = {"snapshot": ("snapshot", 1), "replay": ("replay", 1), "snapshot, data.workers=0": ("snapshot", 0)}
+KILL_AT = 18  # rank 1 SIGKILLs itself before update 18's first microstep; bundle 15 is restored
+
+
+def kill_fault(update: int, rank: int = 1) -> str:
+    return f"faults=[{{site: microstep, update: {update}, microstep: 0, rank: {rank}}}]"
+
+
+def ray_kill(mode: str, workers: int, root: Path, updates: int, kill_at: int) -> dict[str, Any]:
+    """A 2-rank job whose rank 1 dies before update ``kill_at``; the restart's timeline in seconds."""
+    from orchestrator.launch import run_on_ray
+    from orchestrator.specfile import load_spec
+    from trainer.storage import open_storage
+
+    job_id = f"restart-{mode}-w{workers}"
+    spec = load_spec(ROOT / "configs/tiny.yaml", [
+        f"storage=file://{root}", f"data.shards={ROOT / 'configs/data/tiny'}", *RAY_SETS,
+        f"train.updates={updates}", f"checkpoint.restore_mode={mode}", f"data.workers={workers}",
+        kill_fault(kill_at)], job_id)
+    storage = open_storage(spec.storage)
+    watch = DeathWatch(first_attempt_pid(storage, job_id, 1))
+    watch.start()
+    outcome = run_on_ray(spec)
+    watch.stop()
+    if outcome.restarts != 1 or watch.died_at is None:
+        raise RuntimeError(f"{job_id}: expected one restart after a seen kill, got {outcome.restarts}")
+    return timeline(spec, storage, job_id, watch.died_at, kill_at)
+
+
+def timeline(spec, storage, job_id: str, killed_at: float, kill_at: int) -> dict[str, Any]:
+    from orchestrator.ledger import AttemptStarted, Ledger, Restored, WorkerLost
+    from trainer.metrics import SqliteSink, metrics_dir
+
+    events = Ledger(storage, job_id).read()
+    lost = next(e for e in events if isinstance(e, WorkerLost))
+    started = next(e for e in events if isinstance(e, AttemptStarted) and e.attempt == 2)
+    restored = next((e for e in events if isinstance(e, Restored) and e.attempt == 2), None)
+    if restored is None:
+        raise RuntimeError(f"{job_id}: no restore in attempt 2; events: {[type(e).__name__ for e in events]}")
+    sink = SqliteSink(metrics_dir(spec.storage, job_id, spec.metrics.local_dir) / "metrics.sqlite")
+    points = [p for p in sink.read(job_id) if p.name == "loss"]
+    sink.close()
+    first = min(p.at.timestamp() for p in points if p.attempt == 2)
+    regained = next(p.at.timestamp() for p in points if p.update == kill_at)
+    parts = {
+        "detection": lost.detected_at.timestamp() - killed_at,
+        "teardown": lost.teardown_seconds,
+        "placement (placement group + actors)": started.placement_seconds,
+        "process group (gloo)": started.process_group_seconds,
+        "rank setup (state, loader, sinks)": started.rank_setup_seconds,
+        "bundle read + verify + restore oracle": restored.restore_wall_seconds - restored.restore_seconds,
+        "state load (incl. data cursor)": restored.restore_seconds,
+        "first update (start loader, train)": first - restored.at.timestamp(),
+    }
+    total = first - killed_at
+    parts["other (ledger, bundle listing, Ray calls)"] = total - sum(parts.values())
+    return {"parts": parts, "total": total, "regained": regained - killed_at,
+            "lost_updates": restored.lost_updates, "restored_update": restored.update}
+
+
+def run_ray(scratch: Path, quick: bool) -> dict[str, dict]:
+    import ray
+
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        updates, kill_at = (14, 12) if quick else (30, KILL_AT)
+        return {name: ray_kill(mode, workers, scratch / f"{mode}-{workers}", updates, kill_at)
+                for name, (mode, workers) in RAY_VARIANTS.items()}
+    finally:
+        ray.shutdown()
+
+
+# -- tables -------------------------------------------------------------------------------------
+
+
+def tables(cursor: dict[str, dict], ray: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
+    variants = list(ray)
+    if not ray:  # --no-ray: the cursor restore alone, and no restart to add it to
+        ray = {m: {"total": 0.0} for m in MODES}
+    parts = Table("Restart after a SIGKILL of rank 1 (2 ranks, local Ray), by component",
+                  ["component", *(f"{v} s" for v in variants), *(f"{v} share" for v in variants)])
+    for name in ray[variants[0]]["parts"] if variants else ():
+        secs = [ray[v]["parts"][name] for v in variants]
+        parts.add(name, *secs, *(pct(ratio(s, ray[v]["total"])) for s, v in zip(secs, variants)))
+    if variants:
+        parts.add("**kill → first completed update**", *(ray[v]["total"] for v in variants),
+                  *["100 %"] * len(variants))
+        parts.add("kill → the killed update completed again", *(ray[v]["regained"] for v in variants),
+                  *[""] * len(variants))
+    lost = ", ".join(f"{v}: {ray[v]['lost_updates']}" for v in variants)
+    parts.notes += [
+        f"updates lost (done after the restored bundle, redone): {lost}; world.restart_backoff_s=0 here (the "
+        "default 0.5 s, doubling with jitter, adds to 'other')",
+        "detection: from the process's death (seen from /proc) to the supervisor's WorkerLost.detected_at. "
+        "With a prefetch worker (data.workers=1, the configs' setting) the dead rank's forked DataLoader worker "
+        "keeps its Ray connection open until PyTorch's worker watchdog (5 s) sees the parent gone; the "
+        "supervisor's poll of that rank waits for it. Without one (data.workers=0) Ray reports the death at once",
+        "first update: from Restored to the rank's first metric point of the new attempt",
+    ]
+    positions = sorted(next(iter(cursor.values())))
+    first = positions[0]
+    cur = Table("Data cursor restore (Planner.load_state_dict) by cursor position, and the restart it makes",
+                ["cursor position", *(f"{m} s" for m in MODES), "replay / snapshot",
+                 *(f"{m} vs {first:,}" for m in MODES), *(f"restart, {m} (s)" for m in MODES)])
+    growth = {}
+    for pos in positions:
+        secs = [cursor[m][pos]["seconds"] for m in MODES]
+        rel = [ratio(cursor[m][pos]["seconds"], cursor[m][first]["seconds"]) for m in MODES]
+        growth[pos] = dict(zip(MODES, rel))
+        restart = [ray[m]["total"] + cursor[m][pos]["seconds"] for m in MODES]  # with the prefetch worker
+        cur.add(f"{cursor['snapshot'][pos]['cursor']:,}", *secs, fmt(ratio(secs[1], secs[0])) + "×",
+                *(fmt(r) + "×" for r in rel), *restart)
+    cur.notes += [
+        "both modes rebuild the epoch's order (a permutation of all records: O(records), flat in position); "
+        "replay then redraws every occurrence before the cursor through the shuffle buffer",
+        "restart = the measured Ray restart of the same mode plus the cursor restore at that position (the Ray "
+        "job's own cursor, a few dozen occurrences, costs well under a millisecond)",
+        "medians of repeated restores on fresh planners; both modes give the identical next update",
+    ]
+    snap = [cursor["snapshot"][p]["seconds"] for p in positions]
+    spread = max(snap) / min(snap)
+    verdict = (f"snapshot restore flat within 2× from {positions[0]:,} to {positions[-1]:,} occurrences: "
+               f"**{'MET' if spread <= FLAT_TARGET else 'NOT MET'}** (max/min {spread:.2f}×; replay grows "
+               f"{growth[positions[-1]]['replay']:.0f}× over the same range)")
+    return ([parts, cur] if variants else [cur]), [verdict], {"snapshot_spread": spread, "growth": growth}
+
+
+INTRO = """One real 2-rank job per restore mode on local Ray (the `tiny` config, checkpoint every 5
+updates), whose rank 1 SIGKILLs itself before update 18, and one more without the prefetch worker
+process; the restart is broken down from the ledger's timestamps and the timing fields recorded
+with each event. The data cursor restore is measured separately on the planner, at cursor
+positions of 10³ to 10⁶ occurrences, since a small test job never reaches them."""
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = cli(__doc__.splitlines()[0], argv)
+    clock = Stopwatch()
+    setup = QUICK_PLANNER if args.quick else FULL_PLANNER
+    tokens = synthetic_tokens(setup.records)
+    t0 = time.perf_counter()
+    states = advance(tokens, setup)
+    advance_s = time.perf_counter() - t0
+    cursor = time_restores(tokens, setup, states)
+    WORK.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=WORK, prefix="restart-") as scratch:
+        ray = {} if args.no_ray else run_ray(Path(scratch), args.quick)
+    tabs, verdicts, summary = tables(cursor, ray)
+    Section("3-restart-cost", "3. Restart cost, broken down", INTRO, tabs, verdicts, clock.seconds,
+            {"cursor": cursor, "ray": ray, "summary": summary, "advance_seconds": advance_s}).emit(args.out)
+
+
+if __name__ == "__main__":
+    main()

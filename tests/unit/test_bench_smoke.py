@@ -1,0 +1,74 @@
+"""The benchmarks still run: each bench script in its tiny ``--quick`` mode (no timing is asserted).
+
+The Ray parts (restart breakdown, Ray Train side by side) need a local Ray instance and half a
+minute each, so here the restart bench runs without them and the side-by-side comparison's
+arithmetic (gaps, duplicates, lost updates, checkpoint cost, verdicts) runs on made-up runs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from bench.report import assemble
+from bench.runs import Run, Step, checkpoint_figures, restart_figures
+from tests.conftest import ROOT
+
+
+@pytest.mark.parametrize("module, extra", [
+    ("bench.checkpoint_stall", []),
+    ("bench.training_overhead", []),
+    ("bench.restart_cost", ["--no-ray"]),
+])
+def test_bench_runs_in_quick_mode(tmp_path, module, extra):
+    r = subprocess.run([sys.executable, "-m", module, "--quick", "--out", str(tmp_path), *extra],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    section = next(tmp_path.glob("*.json"))
+    data = json.loads(section.read_text())
+    assert data["title"] and section.with_suffix(".md").read_text().startswith("## ")
+    assemble(tmp_path, tmp_path / "RESULTS.md", 1.0, [])
+    assert "| cores |" in (tmp_path / "RESULTS.md").read_text()
+
+
+def _run(steps: list[tuple[int, int, float, list[str]]], killed_at=None, restarts=0, upsert=True) -> Run:
+    runs = [Step(s, a, t, ids) for s, a, t, ids in steps]
+    written = Counter((s.step, "loss") for s in runs)
+    read = Counter({k: 1 for k in written}) if upsert else written
+    return Run(runs, read, written, [0.01, 0.02, 0.03], killed_at, restarts)
+
+
+def test_side_by_side_figures_count_gaps_duplicates_and_lost_updates():
+    """6 steps of 2 ids, checkpoint every 2, killed before step 5: step 5 and 6 redone after a restore
+    at step 4 (spotrun-like, exact), or from the start of the data (a naive resume)."""
+    ids = {s: [f"0/{2 * s}", f"0/{2 * s + 1}"] for s in range(1, 7)}
+    done = {1: 1.0, 2: 2.0, 3: 3.5, 4: 4.5, 5: 6.0, 6: 7.0}  # the step after each checkpoint takes 1.5, others 1
+    ref = _run([(s, 1, done[s], ids[s]) for s in range(1, 7)])
+    exact = _run([(s, 1, float(s), ids[s]) for s in range(1, 5)]
+                 + [(s, 2, 10.0 + s, ids[s]) for s in (3, 4, 5, 6)], killed_at=5.0, restarts=1)
+    naive = _run([(s, 1, float(s), ids[s]) for s in range(1, 5)]
+                 + [(s, 2, 10.0 + s, ids[s - 4]) for s in (5, 6)], killed_at=5.0, restarts=1, upsert=False)
+    f = restart_figures(exact, ref, kill_at=5)
+    assert (f["gaps"], f["duplicates"], f["updates_lost"], f["kill_to_next_update_s"]) == (0, 0, 2, 8.0)
+    assert f["resumed_from"] == 2
+    assert f["kill_to_killed_update_s"] == 10.0 and f["metric_duplicates_read"] == 0
+    assert f["metric_duplicates_written"] == 2
+    g = restart_figures(naive, ref, kill_at=5)
+    assert (g["gaps"], g["duplicates"], g["updates_lost"]) == (4, 4, 0)
+    c = checkpoint_figures(ref, every=2)
+    assert c["extra_updates"] == pytest.approx(0.5) and c["wall_s"] == 6.0
+
+
+def test_side_by_side_verdicts_name_both_targets():
+    from bench.ray_train_side_by_side import ROWS, tables
+
+    row = {k: 1.0 for k, _ in ROWS} | {"gaps": 0, "duplicates": 0, "metric_duplicates_read": 0}
+    peer = row | {"kill_to_next_update_s": 2.0, "gaps": 3}
+    tabs, verdicts = tables({"spotrun": row, "Ray Train (epoch-restart)": peer})
+    assert "MET" in verdicts[0] and "NOT MET" not in verdicts[0]
+    assert "MET" in verdicts[1] and "epoch-restart" in verdicts[1]
+    assert len(tabs[0].rows) == len(ROWS)
