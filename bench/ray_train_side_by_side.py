@@ -145,8 +145,7 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str]]:
         "shortly before the kill may not be registered yet: Ray Train then resumes from the one before. Both "
         "effects shrink when checkpoints are further apart than the poll interval",
         "world.restart_backoff_s=0 for spotrun (its default 0.5 s would add); Ray Train restarts without a "
-        "backoff by default. Both loops use one DataLoader worker process per rank; spotrun's detection waits "
-        "for the dead rank's forked worker to exit (see the restart-cost table)",
+        "backoff by default. Both loops use one DataLoader worker process per rank",
     ]
     return [t], verdicts(results, peers)
 

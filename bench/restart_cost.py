@@ -187,9 +187,8 @@ def tables(cursor: dict[str, dict], ray: dict[str, dict]) -> tuple[list[Table], 
         f"updates lost (done after the restored bundle, redone): {lost}; world.restart_backoff_s=0 here (the "
         "default 0.5 s, doubling with jitter, adds to 'other')",
         "detection: from the process's death (seen from /proc) to the supervisor's WorkerLost.detected_at. "
-        "With a prefetch worker (data.workers=1, the configs' setting) the dead rank's forked DataLoader worker "
-        "keeps its Ray connection open until PyTorch's worker watchdog (5 s) sees the parent gone; the "
-        "supervisor's poll of that rank waits for it. Without one (data.workers=0) Ray reports the death at once",
+        "Prefetch workers die with their rank (PR_SET_PDEATHSIG): before that, a dead rank's forked DataLoader "
+        "worker held its Ray connection open until PyTorch's 5 s watchdog fired, and detection took 5 s",
         "first update: from Restored to the rank's first metric point of the new attempt",
     ]
     positions = sorted(next(iter(cursor.values())))

@@ -164,6 +164,7 @@ class RankRunner:
         s = self.session
         key = bundle_dir(self.spec.job_id, update, self.attempt)
         prefetched = s.prefetched_ahead
+        self._collect(self.writer.wait())  # the capture reuses the host buffers the last write read
         capture = s.capture()
         if self.rank == 0:
             self._drafts[key] = build_manifest(

@@ -13,6 +13,9 @@ requires the same worker count on restore.
 
 from __future__ import annotations
 
+import ctypes
+import signal
+import sys
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -117,6 +120,16 @@ def _identity(batch: dict[str, Any]) -> dict[str, Any]:
     return batch
 
 
+def _die_with_parent(worker_id: int) -> None:
+    """A prefetch worker dies the moment its rank's process dies. Without this a SIGKILLed rank's
+    forked workers live on until torch's 5 s watchdog fires, holding the rank's inherited sockets
+    open, so Ray reports the rank dead only then (measured: 5 s of a 7.8 s restart)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def make_loader(dataset: SequenceDataset, sampler: PlanSampler, workers: int, prefetch: int) -> StatefulDataLoader:
     """A loader whose iteration order is the sampler's, with ``workers`` prefetching processes."""
     # torchdata 0.11 warns once per iterator about a deprecated torch call it makes itself.
@@ -131,5 +144,6 @@ def make_loader(dataset: SequenceDataset, sampler: PlanSampler, workers: int, pr
         # Its own generator: the loader must never draw from the job's global torch stream.
         generator=torch.Generator().manual_seed(0),
         multiprocessing_context="fork" if workers else None,
+        worker_init_fn=_die_with_parent if workers else None,
         in_order=True,
     )
