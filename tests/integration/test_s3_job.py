@@ -1,5 +1,5 @@
-"""A 2-rank job with bundles, ledger, offsets and metrics on a real S3-compatible server (moto),
-killed twice; and the same job through a proxy that fails >= 10 % of requests."""
+"""A 2-rank job with its data, bundles, ledger, offsets and metrics all on a real S3-compatible
+server (moto), killed twice; and the same job through a proxy that fails >= 10 % of requests."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tests.helpers.ray_local import local_ray
-from tests.conftest import make_spec
+from tests.conftest import ROOT, make_spec
 from tests.helpers.runs import assert_exact_coverage
 from tests.helpers.s3 import DUMMY_CREDENTIALS, FaultProxy, MotoServer
 from trainer.bundle import list_bundles, read_manifest
@@ -43,9 +43,13 @@ def ray_for_module(moto):
 
 
 def s3_spec(tmp_path, moto, endpoint, job, *extra):
+    """Storage and data in a new bucket: the shards are uploaded under ``corpus/``."""
     bucket = moto.new_bucket()
-    return make_spec(tmp_path, *SETS, f"storage=s3://{bucket}/spot", f"storage_endpoint_url={endpoint}", *extra,
-                     job_id=job)
+    client = moto.client(aws_access_key_id=ENV["AWS_ACCESS_KEY_ID"], aws_secret_access_key=ENV["AWS_SECRET_ACCESS_KEY"])
+    for shard in sorted((ROOT / "configs/data/tiny").glob("*.jsonl")):
+        client.put_object(Bucket=bucket, Key=f"corpus/{shard.name}", Body=shard.read_bytes())
+    return make_spec(tmp_path, *SETS, f"storage=s3://{bucket}/spot", f"storage_endpoint_url={endpoint}",
+                     f"data.shards=s3://{bucket}/corpus", *extra, job_id=job)
 
 
 @pytest.fixture(scope="module")
