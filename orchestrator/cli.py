@@ -170,7 +170,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="spotrun-verify-"))
     verifier = Verifier(a.config, a.set, kills=a.kills, seed=a.seed, no_ray=a.no_ray, workdir=workdir,
-                        load=lambda path, overrides: load_spec(path, overrides, a.job_id))
+                        load=lambda path, overrides: load_spec(path, overrides, a.job_id), nodes=a.nodes)
     report = verifier.run()
     if a.json:
         _out(dataclasses.asdict(report))
@@ -251,6 +251,8 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--kills", type=int, default=10, help="faults to inject (default 10)")
     f.add_argument("--seed", type=int, default=0, help="seed of the fault plan")
     f.add_argument("--no-ray", action="store_true", help="world size 1 in this process, without Ray")
+    f.add_argument("--nodes", type=int, default=0,
+                   help="run on a local cluster of this many nodes and remove nodes too (one rank per node)")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_verify)
 

@@ -17,9 +17,11 @@ The verdict passes only when the contract that held is at least the declared one
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,12 +34,13 @@ from trainer.storage import open_storage
 from trainer.trace import UpdateRecord, latest_per_update, read_trace
 
 from orchestrator.history import history
-from orchestrator.ledger import Ledger, Restored
+from orchestrator.ledger import AttemptStarted, Ledger, Restored
 from orchestrator.supervisor import JobFailedError
 
 CONTRACTS = ("exact", "exact-data", "fresh-epoch")  # strongest first
 DECLARED = {"strict": "exact", "elastic": "exact-data", "fresh-epoch": "fresh-epoch"}
 SITES = ("mid-accumulation", "mid-microstep", "bundle-write", "publish-to-offsets", "notice")
+NODE_SITE = "node-removed"  # only on a multi-node cluster (verify --nodes N)
 PARAM_TOLERANCE = 1e-3  # exact-data: max |param difference| after the run
 
 
@@ -74,15 +77,28 @@ class Report:
     faults: list[dict[str, Any]] = field(default_factory=list)
 
 
-def plan_faults(spec: JobSpec, kills: int, seed: int) -> list[FaultSpec]:
-    """``kills`` faults at increasing updates, one per attempt, cycling through the fault sites."""
+@dataclass(frozen=True)
+class NodeRemoval:
+    """Remove the node hosting ``rank`` once ``attempt`` has completed ``update`` (verify does it)."""
+
+    attempt: int
+    update: int
+    rank: int
+
+
+def plan_faults(spec: JobSpec, kills: int, seed: int,
+                nodes: bool = False) -> tuple[list[FaultSpec], list[NodeRemoval]]:
+    """``kills`` faults at increasing updates, one per attempt, cycling through the fault sites
+    (with node removals among them when the job runs on several nodes)."""
     rng = random.Random(seed)  # verify's own generator, never the job's streams
     every, last = spec.checkpoint.every_updates, spec.train.updates
     accum = spec.train.accum_steps
+    sites = (*SITES, NODE_SITE) if nodes else SITES
     faults: list[FaultSpec] = []
+    removals: list[NodeRemoval] = []
     update = every  # from the first bundle on, so that every fault is followed by a real restore
     for i in range(kills):
-        site = SITES[i % len(SITES)]
+        site = sites[i % len(sites)]
         if site in ("bundle-write", "publish-to-offsets"):
             u = (update // every + 1) * every  # the next checkpoint boundary
         else:
@@ -90,6 +106,10 @@ def plan_faults(spec: JobSpec, kills: int, seed: int) -> list[FaultSpec]:
         if u >= last:
             break
         attempt, rank = i + 1, rng.randrange(spec.world.size)
+        if site == NODE_SITE:
+            removals.append(NodeRemoval(attempt, u, rank))
+            update = u
+            continue
         fault = {
             "mid-accumulation": dict(site="microstep", microstep=rng.randrange(1, accum) if accum > 1 else 0),
             "mid-microstep": dict(site="backward", microstep=rng.randrange(accum)),
@@ -99,7 +119,7 @@ def plan_faults(spec: JobSpec, kills: int, seed: int) -> list[FaultSpec]:
         }[site]
         faults.append(FaultSpec(update=u, attempt=attempt, **{"rank": rank, **fault}))
         update = u
-    return faults
+    return faults, removals
 
 
 def site_name(f: FaultSpec) -> str:
@@ -112,9 +132,11 @@ def site_name(f: FaultSpec) -> str:
 
 class Verifier:
     def __init__(self, config: str, overrides: list[str], *, kills: int, seed: int, no_ray: bool,
-                 workdir: Path, load) -> None:
+                 workdir: Path, load, nodes: int = 0) -> None:
         self.config, self.overrides = config, list(overrides)
         self.kills, self.seed, self.no_ray = kills, seed, no_ray
+        self.nodes = nodes  # > 0: run on a local multi-node cluster and remove nodes too
+        self.cluster = None
         self.workdir = workdir
         self.load = load  # load_spec
         self.spec: JobSpec = load(config, overrides)
@@ -124,34 +146,74 @@ class Verifier:
                "--trace-ids"]
         for s in [*self.overrides, *extra]:
             cmd += ["--set", s]
+        if self.cluster is not None:
+            return [*cmd, "--address", self.cluster.address]
         return [*cmd, "--no-ray"] if self.no_ray else cmd
 
-    def _run(self, job: str, trace: Path, extra: list[str], max_runs: int) -> int:
-        """Run (and rerun after a driver death) until the job ends; returns how many runs it took."""
+    def _run(self, job: str, trace: Path, extra: list[str], max_runs: int,
+             removals: list[NodeRemoval] = ()) -> int:
+        """Run (and rerun after a driver death) until the job ends; returns how many runs it took.
+        Meanwhile remove the planned nodes (and add a fresh one each time: capacity comes back)."""
         storage = open_storage(self.spec.storage, self.spec.storage_endpoint_url)
         storage.delete_prefix(job)
         trace.unlink(missing_ok=True)
+        pending = list(removals)
         for n in range(1, max_runs + 1):
-            done = subprocess.run(self._cmd(job, trace, extra), capture_output=True, text=True)
-            if done.returncode == 0:
+            proc = subprocess.Popen(self._cmd(job, trace, extra), stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True)
+            while proc.poll() is None:
+                if pending and self._remove_if_due(storage, job, trace, pending[0]):
+                    pending.pop(0)
+                time.sleep(0.05)  # polling the job's progress: the removal point is a condition
+            err = proc.stderr.read()
+            if proc.returncode == 0:
                 return n
-            if done.returncode not in (-9, 143):  # SIGKILLed, or drained after a notice to the driver
-                raise JobFailedError(f"job {job} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+            if proc.returncode not in (-9, 143):  # SIGKILLed, or drained after a notice to the driver
+                raise JobFailedError(f"job {job} failed (exit {proc.returncode}): {err.strip()[-2000:]}")
         raise JobFailedError(f"job {job} did not finish in {max_runs} runs")
+
+    def _remove_if_due(self, storage, job: str, trace: Path, removal: NodeRemoval) -> bool:
+        started = [e for e in Ledger(storage, job).read() if isinstance(e, AttemptStarted)]
+        if not started or started[-1].attempt != removal.attempt or not trace.exists():
+            return False
+        done = [json.loads(line)["update"] for line in trace.read_text().splitlines() if line.strip()]
+        if not done or done[-1] < removal.update:
+            return False
+        node_id = started[-1].node_ids[removal.rank]
+        node = next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
+        if node is not None:
+            self.cluster.remove_node(node)
+            self.cluster.add_node(num_cpus=self.spec.world.cpus_per_rank)
+        return True
 
     def run(self) -> Report:
         ref_job, chaos_job = f"{self.spec.job_id}.verify-ref", f"{self.spec.job_id}.verify-chaos"
         ref_trace, chaos_trace = self.workdir / f"{ref_job}.jsonl", self.workdir / f"{chaos_job}.jsonl"
-        self._run(ref_job, ref_trace, [], max_runs=1)
-        faults = plan_faults(self.spec, self.kills, self.seed)
+        faults, removals = plan_faults(self.spec, self.kills, self.seed, nodes=self.nodes > 0)
         fault_set = "faults=[" + ", ".join(f.model_dump_json() for f in faults) + "]"
-        self._run(chaos_job, chaos_trace, [fault_set], max_runs=len(faults) + 2)
-        return self.compare(ref_job, chaos_job, ref_trace, chaos_trace, faults)
+        if self.nodes:
+            self._start_cluster()
+        try:
+            self._run(ref_job, ref_trace, [], max_runs=1)
+            self._run(chaos_job, chaos_trace, [fault_set], max_runs=len(faults) + 2, removals=removals)
+        finally:
+            if self.cluster is not None:
+                self.cluster.shutdown()
+        return self.compare(ref_job, chaos_job, ref_trace, chaos_trace, faults, removals)
+
+    def _start_cluster(self) -> None:
+        """A local multi-node Ray cluster (ray.cluster_utils): a head with no CPUs, ``nodes`` workers
+        with one rank's resources each, so every rank has a node of its own to lose."""
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        for _ in range(self.nodes):
+            self.cluster.add_node(num_cpus=self.spec.world.cpus_per_rank)
 
     # -- comparison -------------------------------------------------------------------------
 
     def compare(self, ref_job: str, chaos_job: str, ref_trace: Path, chaos_trace: Path,
-                faults: list[FaultSpec]) -> Report:
+                faults: list[FaultSpec], removals: list[NodeRemoval] = ()) -> Report:
         spec = self.spec
         storage = open_storage(spec.storage, spec.storage_endpoint_url)
         ref = {r.update: r for r in read_trace(ref_trace)}
@@ -178,13 +240,14 @@ class Verifier:
         holds = observed in CONTRACTS and CONTRACTS.index(observed) <= CONTRACTS.index(declared)
         passed = holds and metric_dups == 0 and counters_equal
         rows = history(storage, chaos_job)["restarts"]
-        attempts = sum(1 for e in events if type(e).__name__ == "AttemptStarted")
+        attempts = sum(1 for e in events if isinstance(e, AttemptStarted))
         return Report(
             verdict="pass" if passed else "fail",
             declared_contract=declared, observed_contract=observed,
-            kills_injected=max(0, attempts - 1), fault_sites=sorted({site_name(f) for f in faults}),
-            fault_sites_not_applicable={"node-removed": "the job runs on a single node; run verify against a "
-                                                        "multi-node cluster to exercise it"},
+            kills_injected=max(0, attempts - 1),
+            fault_sites=sorted({site_name(f) for f in faults} | ({NODE_SITE} if removals else set())),
+            fault_sites_not_applicable={} if removals else {
+                NODE_SITE: "the job runs on a single node; run verify --nodes N to exercise it"},
             restarts=len(rows), occurrence_gaps=gaps, occurrence_duplicates=dups,
             updates_compared=len(set(ref) & set(chaos)), params_bitwise_equal=bitwise, params_max_abs_diff=max_diff,
             metric_duplicates=metric_dups, metric_mismatches=metric_mismatches, counters_equal=counters_equal,

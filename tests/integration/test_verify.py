@@ -15,8 +15,9 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.slow
 
 
-def verify(tmp_path, *sets: str, kills: int, env: dict | None = None) -> tuple[int, dict, str]:
-    cmd = [sys.executable, "-m", "orchestrator.cli", "verify", str(ROOT / "configs/tiny.yaml"), "--no-ray",
+def verify(tmp_path, *sets: str, kills: int, env: dict | None = None, where: tuple[str, ...] = ("--no-ray",)
+           ) -> tuple[int, dict, str]:
+    cmd = [sys.executable, "-m", "orchestrator.cli", "verify", str(ROOT / "configs/tiny.yaml"), *where,
            "--kills", str(kills), "--seed", "3", "--json", "--set", f"storage=file://{tmp_path / 'runs'}",
            "--set", f"data.shards={ROOT / 'configs/data/tiny'}", *[a for s in sets for a in ("--set", s)]]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
@@ -25,18 +26,30 @@ def verify(tmp_path, *sets: str, kills: int, env: dict | None = None) -> tuple[i
 
 
 def test_chaos_suite_twenty_faults_every_site_strict_exact(tmp_path):
-    code, report, err = verify(tmp_path, "train.updates=70", "checkpoint.every_updates=3", kills=20)
+    """Two ranks on a local two-node cluster: 20 faults cycling through every site, node removal included."""
+    code, report, err = verify(tmp_path, "train.updates=70", "checkpoint.every_updates=3", "world.size=2",
+                               "world.restart_backoff_s=0.1", kills=20, where=("--nodes", "2"))
     assert code == 0, err
     assert report["verdict"] == "pass" and report["declared_contract"] == "exact"
     assert report["observed_contract"] == "exact"
     assert report["kills_injected"] >= 20
-    assert set(report["fault_sites"]) >= {"mid-accumulation", "mid-microstep", "bundle-write",
-                                          "publish-to-offsets", "notice"}
+    assert set(report["fault_sites"]) == {"mid-accumulation", "mid-microstep", "bundle-write",
+                                          "publish-to-offsets", "notice", "node-removed"}
+    assert report["fault_sites_not_applicable"] == {}
     assert report["occurrence_gaps"] == 0 and report["occurrence_duplicates"] == 0
     assert report["params_bitwise_equal"] is True and report["params_max_abs_diff"] == 0.0
     assert report["metric_duplicates"] == 0 and report["metric_mismatches"] == 0
     assert report["updates_compared"] == 70 and report["restore_oracle"] == []
     assert len(report["restart_seconds"]) == report["restarts"] > 0
+
+
+def test_single_process_chaos(tmp_path):
+    """The same harness without Ray: every kill takes the driver with it and verify runs it again."""
+    code, report, err = verify(tmp_path, "train.updates=40", "checkpoint.every_updates=3", kills=10)
+    assert code == 0, err
+    assert report["verdict"] == "pass" and report["params_bitwise_equal"] is True
+    assert report["kills_injected"] >= 10 and "node-removed" in report["fault_sites_not_applicable"]
+    assert report["occurrence_gaps"] == report["occurrence_duplicates"] == report["metric_duplicates"] == 0
 
 
 @pytest.mark.parametrize("category,sets", [
