@@ -68,12 +68,13 @@ class InProcessGroup:
     """World size 1, in this process, training on a background thread (``spotrun run --no-ray``)."""
 
     def __init__(self, spec: JobSpec, *, attempt: int, lineage_id: str, recovery_label: str,
-                 restore_mode: str | None = None, drop: tuple[str, ...] = (), record_ids: bool = False) -> None:
+                 restore_mode: str | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,
+                 trace: bool = True) -> None:
         self.world_size = 1
         self.node_ids = ["local"]
         self.runner = RankRunner(spec, rank=0, world_size=1, attempt=attempt, lineage_id=lineage_id,
                                  recovery_label=recovery_label, collective=LocalCollective(),
-                                 restore_mode=restore_mode, drop=drop, record_ids=record_ids)
+                                 restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 

@@ -43,7 +43,7 @@ def in_process_supervisor(spec: JobSpec, *, trace_path: str | None = None, recor
 
     def make_group(size, attempt, lineage, label, mode):
         return InProcessGroup(spec, attempt=attempt, lineage_id=lineage, recovery_label=label,
-                              restore_mode=mode, drop=drop, record_ids=record_ids)
+                              restore_mode=mode, drop=drop, record_ids=record_ids, trace=trace_path is not None)
 
     return Supervisor(spec, make_group, capacity=lambda: 1, trace_path=trace_path, record_ids=record_ids,
                       init_from=init_from, reset=reset)
@@ -76,7 +76,8 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | N
 
     def make_group(size, attempt, lineage, label, mode):
         return RayGroup(spec, size, attempt=attempt, lineage_id=lineage, recovery_label=label, restore_mode=mode,
-                        drop=drop, record_ids=record_ids, placement_timeout_s=max(5.0, spec.world.capacity_timeout_s))
+                        drop=drop, record_ids=record_ids, trace=trace_path is not None,
+                        placement_timeout_s=max(5.0, spec.world.capacity_timeout_s))
 
     drain_source = None
     if spec.preemption.watch_ray_drain:

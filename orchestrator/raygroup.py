@@ -68,7 +68,7 @@ class RankActor:
 
     def setup(self, spec_json: str, rank: int, world_size: int, init_method: str, attempt: int,
               lineage_id: str, recovery_label: str, restore_mode: str | None, drop: tuple[str, ...],
-              record_ids: bool) -> dict[str, float]:
+              record_ids: bool, trace: bool) -> dict[str, float]:
         """Returns where the time went: forming the process group, then building the rank."""
         t0 = time.perf_counter()
         spec = JobSpec.model_validate_json(spec_json)
@@ -84,7 +84,7 @@ class RankActor:
         t1 = time.perf_counter()
         self.runner = RankRunner(spec, rank=rank, world_size=world_size, attempt=attempt, lineage_id=lineage_id,
                                  recovery_label=recovery_label, collective=self.collective,
-                                 restore_mode=restore_mode, drop=drop, record_ids=record_ids)
+                                 restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace)
         return {"process_group_seconds": t1 - t0, "rank_setup_seconds": time.perf_counter() - t1}
 
     def restore(self, bundle_key: str, storage_uri: str | None, reset: tuple[str, ...]) -> tuple[float, list[str]]:
@@ -126,6 +126,7 @@ def available_rank_slots(spec: JobSpec, exclude: set[str] = frozenset()) -> int:
 class RayGroup:
     def __init__(self, spec: JobSpec, world_size: int, *, attempt: int, lineage_id: str, recovery_label: str,
                  restore_mode: str | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,
+                 trace: bool = True,
                  placement_timeout_s: float = 60.0) -> None:
         t0 = time.perf_counter()
         self.world_size = world_size
@@ -156,7 +157,7 @@ class RayGroup:
         init_method = f"tcp://{self.where[0]['ip']}:{port}"
         spec_json = spec.model_dump_json()
         setups = self._call([a.setup.remote(spec_json, r, world_size, init_method, attempt, lineage_id,
-                                            recovery_label, restore_mode, drop, record_ids)
+                                            recovery_label, restore_mode, drop, record_ids, trace)
                              for r, a in enumerate(self.actors)])
         # Recorded in AttemptStarted: where this attempt's start-up time went (slowest rank for each part).
         self.timings = {"placement_seconds": round(placement, 4)}

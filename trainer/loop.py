@@ -32,7 +32,7 @@ def _autocast(precision: str, device: str) -> contextlib.AbstractContextManager:
 class TrainLoop:
     def __init__(self, state: TrainState, batches: Iterator[dict[str, Any]], listing: Listing,
                  accum_steps: int, attempt: int, faults: FaultInjector,
-                 grad_sync: GradSync | None = None, record_ids: bool = False) -> None:
+                 grad_sync: GradSync | None = None, record_ids: bool = False, digests: bool = True) -> None:
         self.state = state
         self.batches = batches
         self.listing = listing
@@ -41,6 +41,9 @@ class TrainLoop:
         self.faults = faults
         self.grad_sync = grad_sync
         self.record_ids = record_ids
+        # The parameter digest hashes every parameter and EMA weight: worth it for a trace, not
+        # on every update of a rank whose records nobody reads.
+        self.digests = digests
 
     def params_digest(self) -> str:
         st = self.state
@@ -82,7 +85,7 @@ class TrainLoop:
             attempt=self.attempt,
             occurrences_sha256=digest_strings(spans),
             n_occurrences=len(spans),
-            params_sha256=self.params_digest(),
+            params_sha256=self.params_digest() if self.digests else "",
             loss=float(torch.stack(losses).mean()),
             lr=lr,
             applied=applied,

@@ -58,7 +58,7 @@ class Report:
 class RankRunner:
     def __init__(self, spec: JobSpec, *, rank: int, world_size: int, attempt: int, lineage_id: str,
                  recovery_label: str, collective: Collective, restore_mode: str | None = None,
-                 drop: tuple[str, ...] = (), record_ids: bool = False) -> None:
+                 drop: tuple[str, ...] = (), record_ids: bool = False, trace: bool = True) -> None:
         self.spec = spec
         self.rank = rank
         self.attempt = attempt
@@ -69,7 +69,8 @@ class RankRunner:
         self.session = TrainSession(spec, rank=rank, world_size=world_size, attempt=attempt,
                                     restore_mode=restore_mode, drop=drop,
                                     grad_sync=collective.sync_gradients if world_size > 1 else None,
-                                    record_ids=record_ids and rank == 0)
+                                    record_ids=record_ids and rank == 0,
+                                    digests=trace and rank == 0)  # only rank 0's records are reported
         self.writer = BundleWriter(self.storage, self.session.faults)
         # Rank 0 writes the metric points; each upserts by <job>/<update>/<name>.
         self.metrics: MetricSink = open_sinks(

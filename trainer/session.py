@@ -31,7 +31,7 @@ from trainer.trace import UpdateRecord
 class TrainSession:
     def __init__(self, spec: JobSpec, *, rank: int = 0, world_size: int = 1, attempt: int = 1,
                  restore_mode: RestoreMode | None = None, drop: Iterable[str] = (),
-                 grad_sync: GradSync | None = None, record_ids: bool = False) -> None:
+                 grad_sync: GradSync | None = None, record_ids: bool = False, digests: bool = True) -> None:
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
@@ -50,6 +50,7 @@ class TrainSession:
         self.faults = FaultInjector(spec.faults, attempt, rank)
         self.grad_sync = grad_sync
         self.record_ids = record_ids
+        self.digests = digests
         self._sampler: PlanSampler | None = None
         self._loop: TrainLoop | None = None
         self._iter = None
@@ -115,7 +116,7 @@ class TrainSession:
         loader = make_loader(dataset, self._sampler, self.spec.data.workers, self.spec.data.prefetch)
         self._iter = iter(loader)
         self._loop = TrainLoop(self.state, self._counting(self._iter), self.listing, self.accum_steps,
-                               self.attempt, self.faults, self.grad_sync, self.record_ids)
+                               self.attempt, self.faults, self.grad_sync, self.record_ids, self.digests)
 
     def _counting(self, it):
         for batch in it:
