@@ -15,11 +15,11 @@ from trainer.trace import UpdateRecord
 
 
 def run_cmd(storage: Path, job: str, trace: Path, *sets: str, config: str = "configs/tiny.yaml",
-            ray: bool = False) -> list[str]:
+            ray: bool = False, data: Path | str = ROOT / "configs/data/tiny") -> list[str]:
     """`spotrun run` of ``config`` with storage and trace in the test's folder (without Ray unless asked)."""
     cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / config), "--job-id", job,
            "--trace", str(trace), "--trace-ids", "--set", f"storage=file://{storage}",
-           "--set", f"data.shards={ROOT / 'configs/data/tiny'}"]
+           "--set", f"data.shards={data}"]
     for s in sets:
         cmd += ["--set", s]
     return cmd if ray else [*cmd, "--no-ray"]

@@ -33,7 +33,7 @@ def data(tmp_path):
 
 
 def cmd(tmp_path, data, job, trace, *sets):
-    return [*run_cmd(tmp_path / "runs", job, trace, *STREAM, *sets)[:-1], "--set", f"data.shards={data}", "--no-ray"]
+    return run_cmd(tmp_path / "runs", job, trace, *STREAM, *sets, data=data)
 
 
 def coverage(records) -> dict[str, list[tuple[int, int]]]:
@@ -114,8 +114,8 @@ def test_shards_in_an_s3_bucket(tmp_path):
             assert [remote.read_text(i) for i in (0, 57, len(remote) - 1)] == [
                 local.read_text(i) for i in (0, 57, len(local) - 1)]
             trace = tmp_path / "t.jsonl"
-            job = [*run_cmd(tmp_path / "runs", "s3data", trace, *STREAM)[:-1], "--no-ray",
-                   "--set", f"data.shards=s3://{bucket}/corpus", "--set", f"storage_endpoint_url={moto.url}"]
+            job = run_cmd(tmp_path / "runs", "s3data", trace, *STREAM, f"storage_endpoint_url={moto.url}",
+                          data=f"s3://{bucket}/corpus")
             done = run_to_end(job)
             assert done.returncode == 0, done.stderr
             consumers = open_storage(f"s3://{bucket}/corpus", moto.url, check=False)
