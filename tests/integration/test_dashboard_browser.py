@@ -1,14 +1,15 @@
 """The dashboard in a real browser: Playwright driving Debian's Chromium, headless.
 
-A real job is SIGKILLed twice by faults (``spotrun run --no-ray`` kills itself at
-update 9 of attempt 1 and update 18 of attempt 2) and finished by the same command;
-the dashboard then has to tell that story. Without ``/usr/bin/chromium`` these tests
+A real job is SIGKILLed twice by faults (``spotrun run --no-ray`` kills itself right
+after publishing bundle 8 in attempt 1 and bundle 20 in attempt 2) and finished by the
+same command; the dashboard then has to tell that story. Without ``/usr/bin/chromium`` these tests
 skip with how to install it, except under ``CI=true``, where they fail.
 Screenshots go to ``test-artifacts/``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -32,11 +33,25 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--
 ARTIFACTS = ROOT / "test-artifacts"
 JOB = "restarted"
 UPDATES = 24
-# Attempt 1 dies inside update 10, attempt 2 inside update 21, having completed (and written the
-# loss of) updates 9 and 20. Which bundle each restart resumes from depends on how soon the
-# background write of the newest one was published, so the test reads it from the ledger.
-FAULTS = "faults=[{site: microstep, update: 10, microstep: 1}, {site: microstep, update: 21, microstep: 1, attempt: 2}]"
-REACHED = (9, 20)
+# Each attempt dies the moment a bundle is published (before its offsets are committed), so the
+# restores are from 8 and 20 whatever the speed of the disk. Training runs on while the bundle is
+# written in the background, so each attempt got past its last bundle (by how much depends on the
+# disk): the test reads how far from the raw metric log.
+FAULTS = ("faults=[{site: after_publish, update: 8}, {site: after_publish, update: 20, attempt: 2}]")
+RESTORED = [8, 20]
+
+
+def reached_by_attempt(log: Path) -> dict[int, int]:
+    """The furthest update each attempt wrote a loss for, straight from the JSONL lines."""
+    reached: dict[int, int] = {}
+    for line in log.read_text().splitlines():
+        try:
+            p = json.loads(line)
+        except ValueError:
+            continue  # a torn last line from a killed writer
+        if p["name"] == "loss":
+            reached[p["attempt"]] = max(reached.get(p["attempt"], 0), p["update"])
+    return reached
 
 
 def _unavailable(why: str) -> None:
@@ -83,8 +98,12 @@ def restarted_job(tmp_path_factory) -> Path:
 
 def test_job_with_two_restarts(page, restarted_job):
     restored = [r["restored_update"] for r in history(open_storage(f"file://{restarted_job}"), JOB)["restarts"]]
-    assert restored[0] in (4, 8) and restored[1] in (12, 16, 20), restored
-    lost = [reached - r for reached, r in zip(REACHED, restored)]
+    assert restored == RESTORED
+    attempts = reached_by_attempt(restarted_job / JOB / "metrics.jsonl")
+    reached = (attempts[1], attempts[2])
+    lost = [n - r for n, r in zip(reached, restored)]
+    # a write of several files takes milliseconds, an update about as long: updates are replayed
+    assert sum(lost) > 0, (reached, restored)
     ARTIFACTS.mkdir(exist_ok=True)
     with BackgroundServer(create_app(f"file://{restarted_job}")) as url:
         page.goto(url + "/")
@@ -102,7 +121,7 @@ def test_job_with_two_restarts(page, restarted_job):
         assert field("restored_update") == [str(r) for r in restored]
         assert field("lost_updates") == ["not recorded", "not recorded"]  # nobody lived to count them
         assert [t.split()[0] for t in field("lost_updates_seen")] == [str(n) for n in lost]  # the metric log did
-        assert field("replayed") == [f"{r + 1}–{reached}" for r, reached in zip(restored, REACHED)]
+        assert field("replayed") == [f"{r + 1}–{n}" if n > r else "–" for r, n in zip(restored, reached)]
 
         assert page.locator("svg.timeline rect.attempt").count() == 3
         assert page.locator("svg.timeline text.cause").all_text_contents() == [
@@ -113,7 +132,7 @@ def test_job_with_two_restarts(page, restarted_job):
         assert sorted(updates) == list(range(1, UPDATES + 1))  # one point per update: none doubled
         replaced = page.locator("svg.loss circle.replaced")
         assert sorted(int(u) for u in replaced.evaluate_all("els => els.map(e => e.dataset.update)")) == [
-            u for r, reached in zip(restored, REACHED) for u in range(r + 1, reached + 1)]
+            u for r, n in zip(restored, reached) for u in range(r + 1, n + 1)]
         assert page.locator("svg.loss line.restart-mark").count() == 2
 
         page.get_by_role("button", name="Verify checksums").click()
