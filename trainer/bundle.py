@@ -21,7 +21,7 @@ import platform
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -31,7 +31,7 @@ import torchdata
 
 import trainer
 from trainer.counters import LOOP_CONVENTION
-from trainer.data.listing import Listing
+from trainer.data.listing import Listing, ShardInfo, changed_shards, version_of
 from trainer.data.tokenizer import CharTokenizer
 from trainer.faults import FaultInjector
 from trainer.manifest import (
@@ -114,7 +114,7 @@ class Description:
     optimizer: OptimizerInfo
     dataset_version: str
     tokenizer_version: str
-    records: int
+    shards: tuple[ShardInfo, ...]  # the source as listed when the job started
 
 
 def describe(state: TrainState, listing: Listing, tokenizer: CharTokenizer) -> Description:
@@ -134,7 +134,7 @@ def describe(state: TrainState, listing: Listing, tokenizer: CharTokenizer) -> D
         optimizer=OptimizerInfo(type=type(state.optimizer).__name__, groups=_jsonable(groups)),
         dataset_version=listing.version,
         tokenizer_version=tokenizer.version,
-        records=len(listing),
+        shards=tuple(listing.infos()),
     )
 
 
@@ -150,7 +150,7 @@ def versions() -> Versions:
 def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lineage_id: str,
                    attempt: int, recovery_label: str, files: list[FileEntry], accum_steps: int,
                    prefetched_ahead: int, stall_seconds: float, write_seconds: float,
-                   source_offsets: dict[str, int] | None = None) -> Manifest:
+                   shards: Sequence[ShardInfo], source_offsets: dict[str, int] | None = None) -> Manifest:
     spec = state.spec
     return Manifest(
         schema_version=SCHEMA_VERSION,
@@ -167,8 +167,8 @@ def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lin
         spec=spec.model_dump(mode="json"),
         model=desc.model,
         optimizer=desc.optimizer,
-        data=DataInfo(dataset_version=desc.dataset_version, tokenizer_version=desc.tokenizer_version,
-                      records=desc.records, cursor=Cursor(**state.planner_state["cursor"]),
+        data=DataInfo(dataset_version=version_of(shards), tokenizer_version=desc.tokenizer_version,
+                      records=sum(s.records for s in shards), shards=tuple(shards), cursor=Cursor(**state.planner_state["cursor"]),
                       prefetched_ahead=prefetched_ahead, source_offsets=source_offsets or {},
                       repeats_on_restore=state.planner_state["low_water"]["repeats"]),
         world=WorldInfo(size=state.world_size, accum_steps=accum_steps,
@@ -187,7 +187,10 @@ def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_
     problems = []
     if same_job and manifest.job_id != desc.job_id:
         problems.append(f"it belongs to job {manifest.job_id!r}, this job is {desc.job_id!r}")
-    if manifest.data.dataset_version != desc.dataset_version:
+    if desc.spec_compat["data"]["order"] == "sequential" and manifest.data.shards:
+        # a streaming source may have grown: the shards the bundle read must be there, unchanged
+        problems += changed_shards(manifest.data.shards, desc.shards)
+    elif manifest.data.dataset_version != desc.dataset_version:
         problems.append(f"dataset version: bundle {manifest.data.dataset_version}, job {desc.dataset_version} "
                         "(the shards changed; restore against the data it was trained on)")
     if manifest.data.tokenizer_version != desc.tokenizer_version:

@@ -12,7 +12,7 @@ import torch
 from torch.nn import functional as F
 
 from trainer.bundle import LoadedBundle
-from trainer.data.loader import MicroPlan, SequenceDataset
+from trainer.data.loader import MicroPlan, SequenceDataset, locations
 from trainer.data.planner import slice_for
 from trainer.loop import _autocast
 from trainer.session import TrainSession
@@ -27,11 +27,13 @@ def explain_next(session: TrainSession, bundle: LoadedBundle, show: int = 8) -> 
     sequences = st.planner.next_update()
     spans = [s for seq in sequences for s in seq]
     ids = span_ids(spans, session.listing)
-    dataset = SequenceDataset(session.listing, session.tokenizer, spec.seed, spec.data.mask_prob)
+    dataset = SequenceDataset(session.listing.root, session.listing.endpoint_url, session.tokenizer, spec.seed, spec.data.mask_prob)
     for m in range(session.accum_steps):
         for r in range(session.world_size):
             part = sequences[slice_for(r, m, session.world_size, spec.train.micro_batch)]
-            batch = dataset[MicroPlan(update=c.attempted_updates + 1, microstep=m, rank=r, sequences=part)]
+            plan = MicroPlan(update=c.attempted_updates + 1, microstep=m, rank=r, sequences=part,
+                             where=locations(part, session.listing.location))
+            batch = dataset[plan]
             with _autocast(spec.train.precision, st.device):
                 logits = st.model(batch["inputs"])
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch["targets"].reshape(-1))

@@ -85,6 +85,10 @@ def _empty_shuffle_buffer(st: TrainState) -> None:
     st.planner.stream.buffer.clear()
 
 
+def _list_by_name(st: TrainState) -> None:
+    st.resume_listing(())  # as a fresh scan lists the source: every shard by name
+
+
 def _drop_remainder(st: TrainState) -> None:
     st.planner.packer.current = None
 
@@ -142,6 +146,13 @@ CATEGORIES: tuple[Category, ...] = (
              "rank-0/state.json ['planner']['snapshot']['stream']",
              "snapshot: loaded as saved; replay: recomputed by drawing again from the epoch start",
              "occurrence digest per update", _empty_shuffle_buffer, needs="data.shuffle_buffer > 0"),
+    Category("source_listing", "Listing (shards in the order discovered, their hashes) and "
+             "EpochStream's growth log", "manifest ['data']['shards']; rank-0/state.json ['planner']['records'] "
+             "and ['planner']['snapshot']['stream']['known', 'exhausted']",
+             "the bundle's shards first, in its order, then new ones by name; a replay grows as logged",
+             "occurrence digest per update", _list_by_name,
+             needs="data.order=sequential and a shard that appeared after the boundary, named to sort "
+                   "before a known one"),
     Category("packer_remainder", "Packer.current (occurrence id + tokens already packed)",
              "rank-0/state.json ['planner']['snapshot']['packer']",
              "snapshot: loaded; replay: the occurrence at the cursor, cut at its offset",
@@ -183,6 +194,9 @@ LOCATIONS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("rank-0/state.json", ("scaler",), "grad_scaler"),
     ("rank-0/state.json", ("planner", "cursor"), "data_cursor"),
     ("rank-0/state.json", ("planner", "low_water"), "data_cursor"),
+    ("rank-0/state.json", ("planner", "records"), "source_listing"),
+    ("rank-0/state.json", ("planner", "snapshot", "stream", "known"), "source_listing"),
+    ("rank-0/state.json", ("planner", "snapshot", "stream", "exhausted"), "source_listing"),
     ("rank-0/state.json", ("planner", "snapshot", "stream"), "shuffle_buffer"),
     ("rank-0/state.json", ("planner", "snapshot", "packer"), "packer_remainder"),
     ("rank-0/state.json", ("train_mode",), "train_mode"),
@@ -219,7 +233,7 @@ def _differences(a, b, keys: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     return [] if a == b else [keys]
 
 
-DATA_CATEGORIES = frozenset({"data_cursor", "shuffle_buffer", "packer_remainder"})
+DATA_CATEGORIES = frozenset({"data_cursor", "shuffle_buffer", "packer_remainder", "source_listing"})
 
 
 def roundtrip_mismatches(saved: dict[str, object], restored: dict[str, object]) -> list[str]:

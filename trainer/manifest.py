@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainer.counters import Counters
+from trainer.data.listing import ShardInfo
 from trainer.data.planner import Cursor
 from trainer.storage import UnsafeKeyError, check_key
 
@@ -67,9 +68,10 @@ class OptimizerInfo(_M):
 
 
 class DataInfo(_M):
-    dataset_version: str
+    dataset_version: str  # over the listed shards, in order
     tokenizer_version: str
-    records: int
+    records: int  # listed when the boundary's last update was planned
+    shards: tuple[ShardInfo, ...] = ()  # those records' shards, in the order they were discovered
     cursor: Cursor
     prefetched_ahead: int  # micro-batches fetched past the cursor when saved; replayed on restore
     source_offsets: dict[str, int] = {}  # streaming reader: records fully consumed per shard (this epoch)

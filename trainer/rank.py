@@ -172,7 +172,7 @@ class RankRunner:
                 s.desc, s.state, bundle_key=key, lineage_id=self.lineage_id, attempt=self.attempt,
                 recovery_label=self.recovery_label, files=[], accum_steps=s.accum_steps,
                 prefetched_ahead=prefetched, stall_seconds=capture.stall_seconds, write_seconds=0.0,
-                source_offsets=s.source_offsets(),
+                shards=s.known_shards(), source_offsets=s.source_offsets(),
             ).model_dump(mode="json")
         self._collect(self.writer.submit(capture, key))
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from trainer.bundle import Description, LoadedBundle, describe
 from trainer.counters import CountersState
-from trainer.data.listing import scan
+from trainer.data.listing import ShardInfo, scan
 from trainer.data.loader import PlanSampler, SequenceDataset, make_loader
 from trainer.data.planner import RestoreMode
 from trainer.data.tokenizer import CharTokenizer
@@ -63,6 +63,8 @@ class TrainSession:
     def restore(self, bundle: LoadedBundle) -> float:
         """Load a verified bundle; returns the seconds it took. Must precede :meth:`start`."""
         t0 = time.perf_counter()
+        if self.spec.data.order == "sequential" and bundle.manifest.data.shards:
+            self.state.resume_listing(bundle.manifest.data.shards)  # the shards in the order it read them
         self.state.restore(bundle.payloads)
         for name in self.drop:  # a deliberately broken build (oracle tests, verify's mutants)
             BY_NAME[name].drop(self.state)
@@ -82,12 +84,18 @@ class TrainSession:
             found = [c for c in found if c not in DATA_CATEGORIES]  # the data side moves on purpose
         return found
 
+    def known_shards(self) -> list[ShardInfo]:
+        """The shards listed when the last consumed update was planned: what a bundle records (the
+        planner runs ahead and may have listed more since)."""
+        return self.listing.infos(self.state.planner_state["records"])
+
     def source_offsets(self) -> dict[str, int]:
-        """Per-shard record offsets a streaming reader has fully consumed at the last consumed
+        """Per-shard line offsets a streaming reader has fully consumed at the last consumed
         update (sequential order only; a permuted order has no meaningful per-shard position)."""
         if self.spec.data.order != "sequential":
             return {}
-        return self.listing.shard_offsets(self.state.planner_state["low_water"]["position"])
+        return self.listing.shard_offsets(self.state.planner_state["low_water"]["position"],
+                                          len(self.known_shards()))
 
     RESETTABLE = ("optimizer", "scheduler", "data")
 
@@ -110,9 +118,9 @@ class TrainSession:
 
     def start(self) -> None:
         first = self.counters.attempted_updates + 1
-        self._sampler = PlanSampler(self.state.planner, self.rank, self.world_size, self.accum_steps,
+        self._sampler = PlanSampler(self.state.planner, self.listing.location, self.rank, self.world_size, self.accum_steps,
                                     self.spec.train.micro_batch, first, self.spec.train.updates)
-        dataset = SequenceDataset(self.listing, self.tokenizer, self.spec.seed, self.spec.data.mask_prob)
+        dataset = SequenceDataset(self.listing.root, self.listing.endpoint_url, self.tokenizer, self.spec.seed, self.spec.data.mask_prob)
         loader = make_loader(dataset, self._sampler, self.spec.data.workers, self.spec.data.prefetch)
         self._iter = iter(loader)
         self._loop = TrainLoop(self.state, self._counting(self._iter), self.listing, self.accum_steps,

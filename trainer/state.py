@@ -19,13 +19,15 @@ alone writes them; every rank writes its own random streams.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainer.counters import CountersState
-from trainer.data.listing import Listing
+from trainer.data.listing import Listing, ShardInfo
 from trainer.data.planner import Planner, RestoreMode
 from trainer.data.tokenizer import CharTokenizer
 from trainer.ema import EMA
@@ -94,6 +96,11 @@ class Capture:
     stall_seconds: float = 0.0
 
 
+def token_counts(listing: Listing, start: int = 0) -> np.ndarray:
+    """Tokens per record from ``start`` on. CharTokenizer.token_count: a token per char, plus EOS."""
+    return listing.chars_of[start:] + 1
+
+
 class TrainState:
     """Every owner of state of one rank. Each attribute is a ``Stateful`` (or a torch one)."""
 
@@ -113,16 +120,29 @@ class TrainState:
         self.scheduler = build_scheduler(self.optimizer, spec.train)
         self.scaler = build_scaler(spec.train, device.split(":")[0])
         self.counters = CountersState()
-        tokens = listing.chars_of + 1  # CharTokenizer.token_count: a token per char, plus EOS
-        self.planner = Planner(tokens, spec.seed, spec.data.shuffle_buffer, spec.data.seq_len,
-                               spec.global_sequences, restore_mode, sequential=spec.data.order == "sequential",
+        self.listing = listing
+        sequential = spec.data.order == "sequential"
+        self.planner = Planner(token_counts(listing), spec.seed, spec.data.shuffle_buffer, spec.data.seq_len,
+                               spec.global_sequences, restore_mode, sequential=sequential,
                                max_repeat=spec.data.max_repeat if spec.data.recovery == "bounded-repetition"
-                               else None)
+                               else None,
+                               discover=self._discover if sequential else None)
         self.rng = RngState()
         self.host = HostBuffers()
         # The planner runs ahead (prefetch); this is its state after the last *consumed*
         # update, set by the loop from the batch that carried it. It is what a bundle saves.
         self.planner_state: dict[str, Any] = self.planner.state_dict()
+
+    def _discover(self) -> np.ndarray:
+        """A streaming reader reached the end of the known shards: rescan the source."""
+        before = len(self.listing)
+        self.listing.discover()
+        return token_counts(self.listing, before)
+
+    def resume_listing(self, recorded: Sequence[ShardInfo]) -> None:
+        """Before a restore: the listing in the bundle's order, and the planner's records with it."""
+        self.listing.resume(recorded)
+        self.planner.tokens = token_counts(self.listing)
 
     # -- capture ---------------------------------------------------------------------
 

@@ -97,6 +97,77 @@ def test_bounded_repetition_repeats_at_most_max_repeat_and_skips_nothing(tmp_pat
     assert len(repeated) <= sum(r.repeated_occurrences for r in restores)
 
 
+def two_shards(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("shard-000.jsonl", "shard-001.jsonl"):
+        shutil.copy(ROOT / "configs/data/tiny" / name, data / name)
+    return data
+
+
+def add_shards(data) -> None:
+    """Two shards appear: one named to sort before the known ones, one after."""
+    shutil.copy(ROOT / "configs/data/tiny/shard-002.jsonl", data / "shard-002.jsonl")
+    lines = (ROOT / "configs/data/tiny/shard-002.jsonl").read_text().splitlines()[:10]
+    (data / "a-late.jsonl").write_text("".join(
+        json.dumps({"text": json.loads(line)["text"][::-1]}) + "\n" for line in lines))
+
+
+def test_new_shards_are_read_after_the_known_ones_in_a_fixed_order(tmp_path):
+    """Shards that appear while the job is down are read after the known ones, by name, whatever
+    their names; the killed job reads exactly what a job that stopped cleanly at the same update
+    reads; restores take the bundle's shard order back even though a fresh listing sorts otherwise."""
+    data = two_shards(tmp_path)
+    ref_trace, trace = tmp_path / "ref.jsonl", tmp_path / "t.jsonl"
+    sets = ("data.shuffle_buffer=0", "train.updates=60")  # 80 known records last ~35 updates
+    # the reference gets a preemption notice in update 12: it publishes bundle 12 and exits
+    ref = cmd(tmp_path, data, "ref", ref_trace, *sets, "faults=[{site: microstep, update: 12, signal: SIGTERM}]")
+    killed = cmd(tmp_path, data, "k", trace, *sets, "faults=[{site: after_publish, update: 12}, "
+                 "{site: microstep, update: 47, microstep: 1, attempt: 2}]")
+    assert run_to_end(ref).returncode == 143
+    assert run_to_end(killed).returncode == -9  # killed the moment bundle 12 was published
+    add_shards(data)
+    assert run_to_end(ref).returncode == 0
+    assert [run_to_end(killed).returncode for _ in range(2)] == [-9, 0]
+
+    final = latest_per_update(read_trace(trace))
+    assert sorted(final) == list(range(1, 61))
+    assert first_divergence(read_trace(ref_trace), list(final.values())) is None
+    order = [oid.partition("[")[0] for u in sorted(final) for oid in final[u].occurrences]
+    epoch0 = list(dict.fromkeys(o.split("/", 1)[1] for o in order if o.startswith("0/")))
+    expected = [f"{shard}:{n}" for shard, lines in (("shard-000.jsonl", 40), ("shard-001.jsonl", 40),
+                                                      ("a-late.jsonl", 10), ("shard-002.jsonl", 40))
+                for n in range(lines)]
+    assert epoch0 == expected  # no gap, no repeat: the new shards after the known ones, by name
+    assert any(o.startswith("1/") for o in order)  # and the next epoch reads all four
+
+    storage = LocalStorage(tmp_path / "runs")
+    restores = [e for e in Ledger(storage, "k").read() if isinstance(e, Restored)]
+    assert restores[0].update == 12
+    final_manifest = read_manifest(storage, next(r for r in list_bundles(storage, "k") if r.published).key)
+    assert [s.name for s in final_manifest.data.shards] == [
+        "shard-000.jsonl", "shard-001.jsonl", "a-late.jsonl", "shard-002.jsonl"]
+    assert final_manifest.data.records == 130
+    consumers = LocalStorage(data)
+    committed = json.loads(consumers.get(sorted(consumers.list("_consumers/k"))[-1]))["records_consumed"]
+    assert committed == final_manifest.data.source_offsets and set(committed) == set(
+        s.name for s in final_manifest.data.shards)
+
+
+def test_a_changed_known_shard_stops_the_restore_naming_it(tmp_path):
+    data = two_shards(tmp_path)
+    job = cmd(tmp_path, data, "c", tmp_path / "t.jsonl", "train.updates=8")
+    assert run_to_end(job).returncode == 0
+    with open(data / "shard-001.jsonl", "a") as f:
+        f.write(json.dumps({"text": "an edit to a shard already read"}) + "\n")
+    add_shards(data)  # new shards alone would be fine
+    again = run_to_end(cmd(tmp_path, data, "c", tmp_path / "t.jsonl", "train.updates=16"))
+    assert again.returncode != 0
+    assert "shard shard-001.jsonl changed" in again.stderr and "immutable" in again.stderr, again.stderr[-2000:]
+    storage = LocalStorage(tmp_path / "runs")
+    assert [r.update for r in list_bundles(storage, "c") if r.published][0] == 8  # nothing lost
+
+
 def test_shards_in_an_s3_bucket(tmp_path):
     env = {**DUMMY_CREDENTIALS, "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
     with MotoServer() as moto:

@@ -125,6 +125,76 @@ def test_listing_version_tracks_content(tmp_path):
         scan(tmp_path / "d")
 
 
+def test_new_shards_are_listed_after_the_known_ones_by_name(tmp_path):
+    (tmp_path / "d").mkdir()
+    for name in ("shard-000.jsonl", "shard-001.jsonl"):
+        shutil.copy(TINY / name, tmp_path / "d" / name)
+    listing = scan(tmp_path / "d")
+    first = [listing.record_key(i) for i in range(len(listing))]
+    assert listing.discover() == 0
+    shutil.copy(TINY / "shard-002.jsonl", tmp_path / "d/shard-002.jsonl")
+    (tmp_path / "d/a-late.jsonl").write_text("".join(json.dumps({"text": f"late {i}"}) + "\n" for i in range(3)))
+    assert listing.discover() == 43
+    assert listing.shards == ("shard-000.jsonl", "shard-001.jsonl", "a-late.jsonl", "shard-002.jsonl")
+    assert [listing.record_key(i) for i in range(80)] == first  # indices of known records never move
+    assert listing.read_text(80) == "late 0" and listing.record_key(83) == "shard-002.jsonl:0"
+    assert [s.records for s in listing.infos(83)] == [40, 40, 3]
+
+    fresh = scan(tmp_path / "d")  # a restarted job lists by name...
+    assert fresh.shards[0] == "a-late.jsonl"
+    fresh.resume(listing.infos(83))  # ...and takes the bundle's order back
+    assert fresh.shards == listing.shards and fresh.version == listing.version
+    assert [fresh.record_key(i) for i in range(len(fresh))] == [listing.record_key(i) for i in range(len(listing))]
+
+    recorded = listing.infos(83)
+    (tmp_path / "d/a-late.jsonl").write_text(json.dumps({"text": "edited"}) + "\n")
+    (tmp_path / "d/shard-001.jsonl").unlink()
+    with pytest.raises(DatasetError, match=r"shard shard-001.jsonl is gone.*shard a-late.jsonl changed.*immutable"):
+        scan(tmp_path / "d").resume(recorded)
+
+
+class GrowingSource:
+    """A source whose successive rescans find these records (their token counts; empty: nothing new)."""
+
+    def __init__(self, rescans):
+        self.rescans = [list(r) for r in rescans]
+
+    def discover(self) -> np.ndarray:
+        return np.asarray(self.rescans.pop(0) if self.rescans else [], dtype=np.int64)
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "replay"])
+@pytest.mark.parametrize("buffer", [0, 4])
+def test_a_growing_source_restores_exactly_in_every_mode(mode, buffer):
+    """A restore at any update continues as the uninterrupted planner did, rescans included: those
+    before the boundary follow the saved log, later ones ask the source (which may have been listed
+    already when the job restarted)."""
+    gen = np.random.default_rng(0)
+    rescans = [gen.integers(3, 30, 8), [], gen.integers(3, 30, 5), [], [], gen.integers(3, 30, 6), []]
+    make = lambda tokens, source, restore_mode="snapshot": Planner(  # noqa: E731
+        tokens, seed=1, buffer_size=buffer, seq_len=15, global_sequences=3, restore_mode=restore_mode,
+        sequential=True, discover=source.discover)
+    source = GrowingSource(rescans)
+    a = make(gen.integers(3, 30, 12), source)
+    saved, updates = [], []
+    for _ in range(70):
+        saved.append((a.state_dict(), a.tokens.copy(), [list(r) for r in source.rescans]))
+        updates.append(a.next_update())
+    assert len(a.tokens) == 12 + 8 + 5 + 6 and not source.rescans  # every rescan happened
+    epochs = {s.epoch for u in updates for seq in u for s in seq}
+    assert len(epochs) >= 3
+    for k, (state, tokens, pending) in enumerate(saved):
+        b = make(tokens, GrowingSource(pending), mode)
+        b.load_state_dict(state)
+        assert [b.next_update() for _ in range(70 - k)] == updates[k:], f"restored at update {k}"
+        if pending and len(pending[0]) and not any(len(p) for p in pending[1:]):
+            # the last new shards were already there when the job restarted: listed at once, read as
+            # when the uninterrupted run found them at the end of the known ones
+            c = make(np.concatenate([tokens, pending[0]]), GrowingSource([]), mode)
+            c.load_state_dict(state)
+            assert [c.next_update() for _ in range(70 - k)] == updates[k:], f"pre-listed, restored at {k}"
+
+
 def test_tokenizer_version_covers_vocabulary_order():
     assert CharTokenizer("abc").version != CharTokenizer("bac").version
     assert CharTokenizer("abc").version == CharTokenizer("abc").version
@@ -136,8 +206,9 @@ def test_loader_output_does_not_depend_on_worker_count():
     outs = []
     for workers in (0, 1, 2):
         p = planner()
-        sampler = PlanSampler(p, rank=0, world_size=1, accum_steps=2, micro_batch=4, first_update=1, last_update=6)
-        loader = make_loader(SequenceDataset(listing, tok, 3, 0.1), sampler, workers, 2)
+        sampler = PlanSampler(p, listing.location, rank=0, world_size=1, accum_steps=2, micro_batch=4,
+                              first_update=1, last_update=6)
+        loader = make_loader(SequenceDataset(listing.root, None, tok, 3, 0.1), sampler, workers, 2)
         outs.append([(b["inputs"], b["targets"], b["plan"].update, b["plan"].microstep) for b in loader])
     for other in outs[1:]:
         assert len(other) == len(outs[0]) == 12

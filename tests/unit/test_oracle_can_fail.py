@@ -6,9 +6,12 @@ dropped in turn; the next K updates must then diverge from the uninterrupted run
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
-from tests.conftest import make_spec
+from tests.conftest import ROOT, make_spec
 from tests.helpers.oracle import reference_run, resume
 from trainer.inventory import CATEGORIES
 from trainer.trace import first_divergence
@@ -17,13 +20,15 @@ K = 6
 BASE = ("train.updates=20", "checkpoint.every_updates=10", "data.shuffle_buffer=16", "data.workers=1",
         "data.prefetch=2", "model.dropout=0.2")
 # Categories the default job cannot exercise get a job that does (see each Category.needs).
+# "growing": a streaming reader whose source gains a shard named to sort first after the reference ran.
 JOBS = {
     "default": BASE,
     "fp16": (*BASE, "train.precision=fp16", "train.grad_scaler.init_scale=1073741824",
              "train.grad_scaler.growth_interval=2"),
     "host_rng": (*BASE, "model.kind=factory", "model.factory=tests.helpers.rng_models:build"),
+    "growing": (*BASE, "data.order=sequential"),
 }
-JOB_OF = {"grad_scaler": "fp16", "rng_python": "host_rng", "rng_numpy": "host_rng"}
+JOB_OF = {"grad_scaler": "fp16", "rng_python": "host_rng", "rng_numpy": "host_rng", "source_listing": "growing"}
 DROPPABLE = [c.name for c in CATEGORIES if c.drop is not None]
 
 
@@ -32,8 +37,12 @@ def references(tmp_path_factory):
     out = {}
     for name, overrides in JOBS.items():
         tmp = tmp_path_factory.mktemp(name)
-        spec = make_spec(tmp, *overrides, job_id=f"drop-{name}")
+        data = tmp / "data"
+        shutil.copytree(ROOT / "configs/data/tiny", data)
+        spec = make_spec(tmp, *overrides, f"data.shards={data}", job_id=f"drop-{name}")
         trace, keys = reference_run(spec, tmp / "ref.jsonl")
+        if name == "growing":
+            (data / "0-late.jsonl").write_text(json.dumps({"text": "a shard that appeared after the run"}) + "\n")
         out[name] = (spec, trace, keys)
     return out
 

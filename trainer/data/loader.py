@@ -5,7 +5,9 @@ per (update, microstep); each plan carries the planner state *after* its update,
 so the cursor saved at a boundary is the one of the last batch the loop
 consumed, never the furthest one the workers fetched (those are replayed after
 a restore, by contract). Workers are a pure function of the plan, which is why
-``data.workers`` may change across a restore.
+``data.workers`` may change across a restore: a plan carries where each of its
+records is (shard, byte offset), so a worker forked before the listing grew
+reads the new shards' records too.
 
 torchdata's own ``state_dict`` is deliberately not used: it is per worker and
 requires the same worker count on restore.
@@ -19,14 +21,14 @@ import sys
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from trainer.data.listing import Listing
+from trainer.data.listing import read_line
 from trainer.data.packer import Span
 from trainer.data.planner import Planner, slice_for
 from trainer.data.tokenizer import CharTokenizer
@@ -39,16 +41,25 @@ class MicroPlan:
     microstep: int
     rank: int
     sequences: list[tuple[Span, ...]]
+    where: dict[int, tuple[str, int]]  # record -> (shard, byte offset), for every record of the plan
     global_spans: list[Span] | None = None  # the whole update's spans, on microstep 0 only
     planner_after: dict[str, Any] | None = field(default=None, repr=False)  # on the last microstep
+
+
+Locate = Callable[[int], tuple[str, int]]
+
+
+def locations(sequences: list[tuple[Span, ...]], locate: Locate) -> dict[int, tuple[str, int]]:
+    return {s.record: locate(s.record) for seq in sequences for s in seq}
 
 
 class PlanSampler(Sampler):
     """Yields the micro-batch plans of one rank from ``first_update`` to ``last_update``."""
 
-    def __init__(self, planner: Planner, rank: int, world_size: int, accum_steps: int,
+    def __init__(self, planner: Planner, locate: Locate, rank: int, world_size: int, accum_steps: int,
                  micro_batch: int, first_update: int, last_update: int) -> None:
         self.planner = planner
+        self.locate = locate
         self.rank = rank
         self.world_size = world_size
         self.accum_steps = accum_steps
@@ -69,6 +80,7 @@ class PlanSampler(Sampler):
                     microstep=m,
                     rank=self.rank,
                     sequences=part,
+                    where=locations(part, self.locate),
                     global_spans=[s for seq in sequences for s in seq] if m == 0 else None,
                     planner_after=after if m == self.accum_steps - 1 else None,
                 )
@@ -80,19 +92,21 @@ class PlanSampler(Sampler):
 class SequenceDataset(Dataset):
     """Turns a plan into ``inputs``/``targets`` of shape ``[micro_batch, seq_len]``."""
 
-    def __init__(self, listing: Listing, tokenizer: CharTokenizer, seed: int, mask_prob: float) -> None:
-        self.listing = listing
+    def __init__(self, root: str, endpoint_url: str | None, tokenizer: CharTokenizer, seed: int,
+                 mask_prob: float) -> None:
+        self.root = root
+        self.endpoint_url = endpoint_url
         self.tokenizer = tokenizer
         self.seed = seed
         self.mask_prob = mask_prob
         self._cache: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
-    def occurrence_tokens(self, epoch: int, record: int) -> tuple[np.ndarray, np.ndarray]:
+    def occurrence_tokens(self, epoch: int, record: int, where: tuple[str, int]) -> tuple[np.ndarray, np.ndarray]:
         """(original, transformed) tokens of one occurrence; cached because packing splits records."""
         key = (epoch, record)
         hit = self._cache.get(key)
         if hit is None:
-            original = self.tokenizer.encode(self.listing.read_text(record))
+            original = self.tokenizer.encode(read_line(self.root, self.endpoint_url, *where))
             hit = (original, mask_tokens(original, self.mask_prob, self.seed, epoch, record))
             self._cache[key] = hit
             if len(self._cache) > 256:
@@ -102,8 +116,9 @@ class SequenceDataset(Dataset):
     def __getitem__(self, plan: MicroPlan) -> dict[str, Any]:  # type: ignore[override]
         inputs, targets = [], []
         for seq in plan.sequences:
-            orig = np.concatenate([self.occurrence_tokens(s.epoch, s.record)[0][s.start:s.end] for s in seq])
-            masked = np.concatenate([self.occurrence_tokens(s.epoch, s.record)[1][s.start:s.end] for s in seq])
+            toks = [self.occurrence_tokens(s.epoch, s.record, plan.where[s.record]) for s in seq]
+            orig = np.concatenate([t[0][s.start:s.end] for t, s in zip(toks, seq)])
+            masked = np.concatenate([t[1][s.start:s.end] for t, s in zip(toks, seq)])
             inputs.append(masked[:-1])
             targets.append(orig[1:])
         return {

@@ -10,17 +10,24 @@ in a completed update: ``(epoch, index, offset)`` where ``index`` counts the
 occurrences delivered before it in that epoch and ``offset`` the tokens of it
 already packed. It is all a ``replay`` restore needs; a ``snapshot`` restore
 also reads the buffer and packer state and costs O(buffer) instead.
+
+With a live source (``discover``, sequential order only) the stream asks the
+planner for more records when it has pulled every known one; the planner calls
+``discover`` (the listing rescans and appends new shards) and extends its token
+counts. What the stream saw is in its state, so every restore mode reads the
+same records up to the boundary and asks the source again only after it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from trainer.data.packer import Occurrence, Packer, Span
-from trainer.data.shuffle import EpochStream
+from trainer.data.shuffle import EpochStream, logged_growth
 from trainer.stateful import check_version
 
 RestoreMode = Literal["snapshot", "replay", "fresh-epoch", "bounded-repetition"]
@@ -43,7 +50,7 @@ def slice_for(rank: int, microstep: int, world_size: int, micro_batch: int) -> s
 class Planner:
     """Plans update after update from a fixed (seed, listing); a ``Stateful``."""
 
-    VERSION = 1
+    VERSION = 2
 
     def __init__(
         self,
@@ -56,6 +63,7 @@ class Planner:
         *,
         sequential: bool = False,
         max_repeat: int | None = None,
+        discover: Callable[[], np.ndarray] | None = None,
     ) -> None:
         if len(tokens) == 0:
             raise ValueError("the dataset has no record")
@@ -66,13 +74,27 @@ class Planner:
         self.restore_mode = restore_mode
         self.sequential = sequential
         self.max_repeat = max_repeat
+        self.discover = discover  # token counts of the records a rescan appended (empty: none)
         # A sequence holds seq_len inputs and their seq_len next-token targets.
         self.packer = Packer(seq_len + 1, lambda r: int(self.tokens[r]))
         self.reset()
 
-    def _stream(self, epoch: int) -> EpochStream:
-        return EpochStream(len(self.tokens), self.seed, epoch, self.buffer_size, sequential=self.sequential,
-                           max_repeat=self.max_repeat)
+    def _stream(self, epoch: int, known: Sequence[int] | None = None, growth: Sequence[int] = ()) -> EpochStream:
+        """Epoch ``epoch`` over every known record, or over ``known[0]`` of them following the logged
+        ``growth`` (a restore)."""
+        n = len(self.tokens) if known is None else int(known[0])
+        if n > len(self.tokens):
+            raise ValueError(f"the saved data state reads {n} records, the source lists {len(self.tokens)}")
+        return EpochStream(n, self.seed, epoch, self.buffer_size, sequential=self.sequential,
+                           max_repeat=self.max_repeat, more=self._more if self.discover else None, script=growth)
+
+    def _more(self) -> int:
+        """The stream pulled every known record: how many there are now."""
+        if self.discover is not None:
+            new = self.discover()
+            if len(new):
+                self.tokens = np.concatenate([self.tokens, new])
+        return len(self.tokens)
 
     def reset(self) -> None:
         """Back to the start of the stream: epoch 0, nothing drawn, no remainder."""
@@ -111,6 +133,7 @@ class Planner:
         return {
             "version": self.VERSION,
             "cursor": self.cursor().model_dump(),
+            "records": self.stream.n_records,  # listed so far: a bundle records their shards
             "snapshot": {"stream": self.stream.state_dict(), "packer": self.packer.state_dict()},
             # What an external reader without captured in-flight state resumes from (sequential order).
             "low_water": {"epoch": epoch, "position": low,
@@ -125,30 +148,34 @@ class Planner:
             self.stream = self._stream(cursor.epoch + 1)
             self.packer.current = None
         elif self.restore_mode == "bounded-repetition":
-            self._resume_from_low_water(state["low_water"])
+            self._resume_from_low_water(state["low_water"], state["snapshot"]["stream"])
         elif self.restore_mode == "snapshot":
             snap = state["snapshot"]
-            stream = self._stream(snap["stream"]["epoch"])
+            stream = self._stream(snap["stream"]["epoch"], snap["stream"]["known"])
             stream.load_state_dict(snap["stream"])
             self.stream = stream
             self.packer.load_state_dict(snap["packer"])
         else:
-            self._replay(cursor)
+            self._replay(cursor, state["snapshot"]["stream"])
 
-    def _resume_from_low_water(self, low: dict[str, int]) -> None:
+    def _logged(self, epoch: int, stream: dict[str, Any]) -> EpochStream:
+        """A fresh stream of ``epoch`` that grows as the saved one did (its log, never its buffer)."""
+        return self._stream(epoch, stream["known"], logged_growth(stream))
+
+    def _resume_from_low_water(self, low: dict[str, int], saved: dict[str, Any]) -> None:
         """A reader that lost its buffer: read again from the committed offset with an empty buffer
         and a generator of its own (the lost one cannot be recovered). Repeats at most the records
         delivered above the offset (``low["repeats"]`` <= data.max_repeat), skips none."""
         if not self.sequential:
             raise ValueError("bounded-repetition restores need data.order=sequential (a streaming reader)")
-        stream = self._stream(low["epoch"])
+        stream = self._logged(low["epoch"], saved)
         stream.pos = low["position"]
         stream.rng = np.random.Generator(np.random.PCG64([self.seed, low["epoch"], low["position"], 0x5EED]))
         self.stream = stream
         self.packer.current = None
 
-    def _replay(self, cursor: Cursor) -> None:
-        self.stream = self._stream(cursor.epoch)
+    def _replay(self, cursor: Cursor, saved: dict[str, Any]) -> None:
+        self.stream = self._logged(cursor.epoch, saved)
         self.stream.fast_forward(cursor.index)
         self.packer.current = None
         if cursor.offset:
