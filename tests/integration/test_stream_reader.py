@@ -184,6 +184,12 @@ def test_shards_in_an_s3_bucket(tmp_path):
             assert remote.version == local.version and len(remote) == len(local)
             assert [remote.read_text(i) for i in (0, 57, len(remote) - 1)] == [
                 local.read_text(i) for i in (0, 57, len(local) - 1)]
+            client.put_object(Bucket=bucket, Key="corpus/0-late.jsonl", Body=b'{"text": "late"}\n')
+            client.put_object(Bucket=bucket, Key="corpus/nested/x.jsonl", Body=b'{"text": "not a shard"}\n')
+            assert remote.discover() == 1 and remote.shards[-1] == "0-late.jsonl"
+            assert remote.read_text(len(remote) - 1) == "late"
+            client.delete_object(Bucket=bucket, Key="corpus/0-late.jsonl")
+            client.delete_object(Bucket=bucket, Key="corpus/nested/x.jsonl")
             trace = tmp_path / "t.jsonl"
             job = run_cmd(tmp_path / "runs", "s3data", trace, *STREAM, f"storage_endpoint_url={moto.url}",
                           data=f"s3://{bucket}/corpus")
