@@ -21,6 +21,7 @@ from orchestrator.ledger import (
     JobFinished,
     Ledger,
     NoticeHandled,
+    Resizing,
     Restored,
     TopologyChanged,
     WorkerLost,
@@ -59,13 +60,16 @@ def history(storage: Storage, job_id: str) -> dict[str, Any]:
         elif isinstance(e, WorkerLost):
             losses[e.attempt] = e
             a.update(ended=f"lost: {e.cause}", last_update=e.last_update)
+        elif isinstance(e, Resizing):
+            a.update(ended=f"scale-up to {e.world_size_target}")
         elif isinstance(e, Restored):
             loss = losses.get(e.attempt - 1)
             previous_ended = attempts.get(e.attempt - 1, {}).get("ended")
             restarts.append({
                 "attempt": e.attempt,
                 # no loss recorded: the driver itself died (or a finished job was run again)
-                "cause": loss.cause if loss else ("resumed" if previous_ended else "driver-exit"),
+                "cause": loss.cause if loss else ("scale-up" if e.cause == "scale-up" else
+                                                  "resumed" if previous_ended else "driver-exit"),
                 "detected_at": (loss.at if loss else e.at).isoformat(),
                 "restored_from": e.bundle,
                 "restored_update": e.update,

@@ -96,6 +96,15 @@ class TopologyChanged(_Event):
     accum_steps_after: int
 
 
+class Resizing(_Event):
+    """An elastic job found room to grow: it checkpoints at the next boundary and restarts larger."""
+
+    kind: Literal["resizing"] = "resizing"
+    world_size_before: int
+    world_size_target: int
+    reason: str
+
+
 class NoticeSeen(_Event):
     """A preemption notice and what the supervisor did about it."""
 
@@ -156,7 +165,7 @@ class JobFailed(_Event):
 
 Event = Annotated[
     AttemptStarted | Restored | InitializedFrom | BundleRejected | BundlePublished | WorkerLost | CapacityWait
-    | TopologyChanged | OffsetsCommitted | NoticeSeen | NoticeHandled | JobFinished | JobFailed,
+    | TopologyChanged | Resizing | OffsetsCommitted | NoticeSeen | NoticeHandled | JobFinished | JobFailed,
     Field(discriminator="kind"),
 ]
 _EVENT = TypeAdapter(Event)

@@ -3,6 +3,7 @@
 | policy       | restarts with                                   | recovery label |
 | strict       | the same world size, waiting capacity_timeout_s | exact          |
 | elastic      | any allowed size in [min, max] (largest first)  | exact-data     |
+|              | and grows back while running when room returns  |                |
 | fresh-epoch  | any allowed size; data restarts at next epoch   | fresh-epoch    |
 
 An elastic restart at the world size it had is labelled ``exact``: it computes
@@ -41,6 +42,19 @@ def decide(spec: JobSpec, available_ranks: int, waited_s: float) -> Decision:
         f"but only {available_ranks} fit on the cluster after waiting {waited_s:.0f}s "
         f"(world.capacity_timeout_s={w.capacity_timeout_s:g}); add nodes, raise the timeout, "
         f"or declare world.policy=elastic with a smaller world.min_size"))
+
+
+def grow(spec: JobSpec, world_size: int, available_ranks: int, updates_left: int) -> Decision | None:
+    """elastic, while running: restart larger when a larger allowed world fits and enough of the job
+    is left to repay the restart (more than one checkpoint interval). ``None``: stay as is."""
+    if spec.world.policy != "elastic" or updates_left <= spec.checkpoint.every_updates:
+        return None
+    larger = [n for n in spec.allowed_world_sizes() if world_size < n <= available_ranks]
+    if not larger:
+        return None
+    n = max(larger)
+    return Decision("restart", n, f"{available_ranks} rank slots available: elastic grows from {world_size} "
+                                  f"to {n} ranks with {updates_left} updates left")
 
 
 def recovery_label(spec: JobSpec, size_before: int | None, size_after: int) -> str:

@@ -52,6 +52,7 @@ from orchestrator.ledger import (
     NoticeSeen,
     JobFinished,
     Ledger,
+    Resizing,
     Restored,
     TopologyChanged,
     WorkerLost,
@@ -94,6 +95,7 @@ class Running:
     world_size: int
     last_update: int
     draining: Notice | None = None  # a notice being acted on: checkpoint at the next boundary, then stop
+    growing: int | None = None  # elastic: the larger world to restart with after the next boundary
     progress_at: float | None = None  # clock when last_update last advanced
 
 
@@ -168,6 +170,7 @@ class Supervisor:
         # asks for nothing would never see a scaled-to-zero spot pool grow); cleared at the end.
         self.request_capacity = request_capacity
         self._drain_checked = float("-inf")
+        self._grow_checked = clock()  # a fresh attempt runs a while before it thinks of growing
         self._seen_notices: set[tuple] = set()
         self.sec_per_update: float | None = None  # measured, to judge whether a deadline leaves time
         self._rank_retries: dict[tuple[int, int], int] = {}  # (attempt, rank) -> storage retries
@@ -335,10 +338,32 @@ class Supervisor:
             nxt = self._on_notice(st, notice)
             if nxt is not None:
                 return nxt
-        if st.draining is not None and all(r.state in ("stopped", "finished") for r in reports):
+        stopped = all(r.state in ("stopped", "finished") for r in reports)
+        if st.draining is not None and stopped:
             return self._drained(st)
+        if st.growing is not None and stopped:
+            st.group.teardown()
+            return Placing(cause="scale-up", last_update=st.last_update, world_before=st.world_size)
+        self._consider_growing(st)
         self.sleep(POLL_S)
         return st
+
+    def _consider_growing(self, st: Running) -> None:
+        """elastic below its largest size: every world.grow_check_s, look for room; when a larger
+        world fits, checkpoint at the next boundary and restart with it (nothing is lost)."""
+        every = self.spec.world.grow_check_s
+        if (self.spec.world.policy != "elastic" or not every or st.draining is not None
+                or st.growing is not None or self.clock() - self._grow_checked < every):
+            return
+        self._grow_checked = self.clock()
+        decision = policy.grow(self.spec, st.world_size, self.capacity(), self.spec.train.updates - st.last_update)
+        if decision is None:
+            return
+        log.info("growing: %s", decision.reason)
+        self.ledger.append(Resizing(attempt=st.attempt, world_size_before=st.world_size,
+                                    world_size_target=decision.world_size, reason=decision.reason))
+        st.group.request(checkpoint=True, stop=True)
+        st.growing = decision.world_size
 
     # -- preemption notices ---------------------------------------------------------------
 

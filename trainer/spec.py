@@ -117,6 +117,9 @@ class WorldSpec(_Strict):
     min_size: int = Field(1, ge=1)
     max_size: int | None = Field(None, ge=1)
     capacity_timeout_s: float = Field(60, ge=0)
+    # elastic: how often a running job below max_size looks for room to grow back (a restart from
+    # a bundle taken for the purpose); 0 never grows while running
+    grow_check_s: float = Field(30, ge=0)
     max_restarts: int = Field(20, ge=0)
     restart_backoff_s: float = Field(0.5, ge=0)  # first backoff; doubles per restart, with jitter
     cpus_per_rank: float = Field(1, gt=0)

@@ -74,7 +74,9 @@ def timeline(spans: list[dict[str, Any]], width: int = 900) -> str:
         out.append(f'<rect class="attempt {_a(s["attempt"])}" data-attempt="{s["attempt"]}" '
                    f'data-world-size="{world}" x="{x0:.1f}" y="{y + 4}" width="{max(3.0, x1 - x0):.1f}" '
                    f'height="{row - 10}"><title>{escape(title)}</title></rect>')
-        mark = "✓" if s["ended"] == "finished" else "…" if s["ended"] == "running" else "✕"
+        ended = str(s["ended"])
+        mark = ("✓" if ended == "finished" else "…" if ended == "running"
+                else "↗" if ended.startswith("scale-up") else "✕")  # a chosen restart is no failure
         out.append(f'<text class="cause" data-attempt="{s["attempt"]}" x="{max(x1, x0 + 3) + 6:.1f}" '
                    f'y="{y + 17}">{mark} {escape(str(s["ended"]))}</text>')
     out.append("</svg>")

@@ -1,7 +1,7 @@
 """Node loss on a real multi-node local cluster (ray.cluster_utils.Cluster), one rank per node.
 
 elastic: the job restarts on the node that remains (world size 1), same occurrences per update,
-parameters within tolerance, label exact-data. strict: the job waits for capacity and resumes
+parameters within tolerance, label exact-data; it grows back to 2 ranks when a node joins. strict: the job waits for capacity and resumes
 bitwise-exact when a node comes back, or fails clearly when none does in time.
 """
 
@@ -19,6 +19,7 @@ from trainer.bundle import list_bundles, load_bundle
 from trainer.storage import open_storage
 from trainer.trace import first_divergence, latest_per_update, read_trace
 
+from orchestrator.history import history
 from orchestrator.launch import run_on_ray
 from orchestrator.ledger import (
     AttemptStarted,
@@ -26,6 +27,7 @@ from orchestrator.ledger import (
     JobFailed,
     Ledger,
     NoticeHandled,
+    Resizing,
     Restored,
     TopologyChanged,
     WorkerLost,
@@ -139,6 +141,39 @@ def test_elastic_restarts_smaller_with_same_occurrences(cluster, reference, tmp_
     a, b = final_params(ref_spec), final_params(spec)
     diff = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert diff <= TOLERANCE, f"parameters drifted {diff:g} > {TOLERANCE:g}"
+
+
+def test_elastic_grows_back_when_a_node_returns(cluster, reference, tmp_path):
+    """Shrunk to 1 rank by a lost node, the elastic job sees a node join, checkpoints at the next
+    boundary and restarts with 2 ranks: no update lost, the same occurrences per update, and the
+    voluntary restart is not counted against world.max_restarts."""
+    two_workers(cluster)
+    _, ref_trace = reference
+    # long enough that the job at 1 rank is still running when the node has joined (a few seconds)
+    spec = make_spec(tmp_path, *SETS, "world.policy=elastic", "world.grow_check_s=0.2", "train.updates=400",
+                     "world.max_restarts=1", job_id="grow")
+    job = Background(spec, tmp_path / "t.jsonl")
+    job.wait_for(lambda: job.trace_lines() >= 12)
+    remove_rank_node(cluster, job, rank=1)
+    job.wait_for(lambda: any(isinstance(e, AttemptStarted) and e.world_size == 1 for e in job.events()))
+    cluster.add_node(num_cpus=1)
+    job.join()
+    assert job.error is None and job.outcome.restarts == 1
+    events = job.events()
+    resizing = next(e for e in events if isinstance(e, Resizing))
+    assert (resizing.world_size_before, resizing.world_size_target) == (1, 2)
+    shrink, grow = [e for e in events if isinstance(e, Restored)]
+    assert (shrink.world_size_before, shrink.world_size_after, shrink.cause) == (2, 1, "node-lost")
+    assert (grow.world_size_before, grow.world_size_after, grow.cause) == (1, 2, "scale-up")
+    assert grow.lost_updates == 0 and grow.recovery_label == "exact-data"
+    assert [(e.world_size_before, e.world_size_after) for e in events if isinstance(e, TopologyChanged)] == [
+        (2, 1), (1, 2)]
+    assert [r["cause"] for r in history(open_storage(spec.storage), "grow")["restarts"]] == ["node-lost", "scale-up"]
+    final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
+    assert sorted(final) == list(range(1, 401))
+    for r in ref_trace:  # the reference's 30 updates: the same occurrences whatever the world size
+        assert (final[r.update].occurrences_sha256, final[r.update].n_occurrences) == (
+            r.occurrences_sha256, r.n_occurrences)
 
 
 def test_strict_waits_and_resumes_bitwise_when_a_node_returns(cluster, reference, tmp_path):

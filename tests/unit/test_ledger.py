@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from orchestrator.dashboard.charts import timeline
 from orchestrator.history import history
 from orchestrator.launch import run_in_process
-from orchestrator.ledger import AttemptStarted, CorruptEvent, JobFinished, Ledger
+from orchestrator.ledger import AttemptStarted, CorruptEvent, JobFinished, Ledger, Resizing, Restored
 from trainer.storage import LocalStorage
 
 
@@ -40,3 +41,20 @@ def test_history_of_a_finished_run(spec_factory):
     assert [a["attempt"] for a in doc["attempts"]] == [1, 2]
     assert doc["restarts"][0]["restored_from"].endswith("u0000000010-a1")
     assert doc["restarts"][0]["recovery_label"] == "exact"
+
+
+def test_a_scale_up_is_a_chosen_restart_not_a_loss(tmp_path):
+    storage = LocalStorage(tmp_path)
+    ledger = Ledger(storage, "g")
+    ledger.append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="x"))
+    ledger.append(Resizing(attempt=1, world_size_before=1, world_size_target=2, reason="2 rank slots available"))
+    ledger.append(AttemptStarted(attempt=2, world_size=2, pid=1, lineage_id="x"))
+    ledger.append(Restored(attempt=2, bundle="g/bundles/u0000000010-a1", update=10, recovery_label="exact-data",
+                           policy="elastic", restore_mode="snapshot", restore_seconds=0.1, lost_updates=0,
+                           cause="scale-up", world_size_before=1, world_size_after=2))
+    doc = history(storage, "g")
+    assert doc["attempts"][0]["ended"] == "scale-up to 2"
+    assert [(r["cause"], r["lost_updates"]) for r in doc["restarts"]] == [("scale-up", 0)]
+    svg = timeline([{"attempt": a["attempt"], "start": a["started_at"], "end": a["ended_at"], "world_size":
+                     a["world_size"], "ended": a["ended"] or "finished", "reached_update": 10} for a in doc["attempts"]])
+    assert "↗ scale-up to 2" in svg and "✕" not in svg
