@@ -115,7 +115,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
                   f"last update applied: {c.last_update_applied}")
     console.print(f"cursor: epoch {d.cursor.epoch}, occurrence {d.cursor.index}, token offset "
                   f"{d.cursor.offset} ({d.prefetched_ahead} prefetched micro-batches will be replayed)")
-    console.print(f"data {d.dataset_version}, tokenizer {d.tokenizer_version}, model {m.model.kind} "
+    shards = f" ({d.records} records in {len(d.shards)} shards, the last read: {d.shards[-1].name})" if d.shards else ""
+    console.print(f"data {d.dataset_version}{shards}, tokenizer {d.tokenizer_version}, model {m.model.kind} "
                   f"{m.model.config_hash}, {len(m.files)} files, {m.total_bytes} bytes")
     nxt = doc["next"]
     if "unavailable" in nxt:

@@ -50,3 +50,4 @@ def test_inspect_human_output_names_the_cursor(tmp_path):
     out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "inspect", str(tmp_path / "runs" / key)],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "cursor: epoch 0" in out and "next: update" in out and "attempted 10" in out
+    assert "(120 records in 3 shards, the last read: shard-002.jsonl)" in " ".join(out.split())  # rich wraps
