@@ -52,7 +52,9 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
 def cmd_run(a: argparse.Namespace) -> int:
     from orchestrator.launch import run_in_process, run_on_ray
 
-    spec = load_spec(a.config, a.set, a.job_id)
+    if (a.config is None) == (a.spec_json is None):
+        raise SpecError("spotrun run takes a CONFIG file or --spec-json TEXT (one of them)")
+    spec = load_spec(a.config, a.set, a.job_id, text=a.spec_json)
     init_from = _split_bundle_uri(a.init_from) if a.init_from else None
     reset = tuple(r for r in (a.reset or "").split(",") if r)
     if reset and not init_from:
@@ -205,9 +207,9 @@ def cmd_dashboard(a: argparse.Namespace) -> int:
     return 0
 
 
-def _job_arguments(p: argparse.ArgumentParser) -> None:
+def _job_arguments(p: argparse.ArgumentParser, config_optional: bool = False) -> None:
     """What every command that starts a job takes: the spec, overrides, the job id."""
-    p.add_argument("config")
+    p.add_argument("config", nargs="?" if config_optional else None)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec key")
     p.add_argument("--job-id")
 
@@ -217,7 +219,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="run a job; resumes from its newest published bundle")
-    _job_arguments(r)
+    _job_arguments(r, config_optional=True)
+    r.add_argument("--spec-json", metavar="TEXT", help="the spec itself instead of CONFIG (what submit sends)")
     r.add_argument("--trace", metavar="PATH", help="append one JSON line per completed update")
     r.add_argument("--trace-ids", action="store_true", help="include the occurrence ids in --trace lines")
     r.add_argument("--address", help="an existing Ray cluster (default: an embedded local Ray)")

@@ -84,23 +84,34 @@ def absolute_paths(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def load_spec(path: str | Path | None, overrides: list[str] = (), job_id: str | None = None) -> JobSpec:
-    """Read, override, validate. ``job_id`` defaults to the file's stem; local paths become absolute."""
-    raw: dict[str, Any] = {}
+def load_spec(path: str | Path | None, overrides: list[str] = (), job_id: str | None = None, *,
+              text: str | None = None) -> JobSpec:
+    """Read, override, validate. ``job_id`` defaults to the file's stem; local paths become absolute.
+
+    ``text`` is a spec given inline instead of a file (YAML, so JSON too): what ``spotrun submit``
+    sends, so that the head needs no copy of the file."""
+    raw: Any = {}
     source = "(command line)"
-    if path is not None:
+    if text is not None:
+        source = "(inline spec)"
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise SpecError(f"the inline spec is not valid YAML or JSON: {e}") from e
+    elif path is not None:
         path = Path(path)
         source = str(path)
         try:
-            loaded = yaml.safe_load(path.read_text())
+            raw = yaml.safe_load(path.read_text())
         except FileNotFoundError as e:
             raise SpecError(f"spec file {path} does not exist") from e
         except yaml.YAMLError as e:
             raise SpecError(f"spec file {path} is not valid YAML: {e}") from e
-        if loaded is not None and not isinstance(loaded, dict):
-            raise SpecError(f"spec file {path} must be a mapping of keys, got {type(loaded).__name__}")
-        raw = loaded or {}
-        raw.setdefault("job_id", path.stem)
+    if raw is not None and not isinstance(raw, dict):
+        raise SpecError(f"spec {source} must be a mapping of keys, got {type(raw).__name__}")
+    raw = raw or {}
+    if path is not None and text is None:
+        raw.setdefault("job_id", Path(path).stem)
     raw = absolute_paths(apply_overrides(raw, list(overrides)))
     if job_id:
         raw["job_id"] = job_id

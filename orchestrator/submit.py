@@ -4,7 +4,7 @@
 (a typo fails before anything reaches the cluster), then submits the
 entrypoint::
 
-    python -m orchestrator.cli run /abs/CONFIG --set ... --job-id ID --address auto
+    python -m orchestrator.cli run --spec-json '{...the whole spec...}' --job-id ID --address auto
 
 to the cluster's Jobs API (:class:`ray.job_submission.JobSubmissionClient`).
 The driver runs on the head node; ``--address auto`` makes it connect to the
@@ -14,23 +14,22 @@ GCS) instead of starting an embedded Ray. Because the entrypoint is
 exactly as a rerun of ``spotrun run`` does.
 
 What travels, and what does not
-    Nothing is uploaded: no ``working_dir``, no ``py_modules``, no
-    ``runtime_env`` at all. spotrun and its dependencies must already be
-    installed on every node (the ranks import ``trainer`` and ``orchestrator``
-    in their own workers anyway, so the cluster image has to carry them), and
-    ``python`` on the head's ``PATH`` must be that environment's interpreter
-    (activate the environment before ``ray start``, or use an image whose
-    ``python`` is it). Uploading the repository would only add seconds and a
-    second, possibly different, copy of the code.
+    The spec travels inline, validated, with every ``--set`` applied: the head
+    needs no copy of the file, so a laptop can submit through a forwarded
+    dashboard port. Nothing else is uploaded: no ``working_dir``, no
+    ``py_modules``, no ``runtime_env`` at all. spotrun and its dependencies
+    must already be installed on every node (the ranks import ``trainer`` and
+    ``orchestrator`` in their own workers anyway, so the cluster image has to
+    carry them), and ``python`` on the head's ``PATH`` must be that
+    environment's interpreter (activate the environment before ``ray start``,
+    or use an image whose ``python`` is it). Uploading the repository would
+    only add seconds and a second, possibly different, copy of the code.
 
-    The spec file is passed by path, and local paths are made absolute here:
-    the config file, ``data.shards`` and a ``file://`` (or plain-path)
-    ``storage``. They are resolved against this command's working directory,
-    exactly as ``spotrun run`` would resolve them, so they must name the same
-    files on the head: the same machine or a shared file system. Paths that
-    are already absolute are passed through unchanged. (A remote head without
-    a shared file system needs absolute head-side paths, and the config file
-    at the same absolute path there.)
+    What the spec points at must be reachable from the cluster: ``s3://`` data
+    and storage from anywhere; local paths (``data.shards``, a ``file://``
+    ``storage``) are made absolute against this command's working directory,
+    exactly as ``spotrun run`` would make them, so they name the same files on
+    the head only on the same machine or a shared file system.
 
 Token authentication (Ray 2.60 turns it on by default)
     Authentication stays on; this client makes itself able to talk to a
@@ -72,7 +71,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
-from urllib.parse import urlparse
 
 from trainer.spec import JobSpec
 
@@ -88,33 +86,13 @@ class SubmitError(ValueError):
     """The job could not be submitted or followed; the message says why and what to do."""
 
 
-def _abs_storage(uri: str) -> str | None:
-    """``file://rel`` or a plain relative path -> ``file:///abs``; None when nothing changes."""
-    parsed = urlparse(uri)
-    if parsed.scheme not in ("", "file"):
-        return None
-    path = uri[len("file://"):] if uri.startswith("file://") else uri
-    if os.path.isabs(path):
-        return None
-    return f"file://{os.path.abspath(path)}"
+def entrypoint(spec: JobSpec) -> str:
+    """The shell command the head runs: ``spotrun run`` of this very spec, connected to the cluster.
 
-
-def _abs_path(path: str) -> str | None:
-    return None if os.path.isabs(path) else os.path.abspath(path)
-
-
-def entrypoint(spec_path: str | Path, overrides: list[str], spec: JobSpec) -> str:
-    """The shell command the head runs: ``spotrun run`` of this spec, connected to the cluster."""
-    absolute = {"storage": _abs_storage(spec.storage), "data.shards": _abs_path(spec.data.shards)}
-    absolute = {k: v for k, v in absolute.items() if v is not None}
-    # A replaced key's own --set goes (the absolute value supersedes it); the value is a quoted YAML
-    # string, so any path parses back unchanged.
-    sets = [s for s in overrides if s.partition("=")[0].strip() not in absolute]
-    sets += [f"{k}={json.dumps(v)}" for k, v in absolute.items()]
-    argv = ["python", "-m", "orchestrator.cli", "run", os.path.abspath(spec_path)]
-    for item in sets:
-        argv += ["--set", item]
-    argv += ["--job-id", spec.job_id, "--address", "auto"]
+    The spec travels inline, validated and with every override applied, so the head needs no copy
+    of the file (its local paths were already made absolute by :func:`load_spec`)."""
+    argv = ["python", "-m", "orchestrator.cli", "run", "--spec-json", spec.model_dump_json(),
+            "--job-id", spec.job_id, "--address", "auto"]
     return shlex.join(argv)
 
 
@@ -189,7 +167,7 @@ def submit(spec_path: str | Path, overrides: list[str] = (), job_id: str | None 
     if not address:
         raise SubmitError("submit needs the cluster's dashboard address: --address http://HEAD:8265")
     spec = load_spec(spec_path, list(overrides), job_id)  # SpecError (a ValueError) before any network
-    command = entrypoint(spec_path, list(overrides), spec)
+    command = entrypoint(spec)
 
     client = connect(address)
     try:
