@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.state import TrainState
+from trainer.data.listing import scan
+from trainer.state import TrainState, token_counts
 
 ORACLE_TRACE = "per-update occurrence digest and parameter digest equal the uninterrupted run"
 
@@ -86,7 +87,9 @@ def _empty_shuffle_buffer(st: TrainState) -> None:
 
 
 def _list_by_name(st: TrainState) -> None:
-    st.resume_listing(())  # as a fresh scan lists the source: every shard by name
+    # a build that lists the source afresh (every shard, by name) instead of the bundle's shards
+    vars(st.listing).update(vars(scan(st.listing.root, st.listing.endpoint_url)))
+    st.planner.tokens = token_counts(st.listing)
 
 
 def _drop_remainder(st: TrainState) -> None:
@@ -149,7 +152,8 @@ CATEGORIES: tuple[Category, ...] = (
     Category("source_listing", "Listing (shards in the order discovered, their hashes) and "
              "EpochStream's growth log", "manifest ['data']['shards']; rank-0/state.json ['planner']['records'] "
              "and ['planner']['snapshot']['stream']['known', 'exhausted']",
-             "the bundle's shards first, in its order, then new ones by name; a replay grows as logged",
+             "exactly the bundle's shards, in its order; a replay grows as logged; later rescans adopt "
+             "the lineage's growth records (<job>/source/)",
              "occurrence digest per update", _list_by_name,
              needs="data.order=sequential and a shard that appeared after the boundary, named to sort "
                    "before a known one"),

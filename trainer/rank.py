@@ -24,6 +24,7 @@ from typing import Any
 
 from trainer.bundle import BundleWriter, WriteResult, build_manifest, bundle_dir, load_bundle
 from trainer.collective import Collective
+from trainer.data.growth import GrowthRecords
 from trainer.metrics import MetricSink, metrics_dir, open_sinks, points_of
 from trainer.session import TrainSession
 from trainer.spec import JobSpec
@@ -71,6 +72,7 @@ class RankRunner:
                                     grad_sync=collective.sync_gradients if world_size > 1 else None,
                                     record_ids=record_ids and rank == 0,
                                     digests=trace and rank == 0)  # only rank 0's records are reported
+        self.session.state.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
         self.writer = BundleWriter(self.storage, self.session.faults)
         # Rank 0 writes the metric points; each upserts by <job>/<update>/<name>.
         self.metrics: MetricSink = open_sinks(

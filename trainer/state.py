@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from trainer.counters import CountersState
+from trainer.data.growth import GrowthRecords
 from trainer.data.listing import Listing, ShardInfo
 from trainer.data.planner import Planner, RestoreMode
 from trainer.data.tokenizer import CharTokenizer
@@ -121,6 +122,7 @@ class TrainState:
         self.scaler = build_scaler(spec.train, device.split(":")[0])
         self.counters = CountersState()
         self.listing = listing
+        self.growth: GrowthRecords | None = None  # set by the rank: shared rescan decisions
         sequential = spec.data.order == "sequential"
         self.planner = Planner(token_counts(listing), spec.seed, spec.data.shuffle_buffer, spec.data.seq_len,
                                spec.global_sequences, restore_mode, sequential=sequential,
@@ -133,10 +135,12 @@ class TrainState:
         # update, set by the loop from the batch that carried it. It is what a bundle saves.
         self.planner_state: dict[str, Any] = self.planner.state_dict()
 
-    def _discover(self) -> np.ndarray:
-        """A streaming reader reached the end of the known shards: rescan the source."""
+    def _discover(self, epoch: int, records: int) -> np.ndarray:
+        """A streaming reader reached the end of the known shards: rescan the source (and, with
+        other ranks, adopt what the first of them found there)."""
         before = len(self.listing)
-        self.listing.discover()
+        growth = self.growth
+        self.listing.discover(None if growth is None else lambda found: growth.decide(epoch, records, found))
         return token_counts(self.listing, before)
 
     def resume_listing(self, recorded: Sequence[ShardInfo]) -> None:

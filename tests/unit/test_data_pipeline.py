@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from trainer.data.listing import DatasetError, scan
+from trainer.data.growth import GrowthRecords
+from trainer.data.listing import DatasetError, scan, version_of
+from trainer.storage import LocalStorage
 from trainer.data.loader import PlanSampler, SequenceDataset, make_loader
 from trainer.data.planner import Planner
 from trainer.data.tokenizer import EOS, MASK, CharTokenizer
@@ -142,8 +144,9 @@ def test_new_shards_are_listed_after_the_known_ones_by_name(tmp_path):
 
     fresh = scan(tmp_path / "d")  # a restarted job lists by name...
     assert fresh.shards[0] == "a-late.jsonl"
-    fresh.resume(listing.infos(83))  # ...and takes the bundle's order back
-    assert fresh.shards == listing.shards and fresh.version == listing.version
+    fresh.resume(listing.infos(83))  # ...and takes back exactly what the bundle had read, in its order
+    assert fresh.shards == listing.shards[:3] and fresh.version == version_of(listing.infos(83))
+    assert fresh.discover() == 40  # the rest as the stream would have found it
     assert [fresh.record_key(i) for i in range(len(fresh))] == [listing.record_key(i) for i in range(len(listing))]
 
     recorded = listing.infos(83)
@@ -153,13 +156,39 @@ def test_new_shards_are_listed_after_the_known_ones_by_name(tmp_path):
         scan(tmp_path / "d").resume(recorded)
 
 
+def test_ranks_adopt_the_first_rescan_recorded_at_a_point(tmp_path):
+    """Two ranks rescan the same point of the stream a moment apart, and a shard lands in between:
+    the second adopts what the first recorded, so both list the same shards; the late shard comes
+    at the next rescan point, for both."""
+    (tmp_path / "d").mkdir()
+    shutil.copy(TINY / "shard-000.jsonl", tmp_path / "d/shard-000.jsonl")
+    ranks = [scan(tmp_path / "d"), scan(tmp_path / "d")]
+    records = GrowthRecords(LocalStorage(tmp_path / "runs"), "job", "lineage")
+    decide = lambda epoch, n: (lambda found: records.decide(epoch, n, found))  # noqa: E731
+    shutil.copy(TINY / "shard-001.jsonl", tmp_path / "d/shard-001.jsonl")
+    assert ranks[0].discover(decide(0, 40)) == 40
+    shutil.copy(TINY / "shard-002.jsonl", tmp_path / "d/shard-002.jsonl")  # between the two rescans
+    assert ranks[1].discover(decide(0, 40)) == 40  # not 80: it adopts rank 0's record
+    assert ranks[0].shards == ranks[1].shards == ("shard-000.jsonl", "shard-001.jsonl")
+    assert [r.discover(decide(0, 80)) for r in ranks] == [40, 40]
+    assert ranks[0].shards == ranks[1].shards and len(ranks[0].shards) == 3
+
+    late = scan(tmp_path / "d")
+    late.resume(ranks[0].infos(40))
+    assert late.discover(decide(0, 40)) == 40 and late.shards == ranks[0].shards[:2]  # the record, not its scan
+    (tmp_path / "runs/job/source/lineage/e000001-r000000000120.json").write_text(
+        '[{"name": "../../etc/passwd.jsonl", "sha256": "' + "0" * 64 + '", "records": 1}]')
+    with pytest.raises(ValueError, match="name"):
+        late.discover(decide(1, 120))  # a record naming a path outside the source is refused
+
+
 class GrowingSource:
     """A source whose successive rescans find these records (their token counts; empty: nothing new)."""
 
     def __init__(self, rescans):
         self.rescans = [list(r) for r in rescans]
 
-    def discover(self) -> np.ndarray:
+    def discover(self, epoch: int, records: int) -> np.ndarray:
         return np.asarray(self.rescans.pop(0) if self.rescans else [], dtype=np.int64)
 
 

@@ -10,8 +10,8 @@ The listing's order is the order the shards were **discovered**: a fresh scan
 lists them by name; :meth:`Listing.discover` appends the shards that appeared
 since, again by name, after every known one (even when a new name sorts
 before them). A bundle records the shards it knew, in that order, with their
-hashes; :meth:`Listing.resume` puts them first again, so a restore reads the
-same records at the same indices. The dataset version is a hash over the
+hashes; :meth:`Listing.resume` lists exactly those again, so a restore reads
+the same records at the same indices. The dataset version is a hash over the
 listed shards' names and contents, in order.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,10 +38,14 @@ class ShardInfo(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str
+    # a plain file name directly under the source: a manifest or a decision record naming
+    # "../x.jsonl" must not make a reader open files outside it
+    name: str = Field(pattern=r"^[^/\\]+\.jsonl$")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     records: int = Field(ge=0)
 
+
+Decide = Callable[[list[ShardInfo]], list[ShardInfo]]
 
 _SHARDS: dict[tuple[str, str], bytes] = {}  # (source, shard) -> bytes, per process (object-store shards)
 
@@ -179,28 +183,42 @@ class Listing:
             left -= taken
         return out
 
-    def discover(self) -> int:
+    def discover(self, decide: Decide | None = None) -> int:
         """Append the shards that appeared in the source since it was listed, by name, after
-        every known one; returns how many records they add (0: nothing new)."""
+        every known one; returns how many records they add (0: nothing new).
+
+        ``decide`` turns what this process found into what every rank adopts (see
+        :class:`trainer.data.growth.GrowthRecords`): it may name fewer shards, or ones this
+        process's listing of the source missed."""
         known = set(self.shards)
         source = None if self.local else open_source(self.root, self.endpoint_url)
-        new = [name for name in _shard_names(self.root, source) if name not in known]
+        read = lambda name: (Path(self.root) / name).read_bytes() if source is None else source.get(name)  # noqa: E731
+        found = {name: index_shard(name, read(name)) for name in _shard_names(self.root, source) if name not in known}
+        agreed = decide([s.info for s in found.values()]) if decide is not None else [s.info for s in found.values()]
+        added = []
+        for info in agreed:
+            try:
+                shard = found.get(info.name) or index_shard(info.name, read(info.name))
+            except FileNotFoundError as e:
+                raise DatasetError(f"shard {info.name}, read by this job, is gone from {self.root}") from e
+            if shard.sha256 != info.sha256:
+                raise DatasetError(f"shard {info.name} changed after this job read it; shards are immutable "
+                                   "once written")
+            added.append(shard)
         before = len(self)
-        self._set(self._shards + [index_shard(name, (Path(self.root) / name).read_bytes() if source is None
-                                              else source.get(name)) for name in new])
+        self._set(self._shards + added)
         return len(self) - before
 
     def resume(self, recorded: Sequence[ShardInfo]) -> None:
-        """Put the shards a bundle recorded first, in its order, then the others by name.
+        """Exactly the shards a bundle recorded, in its order: the ones that appeared since are read
+        when the stream next reaches the end of the known ones, as if it had not stopped.
 
         Raises :class:`DatasetError` naming a recorded shard that is gone or changed."""
         problems = changed_shards(recorded, [s.info for s in self._shards], self.root)
         if problems:
             raise DatasetError("; ".join(problems))
         by_name = {s.name: s for s in self._shards}
-        recorded_names = {r.name for r in recorded}
-        rest = sorted((s for s in self._shards if s.name not in recorded_names), key=lambda s: s.name)
-        self._set([by_name[r.name] for r in recorded] + rest)
+        self._set([by_name[r.name] for r in recorded])
 
 
 def changed_shards(recorded: Sequence[ShardInfo], listed: Sequence[ShardInfo], root: str = "the source") -> list[str]:

@@ -63,7 +63,7 @@ class Planner:
         *,
         sequential: bool = False,
         max_repeat: int | None = None,
-        discover: Callable[[], np.ndarray] | None = None,
+        discover: Callable[[int, int], np.ndarray] | None = None,
     ) -> None:
         if len(tokens) == 0:
             raise ValueError("the dataset has no record")
@@ -74,7 +74,8 @@ class Planner:
         self.restore_mode = restore_mode
         self.sequential = sequential
         self.max_repeat = max_repeat
-        self.discover = discover  # token counts of the records a rescan appended (empty: none)
+        # (epoch, records known) -> token counts of the records a rescan there appended (empty: none)
+        self.discover = discover
         # A sequence holds seq_len inputs and their seq_len next-token targets.
         self.packer = Packer(seq_len + 1, lambda r: int(self.tokens[r]))
         self.reset()
@@ -91,7 +92,7 @@ class Planner:
     def _more(self) -> int:
         """The stream pulled every known record: how many there are now."""
         if self.discover is not None:
-            new = self.discover()
+            new = self.discover(self.stream.epoch, len(self.tokens))
             if len(new):
                 self.tokens = np.concatenate([self.tokens, new])
         return len(self.tokens)
