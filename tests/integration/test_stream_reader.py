@@ -148,6 +148,8 @@ def test_new_shards_are_read_after_the_known_ones_in_a_fixed_order(tmp_path):
     assert [s.name for s in final_manifest.data.shards] == [
         "shard-000.jsonl", "shard-001.jsonl", "a-late.jsonl", "shard-002.jsonl"]
     assert final_manifest.data.records == 130
+    grown = [json.loads(storage.get(k)) for k in storage.list("k/source/")]  # what each rescan found
+    assert [[s["name"] for s in g] for g in grown if g][:1] == [["a-late.jsonl", "shard-002.jsonl"]]
     consumers = LocalStorage(data)
     committed = json.loads(consumers.get(sorted(consumers.list("_consumers/k"))[-1]))["records_consumed"]
     assert committed == final_manifest.data.source_offsets and set(committed) == set(
