@@ -68,7 +68,7 @@ def ensure_ray(spec: JobSpec, address: str | None) -> None:
 def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | None = None,
                record_ids: bool = False, init_from: tuple[str, str] | None = None,
                reset: tuple[str, ...] = ()) -> Outcome:
-    from orchestrator.raygroup import RayGroup, available_rank_slots
+    from orchestrator.raygroup import RayGroup, rank_bundle, available_rank_slots, room_for_more_ranks
 
     ensure_ray(spec, address)
 
@@ -93,10 +93,9 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | N
     def request_capacity(ranks: int) -> None:
         from ray.autoscaler.sdk import request_resources
 
-        w = spec.world
-        bundle = {"CPU": w.cpus_per_rank, **({"GPU": w.num_gpus_per_rank} if w.num_gpus_per_rank else {})}
-        request_resources(bundles=[bundle] * ranks)
+        request_resources(bundles=[rank_bundle(spec)] * ranks)
 
     sup = Supervisor(spec, make_group, capacity=capacity, trace_path=trace_path, record_ids=record_ids,
-                     init_from=init_from, reset=reset, drain_source=drain_source, request_capacity=request_capacity)
+                     init_from=init_from, reset=reset, drain_source=drain_source, request_capacity=request_capacity,
+                     room_for=lambda extra: room_for_more_ranks(spec, extra))
     return sup.run()

@@ -107,9 +107,15 @@ class RankActor:
         self.runner.request(checkpoint, stop)
 
 
+def rank_bundle(spec: JobSpec) -> dict[str, float]:
+    w = spec.world
+    return {"CPU": w.cpus_per_rank, **({"GPU": w.num_gpus_per_rank} if w.num_gpus_per_rank else {})}
+
+
 def available_rank_slots(spec: JobSpec, exclude: set[str] = frozenset()) -> int:
-    """How many ranks the alive nodes can hold (resources per rank from the spec), not counting
-    ``exclude`` (nodes that are draining: they take no new work and are about to go)."""
+    """How many ranks the alive nodes can hold (resources per rank from the spec; one per node under
+    STRICT_SPREAD), not counting ``exclude`` (nodes that are draining: they take no new work and
+    are about to go)."""
     cpus, gpus = spec.world.cpus_per_rank, spec.world.num_gpus_per_rank
     slots = 0
     for node in ray.nodes():
@@ -119,8 +125,22 @@ def available_rank_slots(spec: JobSpec, exclude: set[str] = frozenset()) -> int:
         fit = int(res.get("CPU", 0) // cpus)
         if gpus:
             fit = min(fit, int(res.get("GPU", 0) // gpus))
-        slots += fit
+        slots += min(fit, 1) if spec.world.placement == "STRICT_SPREAD" else fit
     return slots
+
+
+def room_for_more_ranks(spec: JobSpec, extra: int, timeout_s: float = 2.0) -> bool:
+    """Can ``extra`` more ranks be placed now, beside the running ones? Asks Ray's scheduler the only
+    way it answers: reserves them in a placement group for a moment, then lets go. (Counting node
+    resources cannot tell what other jobs hold.)"""
+    pg = placement_group([rank_bundle(spec)] * extra, strategy=spec.world.placement)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+        return True
+    except GetTimeoutError:
+        return False
+    finally:
+        remove_placement_group(pg)
 
 
 class RayGroup:
@@ -131,8 +151,7 @@ class RayGroup:
         t0 = time.perf_counter()
         self.world_size = world_size
         w = spec.world
-        bundle = {"CPU": w.cpus_per_rank, **({"GPU": w.num_gpus_per_rank} if w.num_gpus_per_rank else {})}
-        self.pg: PlacementGroup | None = placement_group([bundle] * world_size, strategy=w.placement)
+        self.pg: PlacementGroup | None = placement_group([rank_bundle(spec)] * world_size, strategy=w.placement)
         self.actors: list[Any] = []
         self._runs: list[Any] = []
         self.notices: list[Notice] = []

@@ -147,6 +147,7 @@ class Supervisor:
                  init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = (),
                  drain_source: Callable[[], set[str]] | None = None,
                  request_capacity: Callable[[int], None] = lambda ranks: None,
+                 room_for: Callable[[int], bool] = lambda extra: True,
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
         self.make_group = make_group
@@ -169,6 +170,8 @@ class Supervisor:
         # Ask an autoscaler for the largest allowed world while placing (a waiting supervisor that
         # asks for nothing would never see a scaled-to-zero spot pool grow); cleared at the end.
         self.request_capacity = request_capacity
+        # Before an elastic job stops to grow: can this many more ranks really be placed now?
+        self.room_for = room_for
         self._drain_checked = float("-inf")
         self._grow_checked = clock()  # a fresh attempt runs a while before it thinks of growing
         self._seen_notices: set[tuple] = set()
@@ -358,6 +361,10 @@ class Supervisor:
         self._grow_checked = self.clock()
         decision = policy.grow(self.spec, st.world_size, self.capacity(), self.spec.train.updates - st.last_update)
         if decision is None:
+            return
+        if not self.room_for(decision.world_size - st.world_size):
+            log.info("not growing: %s, but the scheduler cannot place %d more ranks now", decision.reason,
+                     decision.world_size - st.world_size)
             return
         log.info("growing: %s", decision.reason)
         self.ledger.append(Resizing(attempt=st.attempt, world_size_before=st.world_size,

@@ -21,6 +21,7 @@ from trainer.trace import first_divergence, latest_per_update, read_trace
 
 from orchestrator.history import history
 from orchestrator.launch import run_on_ray
+from orchestrator.raygroup import available_rank_slots, room_for_more_ranks
 from orchestrator.ledger import (
     AttemptStarted,
     CapacityWait,
@@ -174,6 +175,16 @@ def test_elastic_grows_back_when_a_node_returns(cluster, reference, tmp_path):
     for r in ref_trace:  # the reference's 30 updates: the same occurrences whatever the world size
         assert (final[r.update].occurrences_sha256, final[r.update].n_occurrences) == (
             r.occurrences_sha256, r.n_occurrences)
+
+
+def test_room_for_more_ranks_asks_the_scheduler(cluster, tmp_path):
+    """The probe an elastic job runs before it stops to grow: 2 one-CPU nodes hold 2 spread ranks,
+    not 3, and a probe lets go of what it reserved."""
+    two_workers(cluster)
+    spec = make_spec(tmp_path, *SETS, "world.policy=elastic")
+    assert available_rank_slots(spec) == 2
+    assert room_for_more_ranks(spec, 2) and not room_for_more_ranks(spec, 3, timeout_s=1.0)
+    assert room_for_more_ranks(spec, 2)  # nothing left reserved by the probes
 
 
 def test_strict_waits_and_resumes_bitwise_when_a_node_returns(cluster, reference, tmp_path):

@@ -23,3 +23,35 @@ def test_only_elastic_grows(tmp_path):
     for name in ("strict", "fresh-epoch"):
         spec = make_spec(tmp_path, f"world.policy={name}", "world.size=2", "train.updates=100")
         assert policy.grow(spec, 1, 2, 50) is None, name
+
+
+class _Group:
+    def __init__(self):
+        self.requests = []
+
+    def request(self, checkpoint: bool = True, stop: bool = False) -> None:
+        self.requests.append((checkpoint, stop))
+
+
+def test_a_running_elastic_job_grows_only_when_the_scheduler_has_room(tmp_path):
+    from orchestrator.ledger import Ledger, Resizing
+    from orchestrator.supervisor import Running, Supervisor
+
+    spec = make_spec(tmp_path, "world.policy=elastic", "world.size=2", "train.updates=100",
+                     "world.grow_check_s=5", job_id="g")
+    now = [0.0]
+    room = [False]
+    sup = Supervisor(spec, make_group=None, capacity=lambda: 2, room_for=lambda extra: room[0],
+                     clock=lambda: now[0])
+    st = Running(group=_Group(), attempt=2, world_size=1, last_update=40)
+    sup._consider_growing(st)
+    assert st.growing is None  # not yet: a fresh attempt waits world.grow_check_s
+    now[0] = 6.0
+    sup._consider_growing(st)
+    assert st.growing is None and not st.group.requests  # capacity says 2, the scheduler says no
+    now[0] = 12.0
+    room[0] = True
+    sup._consider_growing(st)
+    assert st.growing == 2 and st.group.requests == [(True, True)]  # checkpoint at the next boundary, stop
+    events = [e for e in Ledger(sup.storage, "g").read() if isinstance(e, Resizing)]
+    assert [(e.world_size_before, e.world_size_target) for e in events] == [(1, 2)]
