@@ -120,7 +120,8 @@ def version_of(shards: Iterable[ShardInfo | ShardIndex]) -> str:
 class Listing:
     """The records of a dataset in a fixed global order: shards in discovery order, lines in order.
 
-    Grows only at its end (:meth:`discover`), so a record's index never changes."""
+    While a job runs it only grows at its end (:meth:`discover`), so a record's index never
+    changes; a restore sets it back to a bundle's shards (:meth:`resume`) before anything is read."""
 
     def __init__(self, root: str, endpoint_url: str | None, shards: Sequence[ShardIndex]) -> None:
         self.root = root
