@@ -7,6 +7,8 @@ hostile manifest can never make spotrun read or write outside its root.
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import tempfile
 from pathlib import Path, PurePosixPath
@@ -49,6 +51,44 @@ class Storage(Protocol):
     def delete_prefix(self, prefix: str) -> None: ...
 
 
+# From this size a file goes to disk with direct I/O: through the page cache a 1 GB file was written
+# at 885 MB/s here, with O_DIRECT at 2,088 MB/s; at 100 MB the page cache was faster (2,189 vs 1,436).
+DIRECT_MIN_BYTES = 256 << 20
+_ALIGN = 4096  # O_DIRECT wants buffer, offset and length aligned to the device's block size
+_CHUNK = 16 << 20
+
+
+def _write_direct(path: str, data: bytes) -> bool:
+    """Write ``data`` to the existing file ``path`` with O_DIRECT and fsync it; False (nothing
+    written) where the file system refuses direct I/O, so the caller writes through the cache."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    view = memoryview(data)
+    buf = mmap.mmap(-1, _CHUNK)  # page-aligned
+    try:
+        for start in range(0, len(view), _CHUNK):
+            n = min(_CHUNK, len(view) - start)
+            buf[:n] = view[start:start + n]
+            padded = -(-n // _ALIGN) * _ALIGN  # the last chunk is padded, then cut off by ftruncate
+            buf[n:padded] = bytes(padded - n)
+            try:
+                os.write(fd, memoryview(buf)[:padded])
+            except OSError as e:
+                if start == 0 and e.errno == errno.EINVAL:  # opened, but this device will not do it
+                    return False
+                raise
+        os.ftruncate(fd, len(view))
+        os.fsync(fd)
+        return True
+    finally:
+        buf.close()
+        os.close(fd)
+
+
 class LocalStorage:
     """A directory. Create-only publication is temp file + fsync + ``link`` (which never clobbers) + dir fsync."""
 
@@ -70,9 +110,10 @@ class LocalStorage:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+                if not (len(data) >= DIRECT_MIN_BYTES and _write_direct(tmp, data)):
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
         except BaseException:
             os.unlink(tmp)
             raise

@@ -231,3 +231,39 @@ def test_open_storage_file_uri_and_plain_path_address_the_same_root(tmp_path):
     """``file://PATH`` and ``PATH`` open the same directory."""
     open_storage(f"file://{tmp_path}/r").put("k", b"1")
     assert open_storage(str(tmp_path / "r")).get("k") == b"1"
+
+
+def test_large_files_go_to_disk_with_direct_io_and_read_back_exactly(tmp_path, monkeypatch):
+    """Direct I/O writes whole aligned blocks: the padding of the last one must be cut off again."""
+    import trainer.storage as storage_module
+
+    used = []
+    real = storage_module._write_direct
+    monkeypatch.setattr(storage_module, "DIRECT_MIN_BYTES", 1)  # every put takes the direct path
+    monkeypatch.setattr(storage_module, "_write_direct", lambda p, d: used.append(real(p, d)) or used[-1])
+    s = LocalStorage(tmp_path)
+    for size in (1, 4095, 4096, 4097, (16 << 20) + 3):
+        blob = os.urandom(size)
+        s.put(f"d/{size}", blob)
+        assert s.get(f"d/{size}") == blob, size
+    assert used == [True] * 5
+    assert sorted(os.listdir(tmp_path / "d")) == sorted(str(n) for n in (1, 4095, 4096, 4097, (16 << 20) + 3))
+
+
+def test_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch):
+    import trainer.storage as storage_module
+
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument")  # as tmpfs answers
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(storage_module, "DIRECT_MIN_BYTES", 1)
+    monkeypatch.setattr(storage_module.os, "open", no_direct)
+    s = LocalStorage(tmp_path)
+    blob = os.urandom(10_000)
+    s.put("k", blob)
+    assert s.get("k") == blob
+    assert s.put_new("n", blob) and s.get("n") == blob
