@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Protocol
+from typing import Protocol
 
 from trainer.collective import LocalCollective
 from trainer.rank import RankRunner, Report

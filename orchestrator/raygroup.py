@@ -151,7 +151,8 @@ class RayGroup:
         t0 = time.perf_counter()
         self.world_size = world_size
         w = spec.world
-        self.pg: PlacementGroup | None = placement_group([rank_bundle(spec)] * world_size, strategy=w.placement)
+        bundle = rank_bundle(spec)
+        self.pg: PlacementGroup | None = placement_group([bundle] * world_size, strategy=w.placement)
         self.actors: list[Any] = []
         self._runs: list[Any] = []
         self.notices: list[Notice] = []

@@ -65,7 +65,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import shlex
 import sys
 import time

@@ -86,6 +86,9 @@ class Placing:
     last_update: int | None = None  # the furthest update the previous attempt completed
     world_before: int | None = None
     waited_s: float = 0.0
+    # the largest world to try: one below a size the scheduler just failed to place (resource
+    # counts cannot see what other jobs hold); cleared once something is placed or waited for
+    below: int | None = None
 
 
 @dataclass
@@ -241,7 +244,8 @@ class Supervisor:
 
     def _placing(self, st: Placing) -> State:
         self.request_capacity(self.spec.max_world)
-        decision = policy.decide(self.spec, self.capacity(), st.waited_s)
+        available = self.capacity() if st.below is None else min(self.capacity(), st.below)
+        decision = policy.decide(self.spec, available, st.waited_s)
         if decision.action == "raise":
             self._capacity_event(st, decision.world_size or 0, "timed-out")
             return Failed(decision.reason)
@@ -261,11 +265,15 @@ class Supervisor:
             "new-experiment" if self.init_from else "fresh")
         lineage = read_manifest(self.storage, candidates[0]).lineage_id if resuming else uuid.uuid4().hex[:12]
         self.lineage_id = lineage
+        t0 = self.clock()
         try:
             group = self.make_group(size, self.attempts, lineage, label, policy.restore_mode(self.spec))
         except CapacityUnavailable as e:
+            # The time spent trying counts toward world.capacity_timeout_s; the next try is smaller
+            # where the policy allows one (strict allows none: it waits, then fails).
             log.info("placement failed: %s", e)
-            return Placing(st.cause, st.last_update, st.world_before, st.waited_s + CAPACITY_POLL_S)
+            return Placing(st.cause, st.last_update, st.world_before,
+                           st.waited_s + max(self.clock() - t0, CAPACITY_POLL_S), below=size - 1)
         try:
             restored = self._restore(group, candidates, st, size, label)
         except (BundleIncompatible, UnknownSchemaError, BundleCorrupt, RankFailed, ValueError) as e:

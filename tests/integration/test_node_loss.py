@@ -187,6 +187,35 @@ def test_room_for_more_ranks_asks_the_scheduler(cluster, tmp_path):
     assert room_for_more_ranks(spec, 2)  # nothing left reserved by the probes
 
 
+def test_when_another_job_holds_a_node_elastic_steps_down_and_strict_fails_in_time(cluster, tmp_path):
+    """Node resources say 2 ranks fit, but another job holds one node's CPU: the placement of 2 fails.
+    elastic then places 1 and finishes; strict fails once world.capacity_timeout_s is spent, instead
+    of trying the same placement forever."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    two_workers(cluster)
+    other_job = placement_group([{"CPU": 1}])
+    ray.get(other_job.ready(), timeout=30)
+    try:
+        spec = make_spec(tmp_path, *SETS, "world.policy=elastic", "world.capacity_timeout_s=3", "train.updates=10",
+                         job_id="crowded")
+        assert available_rank_slots(spec) == 2  # what counting resources says
+        outcome = run_on_ray(spec)
+        assert outcome.state == "finished"
+        events = Ledger(open_storage(spec.storage), "crowded").read()
+        assert [e.world_size for e in events if isinstance(e, AttemptStarted)] == [1]
+        wait = next(e for e in events if isinstance(e, CapacityWait))
+        assert wait.outcome == "placed" and wait.waited_seconds >= 3  # one placement timeout spent at 2
+
+        strict = make_spec(tmp_path, *SETS, "world.policy=strict", "world.capacity_timeout_s=3", job_id="crowded2")
+        t0 = time.monotonic()
+        with pytest.raises(JobFailedError, match="world.policy=strict needs 2 ranks"):
+            run_on_ray(strict)
+        assert time.monotonic() - t0 < 60
+    finally:
+        remove_placement_group(other_job)
+
+
 def test_strict_waits_and_resumes_bitwise_when_a_node_returns(cluster, reference, tmp_path):
     two_workers(cluster)
     _, ref_trace = reference
