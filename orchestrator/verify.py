@@ -108,7 +108,9 @@ def plan_faults(spec: JobSpec, kills: int, seed: int,
         attempt, rank = i + 1, rng.randrange(spec.world.size)
         if site == NODE_SITE:
             removals.append(NodeRemoval(attempt, u, rank))
-            update = u
+            # the removal is triggered from the trace, which lags the ranks: they may publish the
+            # next bundle first, and a fault planned before it would never be reached
+            update = u + every
             continue
         fault = {
             "mid-accumulation": dict(site="microstep", microstep=rng.randrange(1, accum) if accum > 1 else 0),
@@ -118,7 +120,9 @@ def plan_faults(spec: JobSpec, kills: int, seed: int,
             "notice": dict(site="microstep", microstep=rng.randrange(accum), signal="SIGTERM"),
         }[site]
         faults.append(FaultSpec(update=u, attempt=attempt, **{"rank": rank, **fault}))
-        update = u
+        # a notice's emergency bundle is taken at the boundary the ranks reach when the request
+        # arrives, which may be an update or two later: the next fault goes past it
+        update = u + every if site == "notice" else u
     return faults, removals
 
 

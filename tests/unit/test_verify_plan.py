@@ -1,0 +1,24 @@
+"""verify's fault plan: every planned fault must be reachable, whatever the timing of the run."""
+
+from __future__ import annotations
+
+from tests.conftest import make_spec
+
+from orchestrator.verify import plan_faults
+
+
+def test_faults_after_a_removal_or_a_notice_leave_room_for_the_bundle_it_causes(tmp_path):
+    """A node removal is triggered from the trace, which lags the ranks, and a notice's emergency
+    bundle lands where the ranks are when the request arrives: either may publish a bundle past the
+    next planned fault, which the restored attempt would then never reach (one fault fewer)."""
+    spec = make_spec(tmp_path, "train.updates=70", "checkpoint.every_updates=3", "world.size=2")
+    faults, removals = plan_faults(spec, 20, seed=3, nodes=True)
+    assert len(faults) + len(removals) == 20
+    by_attempt = {f.attempt: ("notice" if f.signal == "SIGTERM" else f.site, f.update) for f in faults}
+    by_attempt |= {r.attempt: ("node", r.update) for r in removals}
+    assert sorted(by_attempt) == list(range(1, 21))  # one fault per attempt
+    for a in range(1, 20):
+        (site, u), (_, nxt) = by_attempt[a], by_attempt[a + 1]
+        assert nxt > u
+        if site in ("node", "notice"):
+            assert nxt > u + spec.checkpoint.every_updates, (a, site, u, nxt)
