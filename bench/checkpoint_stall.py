@@ -21,7 +21,6 @@ import hashlib
 import os
 import re
 import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 from bench.synthetic import layers_for
-from bench.tables import ROOT, WORK, Section, Stopwatch, Table, cli, median, mib, pct, ratio
+from bench.tables import ROOT, Section, Stopwatch, Table, cli, median, mib, pct, ratio, work_folder
 from orchestrator.specfile import load_spec
 from trainer.bundle import BundleWriter, serialise
 from trainer.data.listing import scan
@@ -287,9 +286,8 @@ training-overhead table)."""
 def main(argv: Sequence[str] | None = None) -> None:
     args = cli(__doc__.splitlines()[0], argv)
     clock = Stopwatch()
-    WORK.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=WORK, prefix="stall-") as scratch:
-        results = run(QUICK if args.quick else FULL, Path(scratch))
+    with work_folder("stall") as folder:
+        results = run(QUICK if args.quick else FULL, folder)
     tabs, verdicts = tables(results)
     Section("1-checkpoint-stall", "1. Checkpoint stall and write throughput", INTRO, tabs, verdicts,
             clock.seconds, results).emit(args.out)

@@ -12,14 +12,13 @@ figure is against an uninterrupted run of the same system in this bench.
 from __future__ import annotations
 
 import logging
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.observe import DeathWatch
 from bench.runs import Run, checkpoint_figures, first_attempt_pid, peer_pid, peer_run, restart_figures, spotrun_run
-from bench.tables import ROOT, WORK, Section, Stopwatch, Table, cli, fmt, ratio
+from bench.tables import ROOT, Section, Stopwatch, Table, cli, fmt, ratio, work_folder
 
 
 @dataclass(frozen=True)
@@ -181,9 +180,8 @@ distributed sampler's order is a function of seed and epoch and the world size d
 def main(argv: Sequence[str] | None = None) -> None:
     args = cli(__doc__.splitlines()[0], argv)
     clock = Stopwatch()
-    WORK.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=WORK, prefix="sidebyside-") as scratch:
-        results = run(QUICK if args.quick else FULL, Path(scratch))
+    with work_folder("sidebyside") as folder:
+        results = run(QUICK if args.quick else FULL, folder)
     tabs, verdict_lines = tables(results)
     Section("4-ray-train-side-by-side", "4. Ray Train side by side", INTRO, tabs, verdict_lines, clock.seconds,
             results).emit(args.out)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import numpy as np
 
 from bench.observe import DeathWatch
 from bench.runs import first_attempt_pid
-from bench.tables import ROOT, WORK, Section, Stopwatch, Table, cli, fmt, median, pct, ratio
+from bench.tables import ROOT, Section, Stopwatch, Table, cli, fmt, median, pct, ratio, work_folder
 from trainer.data.planner import Planner
 
 MODES = ("snapshot", "replay")
@@ -238,9 +237,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     states = advance(tokens, setup)
     advance_s = time.perf_counter() - t0
     cursor = time_restores(tokens, setup, states)
-    WORK.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=WORK, prefix="restart-") as scratch:
-        ray = {} if args.no_ray else run_ray(Path(scratch), args.quick)
+    with work_folder("restart") as folder:
+        ray = {} if args.no_ray else run_ray(folder, args.quick)
     tabs, verdicts, summary = tables(cursor, ray)
     Section("3-restart-cost", "3. Restart cost, broken down", INTRO, tabs, verdicts, clock.seconds,
             {"cursor": cursor, "ray": ray, "summary": summary, "advance_seconds": advance_s}).emit(args.out)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,15 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 WORK = BENCH / ".work"
 DEFAULT_RESULTS = WORK / "results"
+
+
+@contextmanager
+def work_folder(prefix: str) -> Iterator[Path]:
+    """A bench's working folder on the repository's disk (not /tmp: disk figures must be of the
+    disk the bundles go to), removed afterwards."""
+    WORK.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=WORK, prefix=f"{prefix}-") as d:
+        yield Path(d)
 
 
 def console_for_output() -> Console:

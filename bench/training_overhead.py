@@ -12,12 +12,11 @@ the same bench.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.tables import ROOT, WORK, Section, Stopwatch, Table, cli, fmt, median, pct, ratio
+from bench.tables import ROOT, Section, Stopwatch, Table, cli, fmt, median, pct, ratio, work_folder
 from orchestrator.launch import run_in_process
 from orchestrator.ledger import BundlePublished, Ledger
 from orchestrator.specfile import load_spec
@@ -146,9 +145,8 @@ in flight)."""
 def main(argv: Sequence[str] | None = None) -> None:
     args = cli(__doc__.splitlines()[0], argv)
     clock = Stopwatch()
-    WORK.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=WORK, prefix="overhead-") as scratch:
-        results = run(QUICK if args.quick else FULL, QUICK_EVERY if args.quick else EVERY, Path(scratch))
+    with work_folder("overhead") as folder:
+        results = run(QUICK if args.quick else FULL, QUICK_EVERY if args.quick else EVERY, folder)
     tabs, summary = tables(results)
     Section("2-training-overhead", "2. Training overhead of checkpointing", INTRO, tabs, [], clock.seconds,
             {"results": results, "summary": summary}).emit(args.out)
