@@ -176,7 +176,7 @@ class Supervisor:
         # Before an elastic job stops to grow: can this many more ranks really be placed now?
         self.room_for = room_for
         self._drain_checked = float("-inf")
-        self._grow_checked = clock()  # a fresh attempt runs a while before it thinks of growing
+        self._grow_checked = clock()  # the first look for room comes world.grow_check_s after the start
         self._seen_notices: set[tuple] = set()
         self.sec_per_update: float | None = None  # measured, to judge whether a deadline leaves time
         self._rank_retries: dict[tuple[int, int], int] = {}  # (attempt, rank) -> storage retries

@@ -170,11 +170,12 @@ class RankRunner:
         self._collect(self.writer.wait())  # the capture reuses the host buffers the last write read
         capture = s.capture()
         if self.rank == 0:
+            shards = s.known_shards()
             self._drafts[key] = build_manifest(
                 s.desc, s.state, bundle_key=key, lineage_id=self.lineage_id, attempt=self.attempt,
                 recovery_label=self.recovery_label, files=[], accum_steps=s.accum_steps,
                 prefetched_ahead=prefetched, stall_seconds=capture.stall_seconds, write_seconds=0.0,
-                shards=s.known_shards(), source_offsets=s.source_offsets(),
+                shards=shards, source_offsets=s.source_offsets(shards),
             ).model_dump(mode="json")
         self._collect(self.writer.submit(capture, key))
 

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from trainer.bundle import Description, LoadedBundle, describe
 from trainer.counters import CountersState
@@ -89,13 +89,13 @@ class TrainSession:
         planner runs ahead and may have listed more since)."""
         return self.listing.infos(self.state.planner_state["records"])
 
-    def source_offsets(self) -> dict[str, int]:
-        """Per-shard line offsets a streaming reader has fully consumed at the last consumed
-        update (sequential order only; a permuted order has no meaningful per-shard position)."""
+    def source_offsets(self, known: Sequence[ShardInfo]) -> dict[str, int]:
+        """Per-shard line offsets of the ``known`` shards a streaming reader has fully consumed at
+        the last consumed update (sequential order only; a permuted order has no meaningful
+        per-shard position)."""
         if self.spec.data.order != "sequential":
             return {}
-        return self.listing.shard_offsets(self.state.planner_state["low_water"]["position"],
-                                          len(self.known_shards()))
+        return self.listing.shard_offsets(self.state.planner_state["low_water"]["position"], len(known))
 
     RESETTABLE = ("optimizer", "scheduler", "data")
 

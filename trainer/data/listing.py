@@ -21,6 +21,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +83,7 @@ class ShardIndex:
     offset_of: np.ndarray
     chars_of: np.ndarray
 
-    @property
+    @cached_property  # every checkpoint records its shards: build each model once
     def info(self) -> ShardInfo:
         return ShardInfo(name=self.name, sha256=self.sha256, records=len(self.line_of))
 
@@ -195,7 +196,8 @@ class Listing:
         source = None if self.local else open_source(self.root, self.endpoint_url)
         read = lambda name: (Path(self.root) / name).read_bytes() if source is None else source.get(name)  # noqa: E731
         found = {name: index_shard(name, read(name)) for name in _shard_names(self.root, source) if name not in known}
-        agreed = decide([s.info for s in found.values()]) if decide is not None else [s.info for s in found.values()]
+        proposal = [s.info for s in found.values()]
+        agreed = decide(proposal) if decide is not None else proposal
         added = []
         for info in agreed:
             try:

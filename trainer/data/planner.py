@@ -90,11 +90,11 @@ class Planner:
                            max_repeat=self.max_repeat, more=self._more if self.discover else None, script=growth)
 
     def _more(self) -> int:
-        """The stream pulled every known record: how many there are now."""
-        if self.discover is not None:
-            new = self.discover(self.stream.epoch, len(self.tokens))
-            if len(new):
-                self.tokens = np.concatenate([self.tokens, new])
+        """The stream pulled every known record: how many there are now (streams get this hook
+        only when there is a ``discover``)."""
+        new = self.discover(self.stream.epoch, len(self.tokens))
+        if len(new):
+            self.tokens = np.concatenate([self.tokens, new])
         return len(self.tokens)
 
     def reset(self) -> None:
