@@ -21,6 +21,7 @@ import json
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -163,13 +164,16 @@ class Verifier:
         trace.unlink(missing_ok=True)
         pending = list(removals)
         for n in range(1, max_runs + 1):
-            proc = subprocess.Popen(self._cmd(job, trace, extra), stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, text=True)
-            while proc.poll() is None:
-                if pending and self._remove_if_due(storage, job, trace, pending[0]):
-                    pending.pop(0)
-                time.sleep(0.05)  # polling the job's progress: the removal point is a condition
-            err = proc.stderr.read()
+            # stderr to a file, not a pipe: nobody reads a pipe while the job runs, and a driver that
+            # outlives many restarts could fill it and block
+            with tempfile.TemporaryFile("w+") as log:
+                proc = subprocess.Popen(self._cmd(job, trace, extra), stdout=subprocess.DEVNULL, stderr=log)
+                while proc.poll() is None:
+                    if pending and self._remove_if_due(storage, job, trace, pending[0]):
+                        pending.pop(0)
+                    time.sleep(0.05)  # polling the job's progress: the removal point is a condition
+                log.seek(0)
+                err = log.read()
             if proc.returncode == 0:
                 return n
             if proc.returncode not in (-9, 143):  # SIGKILLed, or drained after a notice to the driver
