@@ -26,9 +26,12 @@ def verify(tmp_path, *sets: str, kills: int, env: dict | None = None, where: tup
 
 
 def test_chaos_suite_twenty_faults_every_site_strict_exact(tmp_path):
-    """Two ranks on a local two-node cluster: 20 faults cycling through every site, node removal included."""
-    code, report, err = verify(tmp_path, "train.updates=70", "checkpoint.every_updates=3", "world.size=2",
-                               "world.restart_backoff_s=0.1", kills=20, where=("--nodes", "2"))
+    """Two ranks on a local two-node cluster: at least 20 faults cycling through every site, node
+    removal included. 24 are planned: removing a node takes long enough for the ranks to train past
+    the next planned fault at times (2 runs in 8 injected 18 of 20), and only faults really
+    injected count."""
+    code, report, err = verify(tmp_path, "train.updates=80", "checkpoint.every_updates=3", "world.size=2",
+                               "world.restart_backoff_s=0.1", kills=24, where=("--nodes", "2"))
     assert code == 0, err
     assert report["verdict"] == "pass" and report["declared_contract"] == "exact"
     assert report["observed_contract"] == "exact"
