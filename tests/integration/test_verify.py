@@ -42,7 +42,7 @@ def test_chaos_suite_twenty_faults_every_site_strict_exact(tmp_path):
     assert report["occurrence_gaps"] == 0 and report["occurrence_duplicates"] == 0
     assert report["params_bitwise_equal"] is True and report["params_max_abs_diff"] == 0.0
     assert report["metric_duplicates"] == 0 and report["metric_mismatches"] == 0
-    assert report["updates_compared"] == 70 and report["restore_oracle"] == []
+    assert report["updates_compared"] == 80 and report["restore_oracle"] == []
     assert len(report["restart_seconds"]) == report["restarts"] > 0
 
 
