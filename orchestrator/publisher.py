@@ -1,7 +1,13 @@
 """The publish step, in its fixed order: manifest (the commit point), offsets, retention.
 
 Only the publisher writes manifests. The manifest is merged from rank 0's
-draft and every rank's file list once all ranks have reported their write.
+draft and every rank's file list once every rank *of the attempt that wrote
+the bundle* has reported its write. Reports are per attempt: when a new attempt
+begins (:meth:`Publisher.begin_attempt`), what the previous one left incomplete
+is dropped, never counted against the new attempt's world size. Its directory
+is an orphan that retention removes. The publisher keeps no other state across
+attempts that could change what it publishes.
+
 Retention runs last and only removes what a newer published bundle supersedes:
 published bundles beyond ``keep_last``, and unpublished (orphaned) directories
 older than the newest published bundle; a newer one may be a write in flight.
@@ -9,6 +15,7 @@ older than the newest published bundle; a newer one may be a write in flight.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -19,6 +26,12 @@ from trainer.storage import Storage
 
 from orchestrator.ledger import BundlePublished, Ledger, OffsetsCommitted
 from orchestrator.offsets import OffsetsStore
+
+log = logging.getLogger("spotrun.publisher")
+
+
+class PublishError(RuntimeError):
+    """The ranks' reports of a bundle contradict each other; nothing was published from them."""
 
 
 class Publisher:
@@ -31,27 +44,60 @@ class Publisher:
         self.keep_last = keep_last
         self.offsets = [OffsetsStore(storage, job_id), *([source_offsets] if source_offsets else [])]
         self.after_publish = after_publish  # a fault-injection seam between commit point and offsets
-        self._reports: dict[str, list[BundleReport]] = defaultdict(list)
         self.retries_elsewhere = 0  # storage retries the ranks reported (the supervisor keeps it current)
+        # The attempt whose reports are being collected, and its world size; its reports by bundle.
+        self._attempt: int | None = None
+        self._world_size = 0
+        self._reports: dict[str, list[BundleReport]] = defaultdict(list)
 
-    def collect(self, reports: list[BundleReport], world_size: int) -> list[Manifest]:
-        """Add rank reports; publish every bundle whose ranks have all reported. Returns those published."""
+    def begin_attempt(self, attempt: int, world_size: int) -> None:
+        """From now on collect the reports of ``attempt`` (``world_size`` ranks). Whatever an earlier
+        attempt left incomplete can never complete (its ranks are gone): it is dropped here."""
+        for key, parts in sorted(self._reports.items()):
+            log.info("bundle %s was not written by every rank of its attempt (ranks %s of %d reported): "
+                     "not published; retention removes it", key, sorted({p.rank for p in parts}),
+                     self._world_size)
+        self._reports = defaultdict(list)
+        self._attempt, self._world_size = attempt, world_size
+
+    def collect(self, reports: list[BundleReport]) -> list[Manifest]:
+        """Add the current attempt's rank reports; publish every bundle that every rank of the attempt
+        has reported. Returns those published, oldest first. Raises :class:`PublishError` when the
+        reports of a bundle contradict each other (nothing of it is published)."""
+        if self._attempt is None:
+            raise RuntimeError("Publisher.collect before begin_attempt")
         done = []
         for r in reports:
+            if r.attempt != self._attempt:
+                log.warning("ignoring rank %d's report of bundle %s from attempt %d (collecting attempt %d)",
+                            r.rank, r.bundle_key, r.attempt, self._attempt)
+                continue
+            if not 0 <= r.rank < self._world_size:
+                raise PublishError(f"bundle {r.bundle_key}: a report from rank {r.rank}, but attempt "
+                                   f"{self._attempt} has {self._world_size} ranks")
             self._reports[r.bundle_key].append(r)
         for key in sorted(self._reports):
             parts = self._reports[key]
-            if len({p.rank for p in parts}) < world_size:
+            if {p.rank for p in parts} != set(range(self._world_size)):
                 continue
             del self._reports[key]
-            draft = next(p.draft for p in parts if p.draft is not None)
-            files = sorted((FileEntry(**f) for p in parts for f in p.files), key=lambda f: f.path)
-            manifest = Manifest.model_validate(
-                {**draft, "files": [f.model_dump() for f in files],
-                 "write_seconds": max(p.write_seconds for p in parts)})
+            manifest = self._merge(key, parts)
             if self.publish(manifest, key):
                 done.append(manifest)
         return done
+
+    def _merge(self, key: str, parts: list[BundleReport]) -> Manifest:
+        """Rank 0's draft with every rank's files: the manifest of a bundle all ranks wrote."""
+        draft = next((p.draft for p in parts if p.rank == 0 and p.draft is not None), None)
+        if draft is None:
+            raise PublishError(f"bundle {key}: every rank reported its files, but rank 0's report carries no "
+                               "manifest draft; the bundle is left unpublished")
+        if draft["world"]["size"] != self._world_size:
+            raise PublishError(f"bundle {key}: the draft says world size {draft['world']['size']}, attempt "
+                               f"{self._attempt} has {self._world_size} ranks; the bundle is left unpublished")
+        files = sorted((FileEntry(**f) for p in parts for f in p.files), key=lambda f: f.path)
+        return Manifest.model_validate({**draft, "files": [f.model_dump() for f in files],
+                                        "write_seconds": max(p.write_seconds for p in parts)})
 
     def publish(self, manifest: Manifest, bundle_key: str) -> bool:
         """Create the manifest; False if it already existed (another publisher won)."""

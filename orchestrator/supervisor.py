@@ -58,7 +58,7 @@ from orchestrator.ledger import (
     WorkerLost,
 )
 from orchestrator.offsets import OffsetsStore
-from orchestrator.publisher import Publisher
+from orchestrator.publisher import PublishError, Publisher
 
 log = logging.getLogger("spotrun.supervisor")
 POLL_S = 0.02
@@ -258,6 +258,7 @@ class Supervisor:
         if st.waited_s:
             self._capacity_event(st, size, "placed")
         self.attempts = self.ledger.next_attempt()
+        self.publisher.begin_attempt(self.attempts, size)
         self._faults = FaultInjector(self.spec.faults, self.attempts, rank=0)
         candidates = self._candidates()
         resuming = bool(candidates)
@@ -341,7 +342,11 @@ class Supervisor:
         except RankFailed as e:
             st.group.teardown()
             return Failed(str(e), e)
-        self._absorb(st, reports)
+        try:
+            self._absorb(st, reports)
+        except PublishError as e:
+            st.group.teardown()
+            return Failed(str(e), e)
         if all(r.state == "finished" for r in reports):
             st.group.teardown()
             return Finished(self.published[-1].counters if self.published else Counters())
@@ -467,7 +472,7 @@ class Supervisor:
                 if self.trace:
                     self.trace.write(record)
         self.publisher.retries_elsewhere = sum(self._rank_retries.values())
-        self.published += self.publisher.collect([b for r in reports for b in r.bundles], st.world_size)
+        self.published += self.publisher.collect([b for r in reports for b in r.bundles])
 
     def _recovering(self, st: Recovering) -> State:
         t0 = self.clock()

@@ -39,6 +39,7 @@ from trainer.manifest import (
     DataInfo,
     FileEntry,
     Manifest,
+    ManifestDraft,
     ManifestError,
     UnknownSchemaError,
     ModelInfo,
@@ -148,11 +149,12 @@ def versions() -> Versions:
 
 
 def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lineage_id: str,
-                   attempt: int, recovery_label: str, files: list[FileEntry], accum_steps: int,
-                   prefetched_ahead: int, stall_seconds: float, write_seconds: float,
-                   shards: Sequence[ShardInfo], source_offsets: dict[str, int] | None = None) -> Manifest:
+                   attempt: int, recovery_label: str, accum_steps: int, prefetched_ahead: int,
+                   stall_seconds: float, shards: Sequence[ShardInfo],
+                   source_offsets: dict[str, int] | None = None) -> ManifestDraft:
+    """Rank 0's draft at a boundary; the publisher adds every rank's files (:class:`Manifest`)."""
     spec = state.spec
-    return Manifest(
+    return ManifestDraft(
         schema_version=SCHEMA_VERSION,
         job_id=desc.job_id,
         bundle_id=bundle_key.rsplit("/", 1)[-1],
@@ -176,9 +178,7 @@ def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lin
         precision=Precision(stored="fp32", compute=spec.train.precision,
                             master_weights="the fp32 parameters are the masters"),
         versions=versions(),
-        files=tuple(sorted(files, key=lambda f: f.path)),
         stall_seconds=stall_seconds,
-        write_seconds=write_seconds,
     )
 
 

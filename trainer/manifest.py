@@ -8,10 +8,11 @@ reader rejects an unknown ``schema_version`` before reading anything else.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timezone
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainer.counters import Counters
 from trainer.data.listing import ShardInfo
@@ -19,6 +20,7 @@ from trainer.data.planner import Cursor
 from trainer.storage import UnsafeKeyError, check_key
 
 SCHEMA_VERSION = 1
+_RANK_DIR = re.compile(r"^rank-(\d+)/")
 # The world side (fresh | exact | exact-data | fresh-epoch | new-experiment), then "+<data side>"
 # when the data side is not exact, e.g. "exact+bounded-repetition".
 RecoveryLabel = str
@@ -99,7 +101,10 @@ class WorldInfo(_M):
     policy: str
 
 
-class Manifest(_M):
+class ManifestDraft(_M):
+    """Rank 0's part of a manifest, taken at the boundary: everything but the files, which every
+    rank reports once its background write is done."""
+
     schema_version: int
     job_id: str
     bundle_id: str
@@ -119,9 +124,25 @@ class Manifest(_M):
     world: WorldInfo
     precision: Precision
     versions: Versions
-    files: tuple[FileEntry, ...]
     stall_seconds: float = 0.0
+
+
+class Manifest(ManifestDraft):
+    """A published bundle: the draft with the files of every rank (merged by the publisher)."""
+
+    files: tuple[FileEntry, ...]
     write_seconds: float = 0.0
+
+    @model_validator(mode="after")
+    def _every_rank_wrote(self) -> Manifest:
+        """A bundle of N ranks holds files of every rank 0..N-1 and of no other: a manifest that lists
+        fewer was merged from a dead attempt's partial reports and must never be published or read."""
+        ranks = {int(m.group(1)) for f in self.files if (m := _RANK_DIR.match(f.path))}
+        expected = set(range(self.world.size))
+        if ranks != expected:
+            raise ValueError(f"the files cover ranks {sorted(ranks)} of a bundle written by {self.world.size} "
+                             f"rank(s) (missing {sorted(expected - ranks)}, extra {sorted(ranks - expected)})")
+        return self
 
     @property
     def total_bytes(self) -> int:

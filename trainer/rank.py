@@ -37,6 +37,7 @@ class BundleReport:
     """One rank's finished write of one bundle."""
 
     rank: int
+    attempt: int  # the attempt that wrote it: only that attempt's ranks can complete the bundle
     bundle_key: str
     update: int
     files: list[dict[str, Any]]
@@ -173,9 +174,9 @@ class RankRunner:
             shards = s.known_shards()
             self._drafts[key] = build_manifest(
                 s.desc, s.state, bundle_key=key, lineage_id=self.lineage_id, attempt=self.attempt,
-                recovery_label=self.recovery_label, files=[], accum_steps=s.accum_steps,
-                prefetched_ahead=prefetched, stall_seconds=capture.stall_seconds, write_seconds=0.0,
-                shards=shards, source_offsets=s.source_offsets(shards),
+                recovery_label=self.recovery_label, accum_steps=s.accum_steps,
+                prefetched_ahead=prefetched, stall_seconds=capture.stall_seconds, shards=shards,
+                source_offsets=s.source_offsets(shards),
             ).model_dump(mode="json")
         self._collect(self.writer.submit(capture, key))
 
@@ -183,7 +184,7 @@ class RankRunner:
         if result is None:
             return
         report = BundleReport(
-            rank=self.rank, bundle_key=result.bundle_key, update=result.update,
+            rank=self.rank, attempt=self.attempt, bundle_key=result.bundle_key, update=result.update,
             files=[f.model_dump() for f in result.files], write_seconds=result.write_seconds,
             draft=self._drafts.pop(result.bundle_key, None),
         )
