@@ -18,7 +18,7 @@ test: venv
 	$(PY) -m pytest -q -ra tests
 
 demo: venv
-	$(PY) -m orchestrator.demo
+	$(PY) -m spotrun.orchestrator.demo
 
 # Every benchmark, each printing its table; together they write bench/RESULTS.md (~6 min on 2 cores).
 bench: venv

@@ -31,13 +31,13 @@ import torch
 
 from bench.synthetic import layers_for
 from bench.tables import ROOT, Section, Stopwatch, Table, cli, median, mib, pct, ratio, work_folder
-from orchestrator.specfile import load_spec
-from trainer.bundle import BundleWriter, serialise
-from trainer.data.listing import scan
-from trainer.data.tokenizer import CharTokenizer
-from trainer.faults import FaultInjector
-from trainer.state import Capture, TrainState
-from trainer.storage import LocalStorage, Storage
+from spotrun.orchestrator.specfile import load_spec
+from spotrun.trainer.bundle import BundleWriter, serialise
+from spotrun.trainer.data.listing import scan
+from spotrun.trainer.data.tokenizer import CharTokenizer
+from spotrun.trainer.faults import FaultInjector
+from spotrun.trainer.state import Capture, TrainState
+from spotrun.trainer.storage import LocalStorage, Storage
 
 BLOCK = 16 * 2**20
 STALL_TARGET = 0.10
@@ -179,7 +179,7 @@ def measure_local_write(state: TrainState, reps: int, scratch: Path) -> dict[str
 
 
 def measure_s3(state: TrainState, reps: int, server) -> dict[str, list[float]]:
-    from trainer.s3 import S3Storage
+    from spotrun.trainer.s3 import S3Storage
 
     bucket = server.new_bucket()
     storage = S3Storage(f"s3://{bucket}/bench", server.url)

@@ -53,8 +53,8 @@ class ChunkDataset(Dataset):
     """Every record (listing order) tokenized with EOS, concatenated, cut into chunks of ``seq_len + 1``."""
 
     def __init__(self, shards: str, vocab: str, seq_len: int) -> None:
-        from trainer.data.listing import scan
-        from trainer.data.tokenizer import CharTokenizer
+        from spotrun.trainer.data.listing import scan
+        from spotrun.trainer.data.tokenizer import CharTokenizer
 
         listing = scan(shards)
         self.tokenizer = CharTokenizer(vocab)
@@ -88,8 +88,8 @@ class Worker:
         import ray.train
         import ray.train.torch
 
-        from trainer.model import build_model
-        from trainer.spec import ModelSpec
+        from spotrun.trainer.model import build_model
+        from spotrun.trainer.spec import ModelSpec
 
         self.c = config
         ctx = ray.train.get_context()

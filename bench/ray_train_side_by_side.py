@@ -35,9 +35,9 @@ RESUMES = ("epoch-restart", "skip-steps")
 
 
 def spotrun_job(root: Path, job_id: str, shape: Shape, kill: bool) -> Run:
-    from orchestrator.launch import run_on_ray
-    from orchestrator.specfile import load_spec
-    from trainer.storage import open_storage
+    from spotrun.orchestrator.launch import run_on_ray
+    from spotrun.orchestrator.specfile import load_spec
+    from spotrun.trainer.storage import open_storage
 
     sets = [f"storage=file://{root}", f"data.shards={ROOT / 'configs/data/tiny'}", f"world.size={WORLD}",
             f"train.updates={shape.updates}", f"checkpoint.every_updates={shape.every}", "data.workers=1",
@@ -57,7 +57,7 @@ def spotrun_job(root: Path, job_id: str, shape: Shape, kill: bool) -> Run:
 
 def peer_config(out: Path, shape: Shape, kill: bool, resume: str) -> dict:
     """The same job as configs/tiny.yaml at world size 2 (model, seq_len, micro-batch, accumulation, lr)."""
-    from orchestrator.specfile import load_spec
+    from spotrun.orchestrator.specfile import load_spec
 
     spec = load_spec(ROOT / "configs/tiny.yaml", [f"data.shards={ROOT / 'configs/data/tiny'}"], "peer")
     return {"out": str(out), "shards": spec.data.shards, "vocab": spec.data.vocab, "seq_len": spec.data.seq_len,

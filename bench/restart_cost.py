@@ -27,7 +27,7 @@ import numpy as np
 from bench.observe import DeathWatch
 from bench.runs import first_attempt_pid
 from bench.tables import ROOT, Section, Stopwatch, Table, cli, fmt, median, pct, ratio, work_folder
-from trainer.data.planner import Planner
+from spotrun.trainer.data.planner import Planner
 
 MODES = ("snapshot", "replay")
 FLAT_TARGET = 2.0
@@ -102,9 +102,9 @@ def kill_fault(update: int, rank: int = 1) -> str:
 
 def ray_kill(mode: str, workers: int, root: Path, updates: int, kill_at: int) -> dict[str, Any]:
     """A 2-rank job whose rank 1 dies before update ``kill_at``; the restart's timeline in seconds."""
-    from orchestrator.launch import run_on_ray
-    from orchestrator.specfile import load_spec
-    from trainer.storage import open_storage
+    from spotrun.orchestrator.launch import run_on_ray
+    from spotrun.orchestrator.specfile import load_spec
+    from spotrun.trainer.storage import open_storage
 
     job_id = f"restart-{mode}-w{workers}"
     spec = load_spec(ROOT / "configs/tiny.yaml", [
@@ -122,8 +122,8 @@ def ray_kill(mode: str, workers: int, root: Path, updates: int, kill_at: int) ->
 
 
 def timeline(spec, storage, job_id: str, killed_at: float, kill_at: int) -> dict[str, Any]:
-    from orchestrator.ledger import AttemptStarted, Ledger, Restored, WorkerLost
-    from trainer.metrics import SqliteSink, metrics_dir
+    from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored, WorkerLost
+    from spotrun.trainer.metrics import SqliteSink, metrics_dir
 
     events = Ledger(storage, job_id).read()
     lost = next(e for e in events if isinstance(e, WorkerLost))

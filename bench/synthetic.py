@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.spec import ModelSpec
+from spotrun.trainer.spec import ModelSpec
 
 
 class LinearStack(nn.Module):

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.tables import ROOT, Section, Stopwatch, Table, cli, fmt, median, pct, ratio, work_folder
-from orchestrator.launch import run_in_process
-from orchestrator.ledger import BundlePublished, Ledger
-from orchestrator.specfile import load_spec
-from trainer.metrics import SqliteSink, metrics_dir
-from trainer.storage import open_storage
+from spotrun.orchestrator.launch import run_in_process
+from spotrun.orchestrator.ledger import BundlePublished, Ledger
+from spotrun.orchestrator.specfile import load_spec
+from spotrun.trainer.metrics import SqliteSink, metrics_dir
+from spotrun.trainer.storage import open_storage
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from trainer.bundle import BundleError, load_bundle
-from trainer.manifest import ManifestError
-from trainer.storage import StorageError, UnsafeKeyError, open_storage
+from spotrun.trainer.bundle import BundleError, load_bundle
+from spotrun.trainer.manifest import ManifestError
+from spotrun.trainer.storage import StorageError, UnsafeKeyError, open_storage
 
-from orchestrator.specfile import SpecError, load_spec
-from orchestrator.supervisor import JobFailedError
+from spotrun.orchestrator.specfile import SpecError, load_spec
+from spotrun.orchestrator.supervisor import JobFailedError
 
 err = Console(stderr=True)
 
@@ -50,7 +50,7 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from orchestrator.launch import run_in_process, run_on_ray
+    from spotrun.orchestrator.launch import run_in_process, run_on_ray
 
     if (a.config is None) == (a.spec_json is None):
         raise SpecError("spotrun run takes a CONFIG file or --spec-json TEXT (one of them)")
@@ -72,7 +72,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 
 def cmd_submit(a: argparse.Namespace) -> int:
-    from orchestrator.submit import submit
+    from spotrun.orchestrator.submit import submit
 
     return submit(a.config, a.set, a.job_id, address=a.address, wait=a.wait, as_json=a.json)
 
@@ -91,9 +91,9 @@ def _split_bundle_uri(uri: str) -> tuple[str, str]:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from trainer.explain import explain_next
-    from trainer.session import TrainSession
-    from trainer.spec import JobSpec
+    from spotrun.trainer.explain import explain_next
+    from spotrun.trainer.session import TrainSession
+    from spotrun.trainer.spec import JobSpec
 
     root, key = _split_bundle_uri(a.bundle)
     storage = open_storage(root)
@@ -139,7 +139,7 @@ def _storage_for(a: argparse.Namespace):
 
 
 def cmd_history(a: argparse.Namespace) -> int:
-    from orchestrator.history import history
+    from spotrun.orchestrator.history import history
 
     doc = history(_storage_for(a), a.job_id)
     if a.json:
@@ -154,7 +154,7 @@ def cmd_history(a: argparse.Namespace) -> int:
 
 
 def cmd_bundles(a: argparse.Namespace) -> int:
-    from orchestrator.history import bundles
+    from spotrun.orchestrator.history import bundles
 
     rows = bundles(_storage_for(a), a.job_id)
     if a.json:
@@ -169,7 +169,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     import dataclasses
     import tempfile
 
-    from orchestrator.verify import Verifier, render
+    from spotrun.orchestrator.verify import Verifier, render
 
     workdir = Path(tempfile.mkdtemp(prefix="spotrun-verify-"))
     verifier = Verifier(a.config, a.set, kills=a.kills, seed=a.seed, no_ray=a.no_ray, workdir=workdir,
@@ -185,7 +185,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_inventory(a: argparse.Namespace) -> int:
-    from trainer.inventory import CATEGORIES, markdown
+    from spotrun.trainer.inventory import CATEGORIES, markdown
 
     if a.markdown:
         text = markdown()
@@ -199,7 +199,7 @@ def cmd_inventory(a: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(a: argparse.Namespace) -> int:
-    from orchestrator.dashboard.server import resolve_token, serve
+    from spotrun.orchestrator.dashboard.server import resolve_token, serve
 
     serve(a.storage, a.host, a.port, token=resolve_token(a.token), allow_remote=a.allow_remote,
           endpoint_url=a.endpoint_url,

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from trainer.storage import open_storage
-from trainer.trace import latest_per_update, read_trace
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import latest_per_update, read_trace
 
-from orchestrator.ledger import AttemptStarted, Ledger
+from spotrun.orchestrator.ledger import AttemptStarted, Ledger
 
 ROOT = Path(__file__).resolve().parent.parent
 console = Console()
@@ -43,7 +43,7 @@ def main() -> int:
     job = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     trace = runs / f"{job}.trace.jsonl"
     runs.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / "configs/demo.yaml"), "--job-id", job,
+    cmd = [sys.executable, "-m", "spotrun", "run", str(ROOT / "configs/demo.yaml"), "--job-id", job,
            "--trace", str(trace), "--set", f"storage=file://{runs}",
            "--set", f"data.shards={ROOT / 'configs/data/tiny'}"]
     rng = random.Random()
@@ -62,7 +62,7 @@ def main() -> int:
                       f"after ~{lines()} updates")
     if proc.wait() != 0:
         return proc.returncode
-    subprocess.run([sys.executable, "-m", "orchestrator.cli", "history", job, "--storage", f"file://{runs}"],
+    subprocess.run([sys.executable, "-m", "spotrun", "history", job, "--storage", f"file://{runs}"],
                    cwd=ROOT, check=True)
     final = latest_per_update(read_trace(trace))
     replayed = len(read_trace(trace)) - len(final)

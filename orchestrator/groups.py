@@ -13,11 +13,11 @@ import os
 import threading
 from typing import Protocol
 
-from trainer.collective import LocalCollective
-from trainer.rank import RankRunner, Report
-from trainer.spec import JobSpec
+from spotrun.trainer.collective import LocalCollective
+from spotrun.trainer.rank import RankRunner, Report
+from spotrun.trainer.spec import JobSpec
 
-from orchestrator.notices import Notice
+from spotrun.orchestrator.notices import Notice
 
 
 class RankLost(RuntimeError):

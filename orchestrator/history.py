@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.bundle import BundleCorrupt, list_bundles, read_manifest
-from trainer.manifest import ManifestError
-from trainer.storage import Storage
+from spotrun.trainer.bundle import BundleCorrupt, list_bundles, read_manifest
+from spotrun.trainer.manifest import ManifestError
+from spotrun.trainer.storage import Storage
 
-from orchestrator.ledger import (
+from spotrun.orchestrator.ledger import (
     AttemptStarted,
     BundlePublished,
     BundleRejected,

@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 import os
 
-from trainer.spec import JobSpec
+from spotrun.trainer.spec import JobSpec
 
-from orchestrator.groups import InProcessGroup
-from orchestrator.supervisor import Outcome, Supervisor
+from spotrun.orchestrator.groups import InProcessGroup
+from spotrun.orchestrator.supervisor import Outcome, Supervisor
 
 log = logging.getLogger("spotrun")
 MUTANT_ENV = "SPOTRUN_DROP_STATE"
@@ -68,7 +68,7 @@ def ensure_ray(spec: JobSpec, address: str | None) -> None:
 def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | None = None,
                record_ids: bool = False, init_from: tuple[str, str] | None = None,
                reset: tuple[str, ...] = ()) -> Outcome:
-    from orchestrator.raygroup import RayGroup, rank_bundle, available_rank_slots, room_for_more_ranks
+    from spotrun.orchestrator.raygroup import RayGroup, rank_bundle, available_rank_slots, room_for_more_ranks
 
     ensure_ray(spec, address)
 
@@ -83,7 +83,7 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | N
     if spec.preemption.watch_ray_drain:
         import ray
 
-        from orchestrator.notices import draining_nodes
+        from spotrun.orchestrator.notices import draining_nodes
 
         gcs = ray.get_runtime_context().gcs_address
         drain_source = lambda: draining_nodes(gcs)  # noqa: E731

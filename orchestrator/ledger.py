@@ -13,8 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from trainer.counters import Counters
-from trainer.storage import Storage
+from spotrun.trainer.counters import Counters
+from spotrun.trainer.storage import Storage
 
 
 def _now() -> datetime:

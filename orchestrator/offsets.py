@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from trainer.manifest import Manifest
-from trainer.storage import Storage
+from spotrun.trainer.manifest import Manifest
+from spotrun.trainer.storage import Storage
 
 
 class OffsetsStore:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from trainer.spec import JobSpec
+from spotrun.trainer.spec import JobSpec
 
 
 @dataclass(frozen=True)

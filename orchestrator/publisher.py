@@ -19,13 +19,13 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable
 
-from trainer.bundle import list_bundles, publish
-from trainer.manifest import FileEntry, Manifest
-from trainer.rank import BundleReport
-from trainer.storage import Storage
+from spotrun.trainer.bundle import list_bundles, publish
+from spotrun.trainer.manifest import FileEntry, Manifest
+from spotrun.trainer.rank import BundleReport
+from spotrun.trainer.storage import Storage
 
-from orchestrator.ledger import BundlePublished, Ledger, OffsetsCommitted
-from orchestrator.offsets import OffsetsStore
+from spotrun.orchestrator.ledger import BundlePublished, Ledger, OffsetsCommitted
+from spotrun.orchestrator.offsets import OffsetsStore
 
 log = logging.getLogger("spotrun.publisher")
 

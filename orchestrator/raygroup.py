@@ -1,6 +1,6 @@
 """The ranks of one attempt as Ray actors in one placement group.
 
-Each actor holds a :class:`trainer.rank.RankRunner`; it is a threaded actor so
+Each actor holds a :class:`spotrun.trainer.rank.RankRunner`; it is a threaded actor so
 that ``poll`` and ``request`` are served while ``run`` trains. The ranks form a
 ``torch.distributed`` group (gloo on CPU, nccl with GPUs) rendezvousing at
 rank 0's node. A lost actor is noticed from the first failed call: an
@@ -22,14 +22,14 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from trainer.bundle import BundleError
-from trainer.collective import LocalCollective, TorchCollective
-from trainer.manifest import ManifestError
-from trainer.rank import RankRunner, Report
-from trainer.spec import JobSpec
+from spotrun.trainer.bundle import BundleError
+from spotrun.trainer.collective import LocalCollective, TorchCollective
+from spotrun.trainer.manifest import ManifestError
+from spotrun.trainer.rank import RankRunner, Report
+from spotrun.trainer.spec import JobSpec
 
-from orchestrator.groups import CapacityUnavailable, RankFailed, RankLost
-from orchestrator.notices import ImdsWatcher, Notice, install_signal_notices
+from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost
+from spotrun.orchestrator.notices import ImdsWatcher, Notice, install_signal_notices
 
 POLL_TIMEOUT_S = 10.0
 

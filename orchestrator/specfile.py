@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from trainer.spec import DataSpec, JobSpec
+from spotrun.trainer.spec import DataSpec, JobSpec
 
 
 class SpecError(ValueError):

@@ -4,7 +4,7 @@
 (a typo fails before anything reaches the cluster), then submits the
 entrypoint::
 
-    python -m orchestrator.cli run --spec-json '{...the whole spec...}' --job-id ID --address auto
+    python -m spotrun run --spec-json '{...the whole spec...}' --job-id ID --address auto
 
 to the cluster's Jobs API (:class:`ray.job_submission.JobSubmissionClient`).
 The driver runs on the head node; ``--address auto`` makes it connect to the
@@ -71,9 +71,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from trainer.spec import JobSpec
+from spotrun.trainer.spec import JobSpec
 
-from orchestrator.specfile import load_spec
+from spotrun.orchestrator.specfile import load_spec
 
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 _AUTH_HELP = ("the cluster uses token authentication: make its token available to this command as "
@@ -90,7 +90,7 @@ def entrypoint(spec: JobSpec) -> str:
 
     The spec travels inline, validated and with every override applied, so the head needs no copy
     of the file (its local paths were already made absolute by :func:`load_spec`)."""
-    argv = ["python", "-m", "orchestrator.cli", "run", "--spec-json", spec.model_dump_json(),
+    argv = ["python", "-m", "spotrun", "run", "--spec-json", spec.model_dump_json(),
             "--job-id", spec.job_id, "--address", "auto"]
     return shlex.join(argv)
 

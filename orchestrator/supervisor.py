@@ -30,19 +30,19 @@ from datetime import datetime, timedelta, timezone
 
 from tenacity import RetryCallState, wait_exponential_jitter
 
-from trainer.bundle import BundleCorrupt, BundleIncompatible, first_that_loads, list_bundles, read_manifest
-from trainer.counters import Counters
-from trainer.data.listing import open_source
-from trainer.faults import FaultInjector
-from trainer.manifest import Manifest, UnknownSchemaError
-from trainer.spec import JobSpec
-from trainer.storage import open_storage
-from trainer.trace import TraceWriter
+from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, first_that_loads, list_bundles, read_manifest
+from spotrun.trainer.counters import Counters
+from spotrun.trainer.data.listing import open_source
+from spotrun.trainer.faults import FaultInjector
+from spotrun.trainer.manifest import Manifest, UnknownSchemaError
+from spotrun.trainer.spec import JobSpec
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import TraceWriter
 
-from orchestrator import policy
-from orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WorkerGroup
-from orchestrator.notices import Notice, install_signal_notices
-from orchestrator.ledger import (
+from spotrun.orchestrator import policy
+from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WorkerGroup
+from spotrun.orchestrator.notices import Notice, install_signal_notices
+from spotrun.orchestrator.ledger import (
     AttemptStarted,
     BundleRejected,
     CapacityWait,
@@ -57,8 +57,8 @@ from orchestrator.ledger import (
     TopologyChanged,
     WorkerLost,
 )
-from orchestrator.offsets import OffsetsStore
-from orchestrator.publisher import PublishError, Publisher
+from spotrun.orchestrator.offsets import OffsetsStore
+from spotrun.orchestrator.publisher import PublishError, Publisher
 
 log = logging.getLogger("spotrun.supervisor")
 POLL_S = 0.02

@@ -28,15 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.bundle import list_bundles, load_bundle
-from trainer.metrics import metrics_dir, open_sinks
-from trainer.spec import FaultSpec, JobSpec
-from trainer.storage import open_storage
-from trainer.trace import UpdateRecord, latest_per_update, read_trace
+from spotrun.trainer.bundle import list_bundles, load_bundle
+from spotrun.trainer.metrics import metrics_dir, open_sinks
+from spotrun.trainer.spec import FaultSpec, JobSpec
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import UpdateRecord, latest_per_update, read_trace
 
-from orchestrator.history import history
-from orchestrator.ledger import AttemptStarted, Ledger, Restored
-from orchestrator.supervisor import JobFailedError
+from spotrun.orchestrator.history import history
+from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored
+from spotrun.orchestrator.supervisor import JobFailedError
 
 CONTRACTS = ("exact", "exact-data", "fresh-epoch")  # strongest first
 DECLARED = {"strict": "exact", "elastic": "exact-data", "fresh-epoch": "fresh-epoch"}
@@ -147,7 +147,7 @@ class Verifier:
         self.spec: JobSpec = load(config, overrides)
 
     def _cmd(self, job: str, trace: Path, extra: list[str]) -> list[str]:
-        cmd = [sys.executable, "-m", "orchestrator.cli", "run", self.config, "--job-id", job, "--trace", str(trace),
+        cmd = [sys.executable, "-m", "spotrun", "run", self.config, "--job-id", job, "--trace", str(trace),
                "--trace-ids"]
         for s in [*self.overrides, *extra]:
             cmd += ["--set", s]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.specfile import load_spec
-from trainer.spec import JobSpec
+from spotrun.orchestrator.specfile import load_spec
+from spotrun.trainer.spec import JobSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 

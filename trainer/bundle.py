@@ -29,12 +29,12 @@ import numpy as np
 import torch
 import torchdata
 
-import trainer
-from trainer.counters import LOOP_CONVENTION
-from trainer.data.listing import Listing, ShardInfo, changed_shards, version_of
-from trainer.data.tokenizer import CharTokenizer
-from trainer.faults import FaultInjector
-from trainer.manifest import (
+from spotrun.trainer import __version__ as spotrun_version
+from spotrun.trainer.counters import LOOP_CONVENTION
+from spotrun.trainer.data.listing import Listing, ShardInfo, changed_shards, version_of
+from spotrun.trainer.data.tokenizer import CharTokenizer
+from spotrun.trainer.faults import FaultInjector
+from spotrun.trainer.manifest import (
     SCHEMA_VERSION,
     DataInfo,
     FileEntry,
@@ -50,9 +50,9 @@ from trainer.manifest import (
     WorldInfo,
     parse_manifest,
 )
-from trainer.data.planner import Cursor
-from trainer.state import Capture, TrainState
-from trainer.storage import Storage
+from spotrun.trainer.data.planner import Cursor
+from spotrun.trainer.state import Capture, TrainState
+from spotrun.trainer.storage import Storage
 
 BUNDLE_DIR = re.compile(r"^u(\d{10})-a(\d+)$")
 
@@ -145,7 +145,7 @@ def _jsonable(obj: Any) -> Any:
 
 def versions() -> Versions:
     return Versions(python=platform.python_version(), torch=torch.__version__,
-                    torchdata=torchdata.__version__, numpy=np.__version__, spotrun=trainer.__version__)
+                    torchdata=torchdata.__version__, numpy=np.__version__, spotrun=spotrun_version)
 
 
 def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lineage_id: str,

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from trainer.bundle import LoadedBundle
-from trainer.data.loader import MicroPlan, SequenceDataset, locations
-from trainer.data.planner import slice_for
-from trainer.loop import _autocast
-from trainer.session import TrainSession
-from trainer.trace import span_ids
+from spotrun.trainer.bundle import LoadedBundle
+from spotrun.trainer.data.loader import MicroPlan, SequenceDataset, locations
+from spotrun.trainer.data.planner import slice_for
+from spotrun.trainer.loop import _autocast
+from spotrun.trainer.session import TrainSession
+from spotrun.trainer.trace import span_ids
 
 
 def explain_next(session: TrainSession, bundle: LoadedBundle, show: int = 8) -> dict[str, Any]:

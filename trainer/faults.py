@@ -13,7 +13,7 @@ import signal
 import sys
 from collections.abc import Iterable
 
-from trainer.spec import FaultSite, FaultSpec
+from spotrun.trainer.spec import FaultSite, FaultSpec
 
 
 class FaultInjector:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.data.listing import scan
-from trainer.state import TrainState, token_counts
+from spotrun.trainer.data.listing import scan
+from spotrun.trainer.state import TrainState, token_counts
 
 ORACLE_TRACE = "per-update occurrence digest and parameter digest equal the uninterrupted run"
 

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from trainer.data.listing import Listing
-from trainer.faults import FaultInjector
-from trainer.state import TrainState
-from trainer.trace import UpdateRecord, digest_strings, digest_tensors, span_ids
+from spotrun.trainer.data.listing import Listing
+from spotrun.trainer.faults import FaultInjector
+from spotrun.trainer.state import TrainState
+from spotrun.trainer.trace import UpdateRecord, digest_strings, digest_tensors, span_ids
 
 GradSync = Callable[[torch.nn.Module], None]
 

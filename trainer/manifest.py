@@ -14,10 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trainer.counters import Counters
-from trainer.data.listing import ShardInfo
-from trainer.data.planner import Cursor
-from trainer.storage import UnsafeKeyError, check_key
+from spotrun.trainer.counters import Counters
+from spotrun.trainer.data.listing import ShardInfo
+from spotrun.trainer.data.planner import Cursor
+from spotrun.trainer.storage import UnsafeKeyError, check_key
 
 SCHEMA_VERSION = 1
 _RANK_DIR = re.compile(r"^rank-(\d+)/")

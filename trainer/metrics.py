@@ -27,7 +27,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trainer.storage import Storage
+from spotrun.trainer.storage import Storage
 
 
 class MetricPoint(BaseModel):
@@ -157,7 +157,7 @@ class S3Sink:
     """One object per point key in the job's storage (``<job>/metrics/<update>/<name>.json``).
 
     ``put`` replaces an object whole, so a replayed update overwrites the lost attempt's
-    point: the upsert. Works over any :class:`~trainer.storage.Storage`; ``metrics.sinks: [s3]``
+    point: the upsert. Works over any :class:`~spotrun.trainer.storage.Storage`; ``metrics.sinks: [s3]``
     requires ``storage: s3://...``. The points of one update are written in parallel (a few
     requests of object-store latency each would otherwise stall the training loop in series)."""
 

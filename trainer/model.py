@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from trainer.spec import ModelSpec
+from spotrun.trainer.spec import ModelSpec
 
 
 class _Block(nn.Module):

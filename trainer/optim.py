@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainer.spec import TrainSpec
+from spotrun.trainer.spec import TrainSpec
 
 
 def build_optimizer(model: nn.Module, spec: TrainSpec) -> tuple[torch.optim.AdamW, list[list[str]]]:

@@ -22,14 +22,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.bundle import BundleWriter, WriteResult, build_manifest, bundle_dir, load_bundle
-from trainer.collective import Collective
-from trainer.data.growth import GrowthRecords
-from trainer.metrics import MetricSink, metrics_dir, open_sinks, points_of
-from trainer.session import TrainSession
-from trainer.spec import JobSpec
-from trainer.storage import open_storage
-from trainer.trace import UpdateRecord
+from spotrun.trainer.bundle import BundleWriter, WriteResult, build_manifest, bundle_dir, load_bundle
+from spotrun.trainer.collective import Collective
+from spotrun.trainer.data.growth import GrowthRecords
+from spotrun.trainer.metrics import MetricSink, metrics_dir, open_sinks, points_of
+from spotrun.trainer.session import TrainSession
+from spotrun.trainer.spec import JobSpec
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import UpdateRecord
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.stateful import check_version
+from spotrun.trainer.stateful import check_version
 
 
 def seed_all(seed: int) -> None:

@@ -1,4 +1,4 @@
-"""The S3 storage backend: ``s3://bucket/prefix`` behind the :class:`~trainer.storage.Storage` protocol.
+"""The S3 storage backend: ``s3://bucket/prefix`` behind the :class:`~spotrun.trainer.storage.Storage` protocol.
 
 Keys are relative to the prefix (``<job>/bundles/...`` becomes the object
 ``prefix/<job>/bundles/...``). ``storage_endpoint_url`` points the client at an
@@ -63,7 +63,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from trainer.storage import StorageError, UnsafeKeyError, check_key
+from spotrun.trainer.storage import StorageError, UnsafeKeyError, check_key
 
 log = logging.getLogger(__name__)
 

@@ -13,19 +13,19 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from trainer.bundle import Description, LoadedBundle, describe
-from trainer.counters import CountersState
-from trainer.data.listing import ShardInfo, scan
-from trainer.data.loader import PlanSampler, SequenceDataset, make_loader
-from trainer.data.planner import RestoreMode
-from trainer.data.tokenizer import CharTokenizer
-from trainer.faults import FaultInjector
-from trainer.inventory import BY_NAME, DATA_CATEGORIES, roundtrip_mismatches
-from trainer.loop import GradSync, TrainLoop
-from trainer.optim import build_scheduler
-from trainer.spec import JobSpec
-from trainer.state import Capture, TrainState
-from trainer.trace import UpdateRecord
+from spotrun.trainer.bundle import Description, LoadedBundle, describe
+from spotrun.trainer.counters import CountersState
+from spotrun.trainer.data.listing import ShardInfo, scan
+from spotrun.trainer.data.loader import PlanSampler, SequenceDataset, make_loader
+from spotrun.trainer.data.planner import RestoreMode
+from spotrun.trainer.data.tokenizer import CharTokenizer
+from spotrun.trainer.faults import FaultInjector
+from spotrun.trainer.inventory import BY_NAME, DATA_CATEGORIES, roundtrip_mismatches
+from spotrun.trainer.loop import GradSync, TrainLoop
+from spotrun.trainer.optim import build_scheduler
+from spotrun.trainer.spec import JobSpec
+from spotrun.trainer.state import Capture, TrainState
+from spotrun.trainer.trace import UpdateRecord
 
 
 class TrainSession:

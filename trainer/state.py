@@ -26,23 +26,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.counters import CountersState
-from trainer.data.growth import GrowthRecords
-from trainer.data.listing import Listing, ShardInfo
-from trainer.data.planner import Planner, RestoreMode
-from trainer.data.tokenizer import CharTokenizer
-from trainer.ema import EMA
-from trainer.model import build_model
-from trainer.optim import (
+from spotrun.trainer.counters import CountersState
+from spotrun.trainer.data.growth import GrowthRecords
+from spotrun.trainer.data.listing import Listing, ShardInfo
+from spotrun.trainer.data.planner import Planner, RestoreMode
+from spotrun.trainer.data.tokenizer import CharTokenizer
+from spotrun.trainer.ema import EMA
+from spotrun.trainer.model import build_model
+from spotrun.trainer.optim import (
     build_optimizer,
     build_scaler,
     build_scheduler,
     load_named_state,
     named_state,
 )
-from trainer.rng import RngState, seed_all
-from trainer.spec import JobSpec
-from trainer.stateful import check_version
+from spotrun.trainer.rng import RngState, seed_all
+from spotrun.trainer.spec import JobSpec
+from spotrun.trainer.stateful import check_version
 
 STATE_VERSION = 1
 

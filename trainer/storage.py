@@ -181,7 +181,7 @@ def open_storage(uri: str, endpoint_url: str | None = None, *, check: bool = Tru
         path = uri[len("file://"):] if uri.startswith("file://") else uri
         return LocalStorage(path)
     if parsed.scheme == "s3":
-        from trainer.s3 import S3Storage  # boto3 is imported only when S3 is used
+        from spotrun.trainer.s3 import S3Storage  # boto3 is imported only when S3 is used
 
         s3 = S3Storage(uri, endpoint_url)
         if check:

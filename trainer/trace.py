@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from trainer.data.listing import Listing
-from trainer.data.packer import Span
+from spotrun.trainer.data.listing import Listing
+from spotrun.trainer.data.packer import Span
 
 
 class UpdateRecord(BaseModel):

@@ -10,6 +10,6 @@ Every page has a JSON twin under ``/api``; pages are rendered on the server and 
 small script refreshes them while a job runs. Every asset is served by the app.
 """
 
-from orchestrator.dashboard.app import create_app
+from spotrun.orchestrator.dashboard.app import create_app
 
 __all__ = ["create_app"]

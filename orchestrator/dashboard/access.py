@@ -1,8 +1,8 @@
 """Read-only access to a storage root: which jobs exist, and keys that never leave the root.
 
 The dashboard never writes. A local root is opened without the writability check
-of :class:`~trainer.storage.LocalStorage` (a dashboard over a read-only mount is
-normal), every key is checked by :func:`~trainer.storage.check_key` and, on local
+of :class:`~spotrun.trainer.storage.LocalStorage` (a dashboard over a read-only mount is
+normal), every key is checked by :func:`~spotrun.trainer.storage.check_key` and, on local
 storage, its resolved path must stay inside the resolved root, so a symlink planted
 in a job folder cannot make the dashboard read ``/etc/passwd``.
 """
@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from urllib.parse import urlparse, urlunparse
 
-from trainer.storage import LocalStorage, Storage, StorageError, UnsafeKeyError, check_key
+from spotrun.trainer.storage import LocalStorage, Storage, StorageError, UnsafeKeyError, check_key
 
 # The JobSpec's own rule for job ids: a plain name, never "." or "..", never a path.
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -92,13 +92,13 @@ class ReadOnlyView(_RefusesWrites):
 
 def open_readonly(uri: str, endpoint_url: str | None = None) -> Storage:
     """``file://PATH`` or a plain path, read in place; ``s3://BUCKET/PREFIX`` without the write probe
-    that :func:`~trainer.storage.open_storage` makes (the dashboard needs only list and get)."""
+    that :func:`~spotrun.trainer.storage.open_storage` makes (the dashboard needs only list and get)."""
     parsed = urlparse(uri)
     if parsed.scheme in ("", "file"):
         return ReadOnlyLocalStorage(uri[len("file://"):] if uri.startswith("file://") else uri)
     if parsed.scheme == "s3":
         try:
-            from trainer.s3 import S3Storage  # boto3 only when S3 is used
+            from spotrun.trainer.s3 import S3Storage  # boto3 only when S3 is used
         except ImportError as e:
             raise StorageError(f"storage={redact(uri)}: S3 storage is not available here ({e})") from e
         return ReadOnlyView(S3Storage(uri, endpoint_url))

@@ -17,13 +17,13 @@ from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
-from trainer.storage import Storage, StorageError, UnsafeKeyError
+from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError
 
-from orchestrator.dashboard import charts, labs
-from orchestrator.dashboard.access import JobNotFound, open_readonly, redact
-from orchestrator.dashboard.security import guard
-from orchestrator.dashboard.templating import FILTERS
-from orchestrator.dashboard.views import Reader
+from spotrun.orchestrator.dashboard import charts, labs
+from spotrun.orchestrator.dashboard.access import JobNotFound, open_readonly, redact
+from spotrun.orchestrator.dashboard.security import guard
+from spotrun.orchestrator.dashboard.templating import FILTERS
+from spotrun.orchestrator.dashboard.views import Reader
 
 HERE = Path(__file__).resolve().parent
 REFRESH_MS = 2000

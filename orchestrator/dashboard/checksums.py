@@ -14,9 +14,9 @@ import threading
 from datetime import datetime, timezone
 from typing import Literal, TypedDict
 
-from trainer.bundle import BundleError, read_manifest
-from trainer.manifest import ManifestError
-from trainer.storage import Storage, UnsafeKeyError
+from spotrun.trainer.bundle import BundleError, read_manifest
+from spotrun.trainer.manifest import ManifestError
+from spotrun.trainer.storage import Storage, UnsafeKeyError
 
 State = Literal["unverified", "ok", "corrupt"]
 

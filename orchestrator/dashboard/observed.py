@@ -21,7 +21,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from orchestrator.dashboard.points import Points, furthest_by_attempt
+from spotrun.orchestrator.dashboard.points import Points, furthest_by_attempt
 
 
 def _t(value: str | None) -> datetime | None:

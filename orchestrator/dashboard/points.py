@@ -18,10 +18,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from trainer.metrics import MetricPoint, metrics_dir
-from trainer.storage import Storage
+from spotrun.trainer.metrics import MetricPoint, metrics_dir
+from spotrun.trainer.storage import Storage
 
-from orchestrator.dashboard.access import ReadOnlyLocalStorage
+from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
 
 SQLITE, JSONL = "metrics.sqlite", "metrics.jsonl"
 

@@ -16,9 +16,9 @@ from types import TracebackType
 import uvicorn
 from fastapi import FastAPI
 
-from orchestrator.dashboard.access import redact
-from orchestrator.dashboard.app import create_app
-from orchestrator.dashboard.security import TOKEN_ENV, check_bind
+from spotrun.orchestrator.dashboard.access import redact
+from spotrun.orchestrator.dashboard.app import create_app
+from spotrun.orchestrator.dashboard.security import TOKEN_ENV, check_bind
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8263
 

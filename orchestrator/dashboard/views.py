@@ -2,7 +2,7 @@
 
 :class:`Reader` holds what outlives a request (the storage, the checksum verdicts,
 parsed metric logs). Each view reads the job afresh, so a refresh shows a running
-job's progress. ``history`` is :func:`orchestrator.history.history` unchanged: the
+job's progress. ``history`` is :func:`spotrun.orchestrator.history.history` unchanged: the
 same fields ``spotrun history --json`` prints.
 """
 
@@ -12,16 +12,16 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from trainer.bundle import BundleError, list_bundles, read_manifest
-from trainer.manifest import ManifestError
-from trainer.storage import Storage
+from spotrun.trainer.bundle import BundleError, list_bundles, read_manifest
+from spotrun.trainer.manifest import ManifestError
+from spotrun.trainer.storage import Storage
 
-from orchestrator.dashboard import observed
-from orchestrator.dashboard.access import job_ids, require_job
-from orchestrator.dashboard.checksums import ChecksumCache
-from orchestrator.dashboard.points import LogCache, Points, read_points, replaced
-from orchestrator.history import history
-from orchestrator.ledger import CorruptEvent, Ledger
+from spotrun.orchestrator.dashboard import observed
+from spotrun.orchestrator.dashboard.access import job_ids, require_job
+from spotrun.orchestrator.dashboard.checksums import ChecksumCache
+from spotrun.orchestrator.dashboard.points import LogCache, Points, read_points, replaced
+from spotrun.orchestrator.history import history
+from spotrun.orchestrator.ledger import CorruptEvent, Ledger
 
 QUIET_AFTER_S = 300.0  # a "running" job silent this long is flagged: its driver may be gone
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from trainer.bundle import list_bundles, load_bundle
-from trainer.session import TrainSession
-from trainer.spec import JobSpec
-from trainer.storage import open_storage
-from trainer.trace import UpdateRecord, read_trace
+from spotrun.trainer.bundle import list_bundles, load_bundle
+from spotrun.trainer.session import TrainSession
+from spotrun.trainer.spec import JobSpec
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import UpdateRecord, read_trace
 
-from orchestrator.launch import run_in_process
+from spotrun.orchestrator.launch import run_in_process
 
 
 def reference_run(spec: JobSpec, trace_path) -> tuple[list[UpdateRecord], list[str]]:

@@ -11,13 +11,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from tests.conftest import ROOT
-from trainer.trace import UpdateRecord
+from spotrun.trainer.trace import UpdateRecord
 
 
 def run_cmd(storage: Path, job: str, trace: Path, *sets: str, config: str = "configs/tiny.yaml",
             ray: bool = False, data: Path | str = ROOT / "configs/data/tiny") -> list[str]:
     """`spotrun run` of ``config`` with storage and trace in the test's folder (without Ray unless asked)."""
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / config), "--job-id", job,
+    cmd = [sys.executable, "-m", "spotrun", "run", str(ROOT / config), "--job-id", job,
            "--trace", str(trace), "--trace-ids", "--set", f"storage=file://{storage}",
            "--set", f"data.shards={data}"]
     for s in sets:

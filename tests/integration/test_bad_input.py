@@ -13,14 +13,14 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.helpers.s3 import DUMMY_CREDENTIALS
-from trainer.storage import LocalStorage
+from spotrun.trainer.storage import LocalStorage
 
 pytestmark = pytest.mark.slow
 BASE = ("train.updates=6", "checkpoint.every_updates=3")
 
 
 def spotrun(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "spotrun", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, **(env or {})})
 
 

@@ -17,13 +17,13 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.helpers.runs import run_cmd, run_to_end
-from trainer.metrics import SqliteSink, points_of
-from trainer.storage import open_storage
+from spotrun.trainer.metrics import SqliteSink, points_of
+from spotrun.trainer.storage import open_storage
 
-from orchestrator.dashboard import create_app
-from orchestrator.dashboard.server import BackgroundServer
-from orchestrator.history import history
-from orchestrator.ledger import AttemptStarted, JobFinished, Ledger
+from spotrun.orchestrator.dashboard import create_app
+from spotrun.orchestrator.dashboard.server import BackgroundServer
+from spotrun.orchestrator.history import history
+from spotrun.orchestrator.ledger import AttemptStarted, JobFinished, Ledger
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ import sys
 
 from tests.conftest import ROOT
 from tests.helpers.runs import run_cmd, run_to_end
-from trainer.bundle import list_bundles, load_bundle, read_manifest
-from trainer.storage import LocalStorage
+from spotrun.trainer.bundle import list_bundles, load_bundle, read_manifest
+from spotrun.trainer.storage import LocalStorage
 
 
 def test_new_experiment_from_a_bundle(tmp_path):
@@ -23,7 +23,7 @@ def test_new_experiment_from_a_bundle(tmp_path):
     done = run_to_end(cmd)
     assert done.returncode == 0, done.stderr
     history = json.loads(subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "history", "finetune", "--storage", f"file://{runs}", "--json"],
+        [sys.executable, "-m", "spotrun", "history", "finetune", "--storage", f"file://{runs}", "--json"],
         cwd=ROOT, capture_output=True, text=True, check=True).stdout)
     assert history["restarts"] == [], "a new experiment is not a restart"
     first = history["attempts"][0]

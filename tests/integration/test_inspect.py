@@ -8,11 +8,11 @@ import sys
 
 from tests.conftest import ROOT
 from tests.helpers.runs import run_cmd, run_to_end
-from trainer.bundle import list_bundles
-from trainer.storage import open_storage
-from trainer.trace import read_trace
+from spotrun.trainer.bundle import list_bundles
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import read_trace
 
-from orchestrator.cli import main
+from spotrun.orchestrator.cli import main
 
 # init_scale 2^30 with growth every 2 updates: the scale keeps growing into overflow, so
 # some boundaries are followed by a skipped update and some by an applied one.
@@ -47,7 +47,7 @@ def test_inspect_human_output_names_the_cursor(tmp_path):
     trace = tmp_path / "t.jsonl"
     assert run_to_end(run_cmd(tmp_path / "runs", "insp2", trace, "train.updates=10")).returncode == 0
     key = list_bundles(open_storage(f"file://{tmp_path / 'runs'}"), "insp2")[0].key
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "inspect", str(tmp_path / "runs" / key)],
+    out = subprocess.run([sys.executable, "-m", "spotrun", "inspect", str(tmp_path / "runs" / key)],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "cursor: epoch 0" in out and "next: update" in out and "attempted 10" in out
     assert "(120 records in 3 shards, the last read: shard-002.jsonl)" in " ".join(out.split())  # rich wraps

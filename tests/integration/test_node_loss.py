@@ -15,14 +15,14 @@ import ray
 from ray.cluster_utils import Cluster
 
 from tests.conftest import make_spec
-from trainer.bundle import list_bundles, load_bundle
-from trainer.storage import open_storage
-from trainer.trace import first_divergence, latest_per_update, read_trace
+from spotrun.trainer.bundle import list_bundles, load_bundle
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 
-from orchestrator.history import history
-from orchestrator.launch import run_on_ray
-from orchestrator.raygroup import available_rank_slots, room_for_more_ranks
-from orchestrator.ledger import (
+from spotrun.orchestrator.history import history
+from spotrun.orchestrator.launch import run_on_ray
+from spotrun.orchestrator.raygroup import available_rank_slots, room_for_more_ranks
+from spotrun.orchestrator.ledger import (
     AttemptStarted,
     CapacityWait,
     JobFailed,
@@ -33,7 +33,7 @@ from orchestrator.ledger import (
     TopologyChanged,
     WorkerLost,
 )
-from orchestrator.supervisor import JobFailedError
+from spotrun.orchestrator.supervisor import JobFailedError
 
 pytestmark = pytest.mark.slow
 # Dropout off: under elastic the dropout masks come from per-rank streams, which a new world

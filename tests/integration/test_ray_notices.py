@@ -18,12 +18,12 @@ from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's 
 from tests.conftest import ROOT, make_spec
 from tests.helpers.imds import Imds
 from tests.helpers.runs import lines, run_cmd, run_to_end
-from trainer.storage import open_storage
-from trainer.trace import first_divergence, latest_per_update, read_trace
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 
-from orchestrator.history import history
-from orchestrator.launch import run_on_ray
-from orchestrator.ledger import AttemptStarted, Ledger, NoticeHandled, NoticeSeen, Restored
+from spotrun.orchestrator.history import history
+from spotrun.orchestrator.launch import run_on_ray
+from spotrun.orchestrator.ledger import AttemptStarted, Ledger, NoticeHandled, NoticeSeen, Restored
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
 # every_updates is large: the only bundles before the end are the ones notices ask for.

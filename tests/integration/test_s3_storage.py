@@ -15,12 +15,12 @@ import threading
 import pytest
 from boto3.s3.transfer import TransferConfig
 
-from orchestrator.launch import run_in_process
+from spotrun.orchestrator.launch import run_in_process
 from tests.conftest import make_spec
 from tests.helpers.s3 import FaultProxy, MotoServer, bucket, moto, s3_env  # noqa: F401 - fixtures
-from trainer.metrics import S3Sink, open_sinks, points_of
-from trainer.s3 import MiB, RetryPolicy, S3Storage
-from trainer.storage import StorageError, UnsafeKeyError, open_storage
+from spotrun.trainer.metrics import S3Sink, open_sinks, points_of
+from spotrun.trainer.s3 import MiB, RetryPolicy, S3Storage
+from spotrun.trainer.storage import StorageError, UnsafeKeyError, open_storage
 
 FAST = RetryPolicy(max_attempts=8, initial_s=0.005, max_s=0.05, check_attempts=8)
 SMALL_PARTS = TransferConfig(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, max_concurrency=4)
@@ -208,7 +208,7 @@ def test_wrong_credentials_fail_fast(authed, monkeypatch, caplog):
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
         return open_storage(uri, server.url)
 
-    caplog.set_level(logging.DEBUG, logger="trainer.s3")
+    caplog.set_level(logging.DEBUG, logger="spotrun.trainer.s3")
     key_id, secret = keys["writer"]
     ok = use(key_id, secret)
     ok.put("job/x", b"1")
@@ -325,7 +325,7 @@ def test_s3_sink_upserts_one_object_per_key(moto, bucket):
 
 
 def test_s3_sink_needs_s3_storage(tmp_path):
-    from trainer.storage import LocalStorage
+    from spotrun.trainer.storage import LocalStorage
 
     with pytest.raises(ValueError, match="s3://"):
         open_sinks(["s3"], tmp_path, LocalStorage(tmp_path))

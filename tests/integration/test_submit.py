@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import main
+from spotrun.orchestrator.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -153,7 +153,7 @@ def head():
 
 
 def _spotrun(*args: str, env: dict[str, str], timeout: float = 80) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "spotrun", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 def verify(tmp_path, *sets: str, kills: int, env: dict | None = None, where: tuple[str, ...] = ("--no-ray",)
            ) -> tuple[int, dict, str]:
-    cmd = [sys.executable, "-m", "orchestrator.cli", "verify", str(ROOT / "configs/tiny.yaml"), *where,
+    cmd = [sys.executable, "-m", "spotrun", "verify", str(ROOT / "configs/tiny.yaml"), *where,
            "--kills", str(kills), "--seed", "3", "--json", "--set", f"storage=file://{tmp_path / 'runs'}",
            "--set", f"data.shards={ROOT / 'configs/data/tiny'}", *[a for s in sets for a in ("--set", s)]]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,

@@ -11,13 +11,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.conftest import make_spec
-from trainer.metrics import JsonlSink, SqliteSink, points_of
-from trainer.storage import open_storage
+from spotrun.trainer.metrics import JsonlSink, SqliteSink, points_of
+from spotrun.trainer.storage import open_storage
 
-from orchestrator.cli import main
-from orchestrator.dashboard import create_app
-from orchestrator.launch import run_in_process
-from orchestrator.ledger import AttemptStarted, BundlePublished, Ledger, Restored
+from spotrun.orchestrator.cli import main
+from spotrun.orchestrator.dashboard import create_app
+from spotrun.orchestrator.launch import run_in_process
+from spotrun.orchestrator.ledger import AttemptStarted, BundlePublished, Ledger, Restored
 
 JOB = "api"
 BASE = "http://127.0.0.1"  # without a token the app answers only requests addressed to the loopback

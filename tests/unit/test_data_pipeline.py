@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from trainer.data.growth import GrowthRecords
-from trainer.data.listing import DatasetError, scan, version_of
-from trainer.storage import LocalStorage
-from trainer.data.loader import PlanSampler, SequenceDataset, make_loader
-from trainer.data.planner import Planner
-from trainer.data.tokenizer import EOS, MASK, CharTokenizer
-from trainer.data.transform import mask_tokens
+from spotrun.trainer.data.growth import GrowthRecords
+from spotrun.trainer.data.listing import DatasetError, scan, version_of
+from spotrun.trainer.storage import LocalStorage
+from spotrun.trainer.data.loader import PlanSampler, SequenceDataset, make_loader
+from spotrun.trainer.data.planner import Planner
+from spotrun.trainer.data.tokenizer import EOS, MASK, CharTokenizer
+from spotrun.trainer.data.transform import mask_tokens
 
 TINY = ROOT / "configs/data/tiny"
 

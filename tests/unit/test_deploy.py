@@ -35,7 +35,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
-from orchestrator.specfile import load_spec
+from spotrun.orchestrator.specfile import load_spec
 from tests.conftest import ROOT
 
 DEPLOY = ROOT / "deploy"
@@ -309,7 +309,7 @@ def _rayjob_spec(job: dict):
 def test_rayjob_entrypoint_runs_spotrun_on_the_cluster():
     job = _rayjob()
     argv = shlex.split(job["spec"]["entrypoint"])
-    assert argv[:2] == ["spotrun", "run"] or argv[:4] == ["python", "-m", "orchestrator.cli", "run"], argv
+    assert argv[:2] == ["spotrun", "run"] or argv[:4] == ["python", "-m", "spotrun", "run"], argv
     assert argv[argv.index("--address") + 1] == "auto"
     spec = _rayjob_spec(job)
     head, _ = _pod_specs(job)
@@ -409,10 +409,10 @@ def test_drain_on_stop_moves_a_running_job_off_the_node(tmp_path):
     from ray.cluster_utils import Cluster
 
     from tests.conftest import make_spec
-    from trainer.storage import open_storage
+    from spotrun.trainer.storage import open_storage
 
-    from orchestrator.launch import run_on_ray
-    from orchestrator.ledger import AttemptStarted, Ledger, NoticeHandled, Restored
+    from spotrun.orchestrator.launch import run_on_ray
+    from spotrun.orchestrator.ledger import AttemptStarted, Ledger, NoticeHandled, Restored
 
     spec = make_spec(tmp_path, "world.size=2", "world.policy=elastic", "world.min_size=1", "train.updates=40",
                      "checkpoint.every_updates=100", "data.workers=1", "world.placement=STRICT_SPREAD",

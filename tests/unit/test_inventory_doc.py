@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.conftest import ROOT
-from trainer.inventory import CATEGORIES, markdown
+from spotrun.trainer.inventory import CATEGORIES, markdown
 
 
 def test_state_doc_is_current():

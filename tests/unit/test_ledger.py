@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from orchestrator.dashboard.charts import timeline
-from orchestrator.history import history
-from orchestrator.launch import run_in_process
-from orchestrator.ledger import AttemptStarted, CorruptEvent, JobFinished, Ledger, Resizing, Restored
-from trainer.storage import LocalStorage
+from spotrun.orchestrator.dashboard.charts import timeline
+from spotrun.orchestrator.history import history
+from spotrun.orchestrator.launch import run_in_process
+from spotrun.orchestrator.ledger import AttemptStarted, CorruptEvent, JobFinished, Ledger, Resizing, Restored
+from spotrun.trainer.storage import LocalStorage
 
 
 def test_append_never_overwrites_and_reads_back(tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.runs import kill_after, run_cmd, run_to_end
-from trainer.metrics import FanOut, JsonlSink, NullSink, SqliteSink, points_of
-from trainer.trace import latest_per_update, read_trace
+from spotrun.trainer.metrics import FanOut, JsonlSink, NullSink, SqliteSink, points_of
+from spotrun.trainer.trace import latest_per_update, read_trace
 
 
 @pytest.mark.parametrize("kind", [SqliteSink, JsonlSink])

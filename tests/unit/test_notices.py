@@ -11,11 +11,11 @@ import pytest
 
 from tests.helpers.imds import Imds
 from tests.helpers.oracle import reference_run
-from trainer.trace import first_divergence, latest_per_update, read_trace
+from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 
-from orchestrator.launch import in_process_supervisor
-from orchestrator.ledger import Ledger, NoticeHandled, NoticeSeen, Restored
-from orchestrator.notices import ImdsWatcher, Notice, parse_instance_action
+from spotrun.orchestrator.launch import in_process_supervisor
+from spotrun.orchestrator.ledger import Ledger, NoticeHandled, NoticeSeen, Restored
+from spotrun.orchestrator.notices import ImdsWatcher, Notice, parse_instance_action
 
 SETS = ("train.updates=40", "checkpoint.every_updates=10", "data.workers=1", "model.dropout=0.1")
 

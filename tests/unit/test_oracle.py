@@ -10,9 +10,9 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.helpers.oracle import reference_run, resume
-from trainer.bundle import load_bundle
-from trainer.storage import open_storage
-from trainer.trace import first_divergence, read_trace
+from spotrun.trainer.bundle import load_bundle
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import first_divergence, read_trace
 
 K = 5
 # Every difficult piece is live: a non-empty shuffle buffer at each boundary, a prefetching
@@ -72,7 +72,7 @@ def test_fresh_process_resume_matches(reference, tmp_path):
     dst_root = tmp_path / "runs"
     shutil.copytree(src.root / key, dst_root / key)
     out = tmp_path / "resumed.jsonl"
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / "configs/tiny.yaml"), "--no-ray",
+    cmd = [sys.executable, "-m", "spotrun", "run", str(ROOT / "configs/tiny.yaml"), "--no-ray",
            "--job-id", "oracle",
            "--trace", str(out), "--set", f"storage=file://{dst_root}",
            "--set", f"data.shards={ROOT / 'configs/data/tiny'}", *[a for s in ORACLE_SET for a in ("--set", s)]]

@@ -13,8 +13,8 @@ import pytest
 
 from tests.conftest import ROOT, make_spec
 from tests.helpers.oracle import reference_run, resume
-from trainer.inventory import CATEGORIES
-from trainer.trace import first_divergence
+from spotrun.trainer.inventory import CATEGORIES
+from spotrun.trainer.trace import first_divergence
 
 K = 6
 BASE = ("train.updates=20", "checkpoint.every_updates=10", "data.shuffle_buffer=16", "data.workers=1",

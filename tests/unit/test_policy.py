@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tests.conftest import make_spec
 
-from orchestrator import policy
+from spotrun.orchestrator import policy
 
 
 def test_elastic_grows_to_the_largest_allowed_world_that_fits(tmp_path):
@@ -34,8 +34,8 @@ class _Group:
 
 
 def test_a_running_elastic_job_grows_only_when_the_scheduler_has_room(tmp_path):
-    from orchestrator.ledger import Ledger, Resizing
-    from orchestrator.supervisor import Running, Supervisor
+    from spotrun.orchestrator.ledger import Ledger, Resizing
+    from spotrun.orchestrator.supervisor import Running, Supervisor
 
     spec = make_spec(tmp_path, "world.policy=elastic", "world.size=2", "train.updates=100",
                      "world.grow_check_s=5", job_id="g")

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.groups import RankLost
-from orchestrator.launch import run_in_process
-from orchestrator.ledger import BundlePublished, Ledger
-from orchestrator.publisher import PublishError, Publisher
-from orchestrator.supervisor import Supervisor
-from trainer.bundle import bundle_dir, list_bundles, read_manifest
-from trainer.manifest import Manifest
-from trainer.rank import BundleReport, Report
-from trainer.storage import LocalStorage
+from spotrun.orchestrator.launch import run_in_process
+from spotrun.orchestrator.ledger import BundlePublished, Ledger
+from spotrun.orchestrator.publisher import PublishError, Publisher
+from spotrun.orchestrator.supervisor import Supervisor
+from spotrun.trainer.bundle import bundle_dir, list_bundles, read_manifest
+from spotrun.trainer.manifest import Manifest
+from spotrun.trainer.rank import BundleReport, Report
+from spotrun.trainer.storage import LocalStorage
+from tests.helpers.groups import ScriptedGroup
 
 SHA = "0" * 64
 
@@ -47,47 +47,6 @@ def part(job: str, rank: int, update: int, attempt: int, world: int, base: dict)
     return BundleReport(rank=rank, attempt=attempt, bundle_key=bundle_dir(job, update, attempt), update=update,
                         files=[{"path": f"rank-{rank}/rng.json", "bytes": 10, "sha256": SHA}], write_seconds=0.1,
                         draft=draft_for(base, job, update, attempt, world) if rank == 0 else None)
-
-
-class ScriptedGroup:
-    """A worker group whose ranks' reports are scripted: each poll returns the next list of reports,
-    or raises :class:`RankLost` where the script says ``"lost"``; ``salvage`` is what survivors say."""
-
-    def __init__(self, world_size: int, polls: list, salvage: list[Report] = ()) -> None:
-        self.world_size = world_size
-        self.node_ids = [f"node-{r}" for r in range(world_size)]
-        self.timings: dict[str, float] = {}
-        self.polls = list(polls)
-        self._salvage = list(salvage)
-        self.restored: list[str] = []
-
-    def restore(self, bundle_key, storage_uri=None, reset=()):
-        self.restored.append(bundle_key)
-        return 0.0, []
-
-    def start(self) -> None:
-        pass
-
-    def poll(self) -> list[Report]:
-        nxt = self.polls.pop(0)
-        if nxt == "lost":
-            raise RankLost(1 - self._salvage[0].rank, "process-exit", "SIGKILL", self.node_ids[0])
-        return nxt
-
-    def salvage(self) -> list[Report]:
-        return self._salvage
-
-    def request(self, checkpoint=True, stop=False) -> None:
-        pass
-
-    def take_notices(self):
-        return []
-
-    def pids(self):
-        return list(range(self.world_size))
-
-    def teardown(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("survivor", [0, 1])

@@ -17,16 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.launch import run_in_process
-from orchestrator.ledger import AttemptStarted, BundleRejected, Ledger, Restored
+from spotrun.orchestrator.launch import run_in_process
+from spotrun.orchestrator.ledger import AttemptStarted, BundleRejected, Ledger, Restored
 from tests.conftest import ROOT, make_spec
-from trainer.bundle import BundleCorrupt, BundleIncompatible, list_bundles, load_bundle, load_latest
-from trainer.data.listing import scan
-from trainer.data.tokenizer import CharTokenizer
-from trainer.manifest import ManifestError, UnknownSchemaError
-from trainer.session import TrainSession
-from trainer.spec import DEFAULT_VOCAB
-from trainer.storage import LocalStorage
+from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, list_bundles, load_bundle, load_latest
+from spotrun.trainer.data.listing import scan
+from spotrun.trainer.data.tokenizer import CharTokenizer
+from spotrun.trainer.manifest import ManifestError, UnknownSchemaError
+from spotrun.trainer.session import TrainSession
+from spotrun.trainer.spec import DEFAULT_VOCAB
+from spotrun.trainer.storage import LocalStorage
 
 JOB = "job"
 REF = ("train.updates=10", "checkpoint.every_updates=5")

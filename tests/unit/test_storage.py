@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.storage import LocalStorage, StorageError, UnsafeKeyError, check_key, open_storage
+from spotrun.trainer.storage import LocalStorage, StorageError, UnsafeKeyError, check_key, open_storage
 
 
 def files_on_disk(root: Path) -> list[str]:
@@ -235,7 +235,7 @@ def test_open_storage_file_uri_and_plain_path_address_the_same_root(tmp_path):
 
 def test_large_files_go_to_disk_with_direct_io_and_read_back_exactly(tmp_path, monkeypatch):
     """Direct I/O writes whole aligned blocks: the padding of the last one must be cut off again."""
-    import trainer.storage as storage_module
+    import spotrun.trainer.storage as storage_module
 
     used = []
     real = storage_module._write_direct
@@ -251,7 +251,7 @@ def test_large_files_go_to_disk_with_direct_io_and_read_back_exactly(tmp_path, m
 
 
 def test_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch):
-    import trainer.storage as storage_module
+    import spotrun.trainer.storage as storage_module
 
     real_open = os.open
 

@@ -8,16 +8,16 @@ import sys
 
 from tests.conftest import ROOT, make_spec
 
-from orchestrator.submit import entrypoint
+from spotrun.orchestrator.submit import entrypoint
 
 
 def test_the_entrypoint_carries_the_spec_inline(tmp_path):
     spec = make_spec(tmp_path, "train.updates=3", "world.size=2", job_id="inline")
     argv = shlex.split(entrypoint(spec))
-    assert argv[:4] == ["python", "-m", "orchestrator.cli", "run"] and argv[-2:] == ["--address", "auto"]
+    assert argv[:4] == ["python", "-m", "spotrun", "run"] and argv[-2:] == ["--address", "auto"]
     assert not any(a.endswith(".yaml") for a in argv), "the head must not need the spec file"
     text = argv[argv.index("--spec-json") + 1]
-    from orchestrator.specfile import load_spec
+    from spotrun.orchestrator.specfile import load_spec
 
     assert load_spec(None, text=text) == spec  # every override and absolute path made it across
 
@@ -33,9 +33,9 @@ def test_run_takes_the_inline_spec(tmp_path):
 
 
 def test_run_wants_exactly_one_spec(tmp_path):
-    both = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / "configs/tiny.yaml"),
+    both = subprocess.run([sys.executable, "-m", "spotrun", "run", str(ROOT / "configs/tiny.yaml"),
                            "--spec-json", "{}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert both.returncode == 2 and "CONFIG file or --spec-json" in both.stderr
-    bad = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--spec-json", "[1, 2"],
+    bad = subprocess.run([sys.executable, "-m", "spotrun", "run", "--spec-json", "[1, 2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "inline spec" in bad.stderr

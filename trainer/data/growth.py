@@ -9,7 +9,7 @@ record (by name and hash, reading a shard their own rescan missed). A restored
 attempt of the same lineage reaching a point that a lost attempt had already
 passed adopts the lost attempt's record too, so it reads what that attempt read.
 
-The records are JSON validated by :class:`~trainer.data.listing.ShardInfo` (plain
+The records are JSON validated by :class:`~spotrun.trainer.data.listing.ShardInfo` (plain
 file names only), never unpickled.
 """
 
@@ -19,8 +19,8 @@ import json
 
 from pydantic import TypeAdapter
 
-from trainer.data.listing import ShardInfo
-from trainer.storage import Storage
+from spotrun.trainer.data.listing import ShardInfo
+from spotrun.trainer.storage import Storage
 
 _RECORD = TypeAdapter(list[ShardInfo])
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainer.storage import Storage, open_storage
+from spotrun.trainer.storage import Storage, open_storage
 
 
 class DatasetError(ValueError):
@@ -190,7 +190,7 @@ class Listing:
         every known one; returns how many records they add (0: nothing new).
 
         ``decide`` turns what this process found into what every rank adopts (see
-        :class:`trainer.data.growth.GrowthRecords`): it may name fewer shards, or ones this
+        :class:`spotrun.trainer.data.growth.GrowthRecords`): it may name fewer shards, or ones this
         process's listing of the source missed."""
         known = set(self.shards)
         source = None if self.local else open_source(self.root, self.endpoint_url)

@@ -28,11 +28,11 @@ import torch
 from torch.utils.data import Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from trainer.data.listing import read_line
-from trainer.data.packer import Span
-from trainer.data.planner import Planner, slice_for
-from trainer.data.tokenizer import CharTokenizer
-from trainer.data.transform import mask_tokens
+from spotrun.trainer.data.listing import read_line
+from spotrun.trainer.data.packer import Span
+from spotrun.trainer.data.planner import Planner, slice_for
+from spotrun.trainer.data.tokenizer import CharTokenizer
+from spotrun.trainer.data.transform import mask_tokens
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
-from trainer.stateful import check_version
+from spotrun.trainer.stateful import check_version
 
 
 class Span(NamedTuple):

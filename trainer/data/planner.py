@@ -26,9 +26,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from trainer.data.packer import Occurrence, Packer, Span
-from trainer.data.shuffle import EpochStream, logged_growth
-from trainer.stateful import check_version
+from spotrun.trainer.data.packer import Occurrence, Packer, Span
+from spotrun.trainer.data.shuffle import EpochStream, logged_growth
+from spotrun.trainer.stateful import check_version
 
 RestoreMode = Literal["snapshot", "replay", "fresh-epoch", "bounded-repetition"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.data.tokenizer import EOS, MASK
+from spotrun.trainer.data.tokenizer import EOS, MASK
 
 
 def occurrence_rng(seed: int, epoch: int, record: int) -> np.random.Generator:

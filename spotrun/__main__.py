@@ -1,0 +1,7 @@
+"""``python -m spotrun``: the command line (the same as the ``spotrun`` script)."""
+
+import sys
+
+from spotrun.orchestrator.cli import main
+
+sys.exit(main())
