@@ -31,7 +31,11 @@ from spotrun.trainer.spec import JobSpec
 from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost
 from spotrun.orchestrator.notices import ImdsWatcher, Notice, install_signal_notices
 
-POLL_TIMEOUT_S = 10.0
+POLL_TIMEOUT_S = 10.0  # a poll or request answers at once (threaded actor): longer means it hangs
+# Starting a rank (a Python process importing torch, then building the model and the data listing)
+# takes seconds, and many more on a loaded machine; a dead actor is reported at once anyway, so this
+# only bounds a hung start.
+STARTUP_TIMEOUT_S = 300.0
 
 
 class RankActor:
@@ -162,6 +166,17 @@ class RayGroup:
             self.teardown()
             raise CapacityUnavailable(f"{world_size} ranks of {bundle} could not be placed in "
                                       f"{placement_timeout_s:g}s") from e
+        try:
+            self._start(spec, world_size, attempt, lineage_id, recovery_label, restore_mode, drop, record_ids,
+                        trace, t0)
+        except BaseException:
+            self.teardown()  # a rank lost or failed while starting: release what was placed
+            raise
+
+    def _start(self, spec: JobSpec, world_size: int, attempt: int, lineage_id: str, recovery_label: str,
+               restore_mode: str | None, drop: tuple[str, ...], record_ids: bool, trace: bool, t0: float) -> None:
+        """Create one actor per bundle of the placement group, form the process group, build the ranks."""
+        w = spec.world
         actor_cls = ray.remote(RankActor)
         self.actors = [
             actor_cls.options(
@@ -170,7 +185,7 @@ class RayGroup:
             ).remote()
             for r in range(world_size)
         ]
-        self.where = self._call([a.where.remote() for a in self.actors])
+        self.where = self._call([a.where.remote() for a in self.actors], timeout=STARTUP_TIMEOUT_S)
         self.node_ids = [w_["node_id"] for w_ in self.where]
         placement = time.perf_counter() - t0
         port = self._call([self.actors[0].free_port.remote()])[0]
@@ -178,7 +193,7 @@ class RayGroup:
         spec_json = spec.model_dump_json()
         setups = self._call([a.setup.remote(spec_json, r, world_size, init_method, attempt, lineage_id,
                                             recovery_label, restore_mode, drop, record_ids, trace)
-                             for r, a in enumerate(self.actors)])
+                             for r, a in enumerate(self.actors)], timeout=STARTUP_TIMEOUT_S)
         # Recorded in AttemptStarted: where this attempt's start-up time went (slowest rank for each part).
         self.timings = {"placement_seconds": round(placement, 4)}
         for k in ("process_group_seconds", "rank_setup_seconds"):
@@ -197,7 +212,10 @@ class RayGroup:
             if isinstance(cause, (BundleError, ManifestError)):
                 raise cause from e  # the supervisor decides: fall back, or refuse the job
             raise RankFailed(f"rank {rank} raised {type(cause).__name__}: {cause}") from e
-        except (RayActorError, ActorUnavailableError, GetTimeoutError) as e:
+        except (RayActorError, GetTimeoutError) as e:
+            # its creation task raised: a bug or bad input (an import that fails), not a lost machine
+            if isinstance(e, RayActorError) and e.actor_init_failed:
+                raise RankFailed(f"rank {rank} could not start: {str(e).strip()[-1500:]}") from e
             raise self._lost(rank, e) from e
 
     def _lost(self, rank: int, e: BaseException) -> RankLost:

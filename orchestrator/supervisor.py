@@ -180,6 +180,7 @@ class Supervisor:
         self._seen_notices: set[tuple] = set()
         self.sec_per_update: float | None = None  # measured, to judge whether a deadline leaves time
         self._rank_retries: dict[tuple[int, int], int] = {}  # (attempt, rank) -> storage retries
+        self._start_losses = 0  # ranks lost while an attempt was starting (before it trained)
         source = None
         if spec.data.order == "sequential":  # a streaming reader: its offsets also go under the source
             source = OffsetsStore(open_source(spec.data.shards, spec.storage_endpoint_url), spec.job_id,
@@ -275,6 +276,17 @@ class Supervisor:
             log.info("placement failed: %s", e)
             return Placing(st.cause, st.last_update, st.world_before,
                            st.waited_s + max(self.clock() - t0, CAPACITY_POLL_S), below=size - 1)
+        except RankFailed as e:
+            return Failed(str(e), e)
+        except RankLost as e:
+            # A rank (or its node) was lost while the attempt started: nothing ran, so place again,
+            # within the restart budget (a node that keeps dying must not loop forever).
+            self._start_losses += 1
+            log.warning("a rank was lost while starting attempt %d: %s", self.attempts, e)
+            if self._start_losses > self.spec.world.max_restarts:
+                return Failed(f"ranks were lost while starting {self._start_losses} times "
+                              f"(world.max_restarts={self.spec.world.max_restarts}); last: {e}")
+            return Placing(st.cause, st.last_update, st.world_before, st.waited_s)
         try:
             restored = self._restore(group, candidates, st, size, label)
         except (BundleIncompatible, UnknownSchemaError, BundleCorrupt, RankFailed, ValueError) as e:

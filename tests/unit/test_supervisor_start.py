@@ -1,0 +1,53 @@
+"""An attempt whose rank is lost while it starts is placed again; one that cannot start fails."""
+
+from __future__ import annotations
+
+import pytest
+
+from spotrun.orchestrator.groups import RankFailed, RankLost
+from spotrun.orchestrator.ledger import AttemptStarted, Ledger
+from spotrun.orchestrator.supervisor import JobFailedError, Supervisor
+from spotrun.trainer.rank import Report
+from spotrun.trainer.storage import open_storage
+from tests.conftest import make_spec
+from tests.helpers.groups import ScriptedGroup
+
+
+def test_a_rank_lost_while_starting_is_placed_again(tmp_path):
+    spec = make_spec(tmp_path, "train.updates=4", job_id="s")
+    tries = []
+
+    def make_group(size, attempt, *rest):
+        tries.append(attempt)
+        if len(tries) == 1:
+            raise RankLost(0, "unresponsive", "setup timed out")
+        return ScriptedGroup(1, [[Report(rank=0, last_update=4, state="finished")]])
+
+    outcome = Supervisor(spec, make_group, capacity=lambda: 1, sleep=lambda s: None).run()
+    assert outcome.state == "finished"
+    assert tries == [1, 1], "nothing ran in the lost start: the attempt number is used again"
+    started = [e.attempt for e in Ledger(open_storage(spec.storage), "s").read() if isinstance(e, AttemptStarted)]
+    assert started == [1]
+
+
+def test_ranks_lost_at_every_start_exhaust_the_restart_budget(tmp_path):
+    spec = make_spec(tmp_path, "train.updates=4", "world.max_restarts=2", job_id="s")
+
+    def make_group(*args):
+        raise RankLost(0, "node-lost", "gone")
+
+    with pytest.raises(JobFailedError, match="lost while starting 3 times"):
+        Supervisor(spec, make_group, capacity=lambda: 1, sleep=lambda s: None).run()
+
+
+def test_a_rank_that_cannot_start_fails_the_job_at_once(tmp_path):
+    spec = make_spec(tmp_path, "train.updates=4", job_id="s")
+    calls = []
+
+    def make_group(*args):
+        calls.append(1)
+        raise RankFailed("rank 0 could not start: ModuleNotFoundError: No module named 'mine'")
+
+    with pytest.raises(RankFailed, match="No module named 'mine'"):
+        Supervisor(spec, make_group, capacity=lambda: 1, sleep=lambda s: None).run()
+    assert calls == [1]
