@@ -276,7 +276,7 @@ class Supervisor:
             log.info("placement failed: %s", e)
             return Placing(st.cause, st.last_update, st.world_before,
                            st.waited_s + max(self.clock() - t0, CAPACITY_POLL_S), below=size - 1)
-        except RankFailed as e:
+        except (RankFailed, ValueError) as e:  # a rank could not be built: a bug or bad input (JobError, ...)
             return Failed(str(e), e)
         except RankLost as e:
             # A rank (or its node) was lost while the attempt started: nothing ran, so place again,

@@ -26,7 +26,8 @@ class Collective(Protocol):
     def agree(self, flags: list[bool]) -> list[bool]:
         """Element-wise OR of every rank's flags; all ranks get the same answer."""
 
-    def mean(self, value: float) -> float: ...
+    def mean(self, values: list[float]) -> list[float]:
+        """Element-wise mean over the ranks (one collective for all of them)."""
 
     def close(self) -> None: ...
 
@@ -41,8 +42,8 @@ class LocalCollective:
     def agree(self, flags: list[bool]) -> list[bool]:
         return list(flags)
 
-    def mean(self, value: float) -> float:
-        return value
+    def mean(self, values: list[float]) -> list[float]:
+        return list(values)
 
     def close(self) -> None:
         return None
@@ -75,10 +76,10 @@ class TorchCollective:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [bool(v) for v in t.tolist()]
 
-    def mean(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
+    def mean(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t)
-        return float(t.item()) / self.world_size
+        return [v / self.world_size for v in t.tolist()]
 
     def close(self) -> None:
         if dist.is_initialized():

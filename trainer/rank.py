@@ -24,6 +24,7 @@ from typing import Any
 
 from spotrun.trainer.bundle import BundleWriter, WriteResult, build_manifest, bundle_dir, load_bundle
 from spotrun.trainer.collective import Collective
+from spotrun.trainer.data.feed import TokenFeed
 from spotrun.trainer.data.growth import GrowthRecords
 from spotrun.trainer.metrics import MetricSink, metrics_dir, open_sinks, points_of
 from spotrun.trainer.session import TrainSession
@@ -73,7 +74,8 @@ class RankRunner:
                                     grad_sync=collective.sync_gradients if world_size > 1 else None,
                                     record_ids=record_ids and rank == 0,
                                     digests=trace and rank == 0)  # only rank 0's records are reported
-        self.session.state.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
+        if isinstance(self.session.feed, TokenFeed):  # a growing source's rescans, agreed across ranks
+            self.session.feed.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
         self.writer = BundleWriter(self.storage, self.session.faults)
         # Rank 0 writes the metric points; each upserts by <job>/<update>/<name>.
         self.metrics: MetricSink = open_sinks(
@@ -134,9 +136,12 @@ class RankRunner:
         try:
             while not s.done:
                 record = s.run_update()
-                record.loss = self.collective.mean(record.loss)
+                names = sorted(record.metrics)
+                record.loss, *values = self.collective.mean([record.loss, *(record.metrics[n] for n in names)])
+                record.metrics = dict(zip(names, values, strict=True))
                 self.metrics.write(points_of(self.spec.job_id, record.update, self.attempt, self.lineage_id,
-                                             {"loss": record.loss, "lr": record.lr, "applied": record.applied}))
+                                             {"loss": record.loss, "lr": record.lr, "applied": record.applied,
+                                              **record.metrics}))
                 with self._lock:
                     if self.rank == 0:
                         self._report.records.append(record)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -26,11 +26,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class JobCodeSpec(_Strict):
+    """The user's job: ``entrypoint`` names ``package.module:function`` taking a
+    ``spotrun.BuildContext`` and returning a ``spotrun.Job``; ``config`` is free-form and reaches
+    it as ``ctx.config``. Both shape the trajectory: a bundle restores only under equal values."""
+
+    entrypoint: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+    config: dict[str, Any] = {}
+
+
 class ModelSpec(_Strict):
-    """The network. ``gpt`` is a tiny character GPT, ``mlp`` a fast bigram-ish
-    net for tests, ``factory`` names a user's ``module:function`` that takes
-    ``(spec: ModelSpec, vocab_size: int)`` and returns an ``nn.Module`` whose
-    ``forward(tokens) -> logits``."""
+    """The built-in character LM's network (read only by that recipe). ``gpt`` is a tiny
+    character GPT, ``mlp`` a fast bigram-ish net for tests, ``factory`` names a user's
+    ``module:function`` that takes ``(spec: ModelSpec, vocab_size: int)`` and returns an
+    ``nn.Module`` whose ``forward(tokens) -> logits``."""
 
     kind: Literal["gpt", "mlp", "factory"] = "gpt"
     n_layer: int = Field(2, ge=1)
@@ -182,6 +191,7 @@ class JobSpec(_Strict):
     seed: int = 0
     storage: str = "file://./runs"
     storage_endpoint_url: str | None = None
+    job: JobCodeSpec | None = None  # None: the built-in character LM (spotrun.recipes.char_lm)
     model: ModelSpec = ModelSpec()
     data: DataSpec = DataSpec()
     train: TrainSpec = TrainSpec()
@@ -238,6 +248,7 @@ class JobSpec(_Strict):
         """The keys that shape the trajectory; a bundle restores only under equal values."""
         return {
             "seed": self.seed,
+            "job": self.job.model_dump(mode="json") if self.job else None,
             "model": self.model.model_dump(mode="json"),
             "data": self.data.model_dump(
                 mode="json", include={"seq_len", "mask_prob", "shuffle_buffer", "vocab", "order"}
