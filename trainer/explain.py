@@ -15,6 +15,7 @@ from spotrun.trainer.bundle import LoadedBundle
 from spotrun.trainer.data.loader import MicroPlan, locations
 from spotrun.trainer.data.planner import slice_for
 from spotrun.trainer.loop import forward
+from spotrun.trainer.rng import microbatch_seed, seed_all
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.trace import span_ids
 
@@ -33,6 +34,7 @@ def explain_next(session: TrainSession, bundle: LoadedBundle, show: int = 8) -> 
             part = sequences[slice_for(r, m, session.world_size, spec.train.micro_batch)]
             plan = MicroPlan(update=c.attempted_updates + 1, microstep=m, rank=r, sequences=part,
                              records=locations(part, session.feed.locate))
+            seed_all(microbatch_seed(spec.seed, plan.update, m * session.world_size + r))
             loss, _ = forward(st, worker(plan))
             st.scaler.scale(loss / steps).backward()
     grads_finite = all(torch.isfinite(p.grad).all() for p in st.model.parameters() if p.grad is not None)

@@ -11,11 +11,9 @@ registry (``spotrun inventory --markdown``), so the document cannot drift.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 from spotrun.trainer.data.listing import scan
@@ -80,18 +78,6 @@ def _reset_scaler(st: TrainState) -> None:
                                    "_growth_tracker": 0})
 
 
-def _reseed_torch(st: TrainState) -> None:
-    torch.manual_seed(st.spec.seed)
-
-
-def _reseed_python(st: TrainState) -> None:
-    random.seed(st.spec.seed)
-
-
-def _reseed_numpy(st: TrainState) -> None:
-    np.random.seed(st.spec.seed)
-
-
 def _empty_shuffle_buffer(st: TrainState) -> None:
     st.planner.stream.buffer.clear()
 
@@ -137,6 +123,11 @@ def _planned(st: TrainState) -> bool:
     return st.feed.kind in ("map", "token")
 
 
+# The global streams are re-seeded before every microstep (trainer/rng.py): what a bundle saves of them
+# can never change a later update.
+_DERIVED = ("re-derived at the start of every microstep from (seed, update, micro-batch index), so a build "
+            "that lost it draws exactly the same; captured anyway")
+
 CATEGORIES: tuple[Category, ...] = (
     Category("model_params", "TrainState.model", "rank-0/model.pt ['model'] (torch, weights-only)",
              "model.load_state_dict(strict=True) after the name/shape check", ORACLE_TRACE, _reinit_params),
@@ -159,17 +150,16 @@ CATEGORIES: tuple[Category, ...] = (
              ORACLE_TRACE + " and applied_updates", _reset_scaler,
              needs="train.precision=fp16 with a scale that overflows (e.g. grad_scaler.init_scale 2^30)"),
     Category("rng_torch", "global torch CPU generator", "rank-<r>/rng.json ['torch_cpu']",
-             "torch.set_rng_state, last of all", ORACLE_TRACE + " (dropout masks differ)", _reseed_torch,
-             needs="a model or step that draws from torch's global generator (dropout)"),
+             "torch.set_rng_state, last of all; then seeded per micro-batch", ORACLE_TRACE + " (dropout masks differ)",
+             None, undetectable=_DERIVED),
     Category("rng_python", "global python random", "rank-<r>/rng.json ['python']",
-             "random.setstate, last of all", ORACLE_TRACE, _reseed_python,
-             needs="a model or step that draws from python's random (the built-in models do not)"),
+             "random.setstate, last of all; then seeded per micro-batch", ORACLE_TRACE, None, undetectable=_DERIVED),
     Category("rng_numpy", "global numpy generator", "rank-<r>/rng.json ['numpy']",
-             "np.random.set_state, last of all", ORACLE_TRACE, _reseed_numpy,
-             needs="a model or step that draws from numpy's global generator (the built-in models do not)"),
+             "np.random.set_state, last of all; then seeded per micro-batch", ORACLE_TRACE, None,
+             undetectable=_DERIVED),
     Category("rng_cuda", "torch CUDA generators (one per device)", "rank-<r>/rng.json ['torch_cuda']",
-             "torch.cuda.set_rng_state_all", ORACLE_TRACE, None,
-             undetectable="on CPU-only machines there is no CUDA stream to lose; checked on GPU runs only"),
+             "torch.cuda.set_rng_state_all; then seeded per micro-batch", ORACLE_TRACE, None,
+             undetectable=_DERIVED),
     Category("data_cursor", "Planner (epoch, index, offset); StreamPlanner (elements read)",
              "rank-0/state.json ['planner']['cursor']",
              "snapshot: loaded with the buffer; replay: fast-forward from the epoch start",
@@ -328,8 +318,8 @@ def markdown() -> str:
         "",
         "- the dataset is fixed for a lineage (or `MapData`/`StreamData` declares a `version`);",
         "- `transform` and `collate` are pure functions of their arguments;",
-        "- all randomness comes from the global generators (captured) or from the generator passed to",
-        "  the transform;",
+        "- all randomness comes from the global generators (seeded by spotrun at every microstep from",
+        "  (seed, update, micro-batch index)) or from the generator passed to the transform;",
         "- no state that shapes a later update lives outside the model, the optimizer, the scheduler and",
         "  the objects registered in `state` (each rank's copy is saved as `state:<name>` below).",
         "",

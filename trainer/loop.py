@@ -19,6 +19,7 @@ import torch
 
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.job import RESERVED_METRICS, JobError
+from spotrun.trainer.rng import microbatch_seed, seed_all
 from spotrun.trainer.state import TrainState
 from spotrun.trainer.trace import UpdateRecord, digest_strings, digest_tensors, span_ids
 
@@ -101,6 +102,8 @@ class TrainLoop:
                 raise RuntimeError(f"loader delivered update {plan.update}.{plan.microstep}, loop expects {update}.{m}")
             if m == 0:
                 first = plan
+            # the step's draws (dropout, ...) depend on which micro-batch this is, never on the rank
+            seed_all(microbatch_seed(st.spec.seed, update, m * st.world_size + st.rank))
             loss, metrics = forward(st, batch)
             self.faults.hit("backward", update, m)
             st.scaler.scale(loss / self.accum_steps).backward()

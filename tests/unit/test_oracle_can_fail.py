@@ -29,8 +29,7 @@ JOBS = {
     "growing": (*BASE, "data.order=sequential"),
     "stream": (*BASE, "job.entrypoint=tests.helpers.jobs:stream_job"),
 }
-JOB_OF = {"grad_scaler": "fp16", "rng_python": "host_rng", "rng_numpy": "host_rng", "source_listing": "growing",
-          "stream_state": "stream"}
+JOB_OF = {"grad_scaler": "fp16", "source_listing": "growing", "stream_state": "stream"}
 DROPPABLE = [c.name for c in CATEGORIES if c.drop is not None]
 
 
