@@ -332,6 +332,8 @@ class Supervisor:
         manifest = read_manifest(self.storage, key)
         update = manifest.counters.attempted_updates
         lost = None if st.last_update is None else max(0, st.last_update - update)
+        if label == "exact" and any(g != manifest.versions.gpu for g in getattr(group, "gpus", [])):
+            label = "exact-data"  # elastic on another device model (strict refuses that restore)
         self.ledger.append(Restored(
             attempt=self.attempts, bundle=key, update=update, recovery_label=label,
             policy=self.spec.world.policy, restore_mode=policy.restore_mode(self.spec),

@@ -33,6 +33,7 @@ from spotrun.trainer import __version__ as spotrun_version
 from spotrun.trainer.counters import LOOP_CONVENTION
 from spotrun.trainer.data.feed import TokenFeed
 from spotrun.trainer.data.listing import ShardInfo, changed_shards, version_of
+from spotrun.trainer.device import gpu_facts
 from spotrun.trainer.job import check_weights_only, code_fingerprint, entrypoint_of
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.manifest import (
@@ -120,6 +121,8 @@ class Description:
     dataset_version: str
     tokenizer_version: str
     shards: tuple[ShardInfo, ...]  # token data: the source as listed when the job started
+    policy: str  # world.policy: strict restores only on the GPU model that wrote the bundle
+    gpu: str | None  # this rank's GPU model (None: CPU)
 
 
 def describe(state: TrainState) -> Description:
@@ -143,6 +146,8 @@ def describe(state: TrainState) -> Description:
         dataset_version=feed.dataset_version,
         tokenizer_version=feed.tokenizer_version,
         shards=tuple(feed.listing.infos()) if isinstance(feed, TokenFeed) else (),
+        policy=spec.world.policy,
+        gpu=gpu_facts(state.device)["gpu"],
     )
 
 
@@ -150,9 +155,10 @@ def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=float))
 
 
-def versions() -> Versions:
+def versions(device: str = "cpu") -> Versions:
     return Versions(python=platform.python_version(), torch=torch.__version__,
-                    torchdata=torchdata.__version__, numpy=np.__version__, spotrun=spotrun_version)
+                    torchdata=torchdata.__version__, numpy=np.__version__, spotrun=spotrun_version,
+                    **gpu_facts(device))
 
 
 def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lineage_id: str,
@@ -187,7 +193,7 @@ def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lin
                         micro_batch=spec.train.micro_batch, policy=spec.world.policy),
         precision=Precision(stored="fp32", compute=spec.train.precision,
                             master_weights="the fp32 parameters are the masters"),
-        versions=versions(),
+        versions=versions(state.device),
         stall_seconds=stall_seconds,
     )
 
@@ -205,6 +211,12 @@ def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_
             f"job code: bundle {manifest.code.entrypoint} (fingerprint {manifest.code.fingerprint}), job "
             f"{desc.code.entrypoint} (fingerprint {desc.code.fingerprint}): the entrypoint's module changed since "
             f"the bundle was written, and other code may not take the same next updates; {new_lineage}")
+    if desc.policy == "strict" and manifest.versions.gpu != desc.gpu:
+        problems.append(
+            f"device: the bundle was written on {manifest.versions.gpu or 'CPUs'}, this rank has "
+            f"{desc.gpu or 'no GPU'}; world.policy=strict promises bitwise-equal parameters, which kernels give only "
+            f"on the same device model. Run on {manifest.versions.gpu or 'CPUs'}, or declare world.policy: elastic "
+            "(it restores on another model, labelled exact-data: the same occurrences, close parameters)")
     if manifest.data.kind != desc.data_kind:
         problems.append(f"data kind: bundle {manifest.data.kind}, job {desc.data_kind}")
     elif desc.spec_compat["data"]["order"] == "sequential" and manifest.data.shards:
@@ -316,6 +328,7 @@ class BundleWriter:
 
     def _write(self, capture: Capture, bundle_key: str) -> WriteResult:
         t0 = time.perf_counter()
+        capture.wait()  # from a GPU: the copies into the host buffers may still be landing
         entries = []
         for path, blob in serialise(capture).items():
             digest = self._hasher.submit(lambda b: hashlib.sha256(b).hexdigest(), blob)

@@ -51,9 +51,10 @@ class LocalCollective:
 
 class TorchCollective:
     def __init__(self, init_method: str, rank: int, world_size: int, backend: str = "gloo",
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, device: str = "cpu") -> None:
         self.rank = rank
         self.world_size = world_size
+        self.device = device  # NCCL reduces tensors on the rank's GPU only
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
 
@@ -72,12 +73,12 @@ class TorchCollective:
                 dist.broadcast(buf, src=0)
 
     def agree(self, flags: list[bool]) -> list[bool]:
-        t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [bool(v) for v in t.tolist()]
 
     def mean(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return [v / self.world_size for v in t.tolist()]
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.job import RESERVED_METRICS, JobError
@@ -60,10 +61,16 @@ def split_step(result: Any) -> tuple[torch.Tensor, dict[str, float]]:
     return loss, {k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v) for k, v in metrics.items()}
 
 
+def _wait_on_gpu(event: Any) -> None:
+    """Order the training stream after a capture's copies (a GPU-side wait: the host goes on)."""
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
+
+
 def forward(st: TrainState, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
     """One microstep's forward pass: the job's step on the batch, on the device, under autocast."""
     with autocast(st.spec.train.precision, st.device):
-        return split_step(st.job.step(st.model, to_device(batch, st.device)))
+        return split_step(st.job.step(st.trained, to_device(batch, st.device)))
 
 
 class TrainLoop:
@@ -92,6 +99,7 @@ class TrainLoop:
     def run_update(self) -> UpdateRecord:
         st = self.state
         update = st.counters.value.attempted_updates + 1
+        st.pending_user_copy = _wait_on_gpu(st.pending_user_copy)  # the step may change registered state
         losses: list[torch.Tensor] = []
         sums: dict[str, float] = {}
         plan = first = None
@@ -104,9 +112,12 @@ class TrainLoop:
                 first = plan
             # the step's draws (dropout, ...) depend on which micro-batch this is, never on the rank
             seed_all(microbatch_seed(st.spec.seed, update, m * st.world_size + st.rank))
-            loss, metrics = forward(st, batch)
-            self.faults.hit("backward", update, m)
-            st.scaler.scale(loss / self.accum_steps).backward()
+            # with DDP, only the last microstep's backward averages the gradients across ranks
+            deferred = m < self.accum_steps - 1 and isinstance(st.trained, DistributedDataParallel)
+            with st.trained.no_sync() if deferred else contextlib.nullcontext():
+                loss, metrics = forward(st, batch)
+                self.faults.hit("backward", update, m)
+                st.scaler.scale(loss / self.accum_steps).backward()
             self._check_names(metrics)
             losses.append(loss.detach())
             for k, v in metrics.items():
@@ -148,6 +159,7 @@ class TrainLoop:
         st, spec = self.state, self.state.spec
         if self.grad_sync is not None:
             self.grad_sync(st.model)
+        st.pending_copy = _wait_on_gpu(st.pending_copy)  # the step overwrites what the capture copies
         st.scaler.unscale_(st.optimizer)
         if spec.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(st.model.parameters(), spec.train.grad_clip, foreach=False)

@@ -94,6 +94,9 @@ class Versions(_M):
     torchdata: str
     numpy: str
     spotrun: str
+    gpu: str | None = None  # the GPU model the bundle was written on (None: CPU)
+    cuda: str | None = None  # torch's CUDA runtime
+    driver: str | None = None  # the NVIDIA driver
 
 
 class Precision(_M):

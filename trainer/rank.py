@@ -61,7 +61,8 @@ class Report:
 class RankRunner:
     def __init__(self, spec: JobSpec, *, rank: int, world_size: int, attempt: int, lineage_id: str,
                  recovery_label: str, collective: Collective, restore_mode: str | None = None,
-                 drop: tuple[str, ...] = (), record_ids: bool = False, trace: bool = True) -> None:
+                 drop: tuple[str, ...] = (), record_ids: bool = False, trace: bool = True,
+                 device: str = "cpu") -> None:
         self.spec = spec
         self.rank = rank
         self.attempt = attempt
@@ -71,9 +72,11 @@ class RankRunner:
         self.storage = open_storage(spec.storage, spec.storage_endpoint_url)
         self.session = TrainSession(spec, rank=rank, world_size=world_size, attempt=attempt,
                                     restore_mode=restore_mode, drop=drop,
-                                    grad_sync=collective.sync_gradients if world_size > 1 else None,
+                                    grad_sync=(collective.sync_gradients if world_size > 1
+                                               and spec.train.grad_sync == "allreduce" else None),
                                     record_ids=record_ids and rank == 0,
-                                    digests=trace and rank == 0)  # only rank 0's records are reported
+                                    digests=trace and rank == 0,  # only rank 0's records are reported
+                                    device=device)
         if isinstance(self.session.feed, TokenFeed):  # a growing source's rescans, agreed across ranks
             self.session.feed.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
         self.writer = BundleWriter(self.storage, self.session.faults)

@@ -94,6 +94,7 @@ class TrainSession:
         if bundle.manifest.world.size != self.world_size:
             return []
         capture = self.state.capture()
+        capture.wait()
         restored = {**capture.torch_files, **capture.json_files}
         found = roundtrip_mismatches(bundle.payloads, restored)
         if self.state.planner.restore_mode in ("bounded-repetition", "fresh-epoch"):

@@ -112,6 +112,14 @@ class TrainSpec(_Strict):
     grad_scaler: GradScalerSpec = GradScalerSpec()
     scheduler_counts: Literal["applied", "attempted"] = "applied"
     threads: int = Field(1, ge=1)
+    # How gradients are averaged across ranks: "allreduce" sums every gradient in one flat buffer
+    # after the last microstep's backward (any step function works on the model itself); "ddp" wraps
+    # the model in torch's DistributedDataParallel (bucketed, overlapped with backward, no_sync on the
+    # earlier microsteps; the step must call the model it is given, not its submodules). See README.
+    grad_sync: Literal["allreduce", "ddp"] = "allreduce"
+    # GPU: TF32 matmuls are faster and round inputs to 10 mantissa bits, differently on each GPU
+    # generation; off unless allowed (bitwise restores hold either way on the same GPU model)
+    allow_tf32: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> TrainSpec:
@@ -207,6 +215,12 @@ class JobSpec(_Strict):
             raise ValueError(f"metrics.sinks lists s3, which writes into the job's storage, but storage="
                              f"{self.storage!r} is not s3://BUCKET/PREFIX")
         w = self.world
+        if self.train.grad_sync == "ddp" and w.policy == "strict" and w.size >= 3:
+            raise ValueError(
+                f"train.grad_sync=ddp cannot keep world.policy=strict bitwise at {w.size} ranks: DDP rebuilds its "
+                "buckets after a process's first update, so the first update after a restore sums in another "
+                "order (measured in bench/RESULTS.md, section 5). Use train.grad_sync=allreduce (the default), "
+                "or world.policy=elastic (close parameters)")
         if w.max_size is not None and w.max_size < w.min_size:
             raise ValueError(f"world.max_size={w.max_size} is below world.min_size={w.min_size}")
         if w.policy == "elastic":

@@ -20,17 +20,20 @@ alone writes them; every rank writes its own random streams and registered state
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from spotrun.trainer.counters import CountersState
 from spotrun.trainer.data.feed import Feed
 from spotrun.trainer.data.planner import RestoreMode
+from spotrun.trainer.device import set_determinism
 from spotrun.trainer.ema import EMA
 from spotrun.trainer.job import Job, JobError, check_weights_only
 from spotrun.trainer.optim import build_scaler, group_names, load_named_state, named_state
@@ -39,12 +42,6 @@ from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.stateful import check_version
 
 STATE_VERSION = 2  # 2: the scheduler in optimizer.pt, registered state in rank-<r>/user.pt
-
-
-def set_determinism(threads: int) -> None:
-    """Deterministic kernels and a fixed intra-op thread count (reduction order depends on it)."""
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(threads)
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -57,17 +54,42 @@ class HostBuffers:
 
     Copying into warm buffers instead of freshly allocated ones keeps page faults out of the
     stall (they were most of it). The writer reads a capture's buffers in the background, so a
-    capture may only start once the previous write finished: at most one save is in flight."""
+    capture may only start once the previous write finished: at most one save is in flight.
 
-    def __init__(self) -> None:
+    From a GPU the buffers are pinned and the device-to-host copies are issued on a side stream
+    (:meth:`copies`), which first waits for the work already queued on the training stream: the
+    host does not wait for them. :meth:`done` records an event after the copies issued so far;
+    the training stream waits for it (on the GPU) before it next overwrites what was copied, and
+    the writer waits for it before it reads the buffers."""
+
+    def __init__(self, device: str = "cpu") -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._stream = torch.cuda.Stream(device) if device.startswith("cuda") else None
+
+    @contextlib.contextmanager
+    def copies(self) -> Iterator[None]:
+        """Issue the copies in this block on the side stream (on the CPU: in place, synchronously)."""
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream())  # the values as the training stream left them
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def done(self) -> Any:
+        """A CUDA event after every copy issued so far (``None`` on the CPU, where they are done)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
 
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self._buffers[key] = torch.empty_like(t, device="cpu", memory_format=torch.contiguous_format)
-        buf.copy_(t)
+            buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        buf.copy_(t, non_blocking=t.is_cuda)
         return buf
 
     def copy_tree(self, key: str, obj: Any) -> Any:
@@ -89,6 +111,12 @@ class Capture:
     torch_files: dict[str, dict[str, Any]]  # relative path -> tensors (cloned)
     json_files: dict[str, dict[str, Any]]  # relative path -> JSON-able payload
     stall_seconds: float = 0.0
+    ready: Any = None  # a CUDA event once the device-to-host copies landed (None: they already have)
+
+    def wait(self) -> None:
+        """Block until the buffers hold the boundary's values (the writer calls this before reading)."""
+        if self.ready is not None:
+            self.ready.synchronize()
 
 
 class TrainState:
@@ -102,12 +130,17 @@ class TrainState:
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        set_determinism(spec.train.threads)
+        set_determinism(spec.train.threads, spec.train.allow_tf32)
         seed_all(spec.seed)
         model = job.model()
         if not isinstance(model, nn.Module):
             raise JobError(f"spotrun.Job(model=...) returned a {type(model).__name__}, not a torch.nn.Module")
         self.model = model.to(device)
+        # The module the step is given: the model, or (train.grad_sync=ddp, several ranks) torch's DDP
+        # around it, whose hooks average the gradients during backward. State is always the model's.
+        self.trained: nn.Module = self.model
+        if spec.train.grad_sync == "ddp" and world_size > 1:
+            self.trained = DistributedDataParallel(self.model, device_ids=None if device == "cpu" else [device])
         seed_all(rank_seed(spec.seed, rank))
         self.ema = EMA(self.model, job.ema_decay) if job.ema_decay is not None else None
         self.optimizer = job.optimizer(self.model)
@@ -123,7 +156,12 @@ class TrainState:
         self.planner = feed.planner(restore_mode)
         self.user = dict(job.state)
         self.rng = RngState()
-        self.host = HostBuffers()
+        self.host = HostBuffers(device)
+        # Copies of the last capture the training stream must let finish before it overwrites
+        # their sources (GPU only): the registered objects before the next step, the rest before
+        # the next optimizer step (see TrainLoop).
+        self.pending_user_copy: Any = None
+        self.pending_copy: Any = None
         # The planner runs ahead (prefetch); this is its state after the last *consumed*
         # update, set by the loop from the batch that carried it. It is what a bundle saves.
         self.planner_state: dict[str, Any] = self.planner.state_dict()
@@ -149,18 +187,18 @@ class TrainState:
         json_files: dict[str, dict[str, Any]] = {f"rank-{self.rank}/rng.json": self.rng.state_dict()}
         planner = dict(self.planner_state)
         stream = planner.pop("stream", None)
+        if self.user:  # first: the next step may change them, the next optimizer step the rest
+            with self.host.copies():
+                files[f"rank-{self.rank}/user.pt"] = {
+                    "version": STATE_VERSION,
+                    "objects": {n: self.host.copy_tree(f"user/{n}", o.state_dict()) for n, o in self.user.items()},
+                }
+            self.pending_user_copy = self.host.done()
         if self.rank == 0:
-            files["rank-0/model.pt"] = {
-                "version": STATE_VERSION,
-                "model": self.host.copy_tree("model", dict(self.model.state_dict())),
-                "ema": self.host.copy_tree("ema", self.ema.state_dict()) if self.ema is not None else {},
-            }
-            files["rank-0/optimizer.pt"] = {
-                **self.host.copy_tree("optimizer", named_state(self.optimizer, self.group_names)),
-                "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
-            }
-            if stream is not None:
-                files["rank-0/stream.pt"] = {"version": STATE_VERSION, "stream": self.host.copy_tree("stream", stream)}
+            with self.host.copies():
+                files.update(self._replicated())
+                if stream is not None:
+                    files["rank-0/stream.pt"] = {"version": STATE_VERSION, "stream": self.host.copy_tree("stream", stream)}
             json_files["rank-0/state.json"] = copy.deepcopy({
                 "version": STATE_VERSION,
                 "counters": self.counters.state_dict(),
@@ -168,12 +206,22 @@ class TrainState:
                 "planner": planner,
                 "train_mode": self.model.training,
             })
-        if self.user:
-            files[f"rank-{self.rank}/user.pt"] = {
+        self.pending_copy = self.host.done()
+        return Capture(self.counters.value.attempted_updates, self.rank, files, json_files, ready=self.pending_copy)
+
+    def _replicated(self) -> dict[str, dict[str, Any]]:
+        """The model, EMA, optimizer and scheduler: the same on every rank, so rank 0 writes them."""
+        return {
+            "rank-0/model.pt": {
                 "version": STATE_VERSION,
-                "objects": {n: self.host.copy_tree(f"user/{n}", o.state_dict()) for n, o in self.user.items()},
-            }
-        return Capture(self.counters.value.attempted_updates, self.rank, files, json_files)
+                "model": self.host.copy_tree("model", dict(self.model.state_dict())),
+                "ema": self.host.copy_tree("ema", self.ema.state_dict()) if self.ema is not None else {},
+            },
+            "rank-0/optimizer.pt": {
+                **self.host.copy_tree("optimizer", named_state(self.optimizer, self.group_names)),
+                "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
+            },
+        }
 
     # -- restore ---------------------------------------------------------------------
 
