@@ -67,3 +67,13 @@ def test_verify_catches_a_build_that_drops_a_category(tmp_path, category, sets):
     assert divergence is not None and divergence["update"] > 0
     if category == "shuffle_buffer":
         assert divergence["what"] == "occurrences" and "expected occurrence" in divergence["detail"]
+
+
+def test_three_gloo_ranks_stay_bitwise_across_restarts(tmp_path):
+    """With 3 ranks the order of a sum matters ((a + b) + c may differ from a + (b + c)): the flat
+    all-reduce must still give every update bitwise after restarts (DDP does not: bench section 5)."""
+    code, report, err = verify(tmp_path, "train.updates=15", "checkpoint.every_updates=3", "world.size=3",
+                               "train.micro_batch=2", "train.accum_steps=2", kills=3, where=())
+    assert code == 0, err
+    assert report["verdict"] == "pass" and report["observed_contract"] == "exact"
+    assert report["params_bitwise_equal"] is True and report["updates_compared"] == 15
