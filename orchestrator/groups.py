@@ -31,7 +31,15 @@ class RankLost(RuntimeError):
 
 
 class RankFailed(RuntimeError):
-    """Training code raised: the job fails with this message instead of restarting."""
+    """Training code raised: the job fails with this message instead of restarting.
+
+    ``collective`` marks an error raised inside a collective (gloo, NCCL): a dead or hung peer
+    causes those, so the group looks for one before it lets the job fail."""
+
+    def __init__(self, message: str, rank: int | None = None, collective: bool = False) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.collective = collective
 
 
 class CapacityUnavailable(RuntimeError):

@@ -6,11 +6,16 @@ that ``poll`` and ``request`` are served while ``run`` trains. The ranks form a
 rank 0's node. A lost actor is noticed from the first failed call: an
 ``ActorDiedError`` (process killed, node removed gracefully) or the first
 ``ActorUnavailableError`` (node unreachable), never Ray's ~15 s death timeout.
+A survivor whose collective fails because a peer died raises too, often before
+Ray reports the peer dead: such an error is blamed on the peer it points to (the
+job restarts), a collective that timed out with every peer answering is a
+``collective-timeout`` (a restart as well), and only any other error fails the job.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import time
@@ -32,6 +37,9 @@ from spotrun.trainer.spec import JobSpec
 from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost
 from spotrun.orchestrator.notices import ImdsWatcher, Notice, install_signal_notices
 
+# What a survivor's collective raises when a peer died or hung (gloo, NCCL, c10d).
+COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|c10d|Connection (closed|reset) by peer|[Tt]imed out")
+PEER_PROBE_S = 5.0  # long enough for Ray to report a SIGKILLed peer dead (well under a second here)
 POLL_TIMEOUT_S = 10.0  # a poll or request answers at once (threaded actor): longer means it hangs
 # Starting a rank (a Python process importing torch, then building the model and the data listing)
 # takes seconds, and many more on a loaded machine; a dead actor is reported at once anyway, so this
@@ -219,7 +227,8 @@ class RayGroup:
             cause = e.cause if getattr(e, "cause", None) is not None else e
             if isinstance(cause, (BundleError, ManifestError)):
                 raise cause from e  # the supervisor decides: fall back, or refuse the job
-            raise RankFailed(f"rank {rank} raised {type(cause).__name__}: {cause}") from e
+            raise RankFailed(f"rank {rank} raised {type(cause).__name__}: {cause}", rank,
+                             collective=bool(COLLECTIVE_ERROR.search(str(cause)))) from e
         except (RayActorError, GetTimeoutError) as e:
             # its creation task raised: a bug or bad input (an import that fails), not a lost machine
             if isinstance(e, RayActorError) and e.actor_init_failed:
@@ -248,14 +257,40 @@ class RayGroup:
 
     def poll(self) -> list[Report]:
         done, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
+        failure: RankFailed | None = None
         for rank, ref in enumerate(self._runs):
             if ref in done:
-                self._get(rank, ref)  # raises if the rank died or raised; returns if it finished
+                try:
+                    self._get(rank, ref)  # raises RankLost if the rank died; returns if it finished
+                except RankFailed as e:
+                    failure = failure or e  # a later rank's death may be the reason: look at all first
+        if failure is not None:
+            raise self._cause_of(failure)
         reports = []
         for report, notices in self._call([a.poll.remote() for a in self.actors]):
             reports.append(report)
             self.notices += notices
         return reports
+
+    def _cause_of(self, failure: RankFailed) -> RankFailed | RankLost:
+        """A rank whose collective failed did so because a peer died or hung: find that peer (the
+        job restarts); a collective that timed out with every peer answering is a collective-timeout
+        (a restart too). Any other error is the job's own and fails it."""
+        if not failure.collective:
+            return failure
+        for rank, actor in enumerate(self.actors):
+            if rank == failure.rank:
+                continue
+            try:
+                ray.get(actor.poll.remote(), timeout=PEER_PROBE_S)
+            except (RayActorError, GetTimeoutError) as e:
+                return self._lost(rank, e)
+            except RayTaskError:
+                continue
+        if re.search(r"[Tt]imed out", str(failure)):
+            node = self.node_ids[failure.rank] if failure.rank is not None else None
+            return RankLost(failure.rank, "collective-timeout", str(failure).splitlines()[0], node)
+        return failure
 
     def take_notices(self) -> list[Notice]:
         notices, self.notices = self.notices, []

@@ -83,3 +83,18 @@ def test_kill_during_background_write_is_never_restored(reference, tmp_path):
     assert all(not r.key.endswith("u0000000010-a1") for r in list_bundles(open_storage(spec.storage), "torn"))
     final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
     assert first_divergence(reference, list(final.values())) is None
+
+
+def test_a_rank_killed_while_its_peers_are_in_an_all_reduce_is_a_restart(tmp_path):
+    """3 ranks; rank 2 is SIGKILLed right before the gradient all-reduce, twice (attempts 1 and 2), so
+    ranks 0 and 1 are inside it when it dies. Their collective then fails with 'Connection reset by
+    peer', often before Ray reports rank 2 dead: that error is the loss's consequence, not a bug of
+    theirs, and the job must restart, not fail."""
+    faults = "faults=[{site: before_update, update: 6, rank: 2}, {site: before_update, update: 10, rank: 2, attempt: 2}]"
+    spec = make_spec(tmp_path, "world.size=3", "train.updates=12", "checkpoint.every_updates=4", "data.workers=1",
+                     "train.micro_batch=2", "train.accum_steps=2", faults, job_id="allreduce-kill")
+    outcome = run_on_ray(spec, trace_path=str(tmp_path / "t.jsonl"))
+    assert outcome.state == "finished" and outcome.restarts == 2
+    lost = [e for e in Ledger(open_storage(spec.storage), spec.job_id).read() if isinstance(e, WorkerLost)]
+    assert [(e.rank, e.cause) for e in lost] == [(2, "process-exit"), (2, "process-exit")]
+    assert sorted(latest_per_update(read_trace(tmp_path / "t.jsonl"))) == list(range(1, 13))
