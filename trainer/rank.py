@@ -25,6 +25,7 @@ from typing import Any
 from spotrun.trainer.bundle import BundleWriter, WriteResult, build_manifest, bundle_dir, load_bundle
 from spotrun.trainer.collective import Collective
 from spotrun.trainer.data.growth import GrowthRecords
+from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.metrics import MetricSink, metrics_dir, open_sinks, points_of
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import JobSpec
@@ -74,6 +75,7 @@ class RankRunner:
                                     record_ids=record_ids and rank == 0,
                                     digests=trace and rank == 0)  # only rank 0's records are reported
         self.session.state.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
+        self.session.faults.record_to(FaultLog(self.storage, spec.job_id))  # verify counts what fired
         self.writer = BundleWriter(self.storage, self.session.faults)
         # Rank 0 writes the metric points; each upserts by <job>/<update>/<name>.
         self.metrics: MetricSink = open_sinks(
