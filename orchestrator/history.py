@@ -142,7 +142,8 @@ def bundles(storage: Storage, job_id: str) -> list[dict[str, Any]]:
         if ref.published:
             try:
                 m = read_manifest(storage, ref.key)
-                row.update(bytes=m.total_bytes, stall_seconds=m.stall_seconds, write_seconds=m.write_seconds,
+                row.update(bytes=m.total_bytes, stall_seconds=m.stall_seconds, capture_seconds=m.capture_seconds,
+                           write_wait_seconds=m.write_wait_seconds, write_seconds=m.write_seconds,
                            cursor=m.data.cursor.model_dump(), recovery_label=m.recovery_label,
                            created_at=m.created_at.isoformat())
             except (ManifestError, BundleCorrupt, OSError) as e:  # e.g. retention removed it meanwhile
