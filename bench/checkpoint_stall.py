@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         results = run(QUICK if args.quick else FULL, folder)
     tabs, verdicts = tables(results)
     Section("1-checkpoint-stall", "1. Checkpoint stall and write throughput", INTRO, tabs, verdicts,
-            clock.seconds, results).emit(args.out)
+            clock.seconds, results, clock.measured).emit(args.out)
 
 
 if __name__ == "__main__":

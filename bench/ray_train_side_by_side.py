@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         results = run(QUICK if args.quick else FULL, folder)
     tabs, verdict_lines = tables(results)
     Section("4-ray-train-side-by-side", "4. Ray Train side by side", INTRO, tabs, verdict_lines, clock.seconds,
-            results).emit(args.out)
+            results, clock.measured).emit(args.out)
 
 
 if __name__ == "__main__":

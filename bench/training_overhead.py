@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         results = run(QUICK if args.quick else FULL, QUICK_EVERY if args.quick else EVERY, folder)
     tabs, summary = tables(results)
     Section("2-training-overhead", "2. Training overhead of checkpointing", INTRO, tabs, [], clock.seconds,
-            {"results": results, "summary": summary}).emit(args.out)
+            {"results": results, "summary": summary}, clock.measured).emit(args.out)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,11 @@ def test_bench_runs_in_quick_mode(tmp_path, module, extra):
     assert r.returncode == 0, r.stderr[-3000:]
     section = next(tmp_path.glob("*.json"))
     data = json.loads(section.read_text())
-    assert data["title"] and section.with_suffix(".md").read_text().startswith("## ")
-    assemble(tmp_path, tmp_path / "RESULTS.md", 1.0, [])
-    assert "| cores |" in (tmp_path / "RESULTS.md").read_text()
+    md = section.with_suffix(".md").read_text()
+    assert data["title"] and md.startswith(f"<!-- section: {section.stem} -->\n## ")
+    assert "_Measured " in md and " cores, " in md  # each section says when and on what it ran
+    assemble(tmp_path, tmp_path / "RESULTS.md", 1.0, [], ran=(section.stem,))
+    assert md in (tmp_path / "RESULTS.md").read_text()
 
 
 def _run(steps: list[tuple[int, int, float, list[str]]], killed_at=None, restarts=0, upsert=True) -> Run:
@@ -72,3 +74,58 @@ def test_side_by_side_verdicts_name_both_targets():
     assert "MET" in verdicts[0] and "NOT MET" not in verdicts[0]
     assert "MET" in verdicts[1] and "epoch-restart" in verdicts[1]
     assert len(tabs[0].rows) == len(ROWS)
+
+
+SECTION = """<!-- section: {name} -->
+## {title}
+
+Some {what} text.
+
+Targets:
+
+- {what} target: **MET** (42 %)
+
+_Measured {when}; this bench ran in 9 s._
+"""
+
+
+def _section(name: str, what: str, when: str) -> str:
+    return SECTION.format(name=name, title=name, what=what, when=when)
+
+
+def test_a_partial_run_keeps_the_other_sections_as_they_were(tmp_path):
+    """`python -m bench --only 2-training-overhead`: section 2 is new, every other section keeps its text
+    and its own date; the targets at a glance come from every section; a failed bench keeps its last
+    complete section, saying so."""
+    from bench.report import SECTIONS, assemble, sections_of
+
+    target = tmp_path / "RESULTS.md"
+    assemble_old = tmp_path / "old"
+    assemble_old.mkdir()
+    for name in SECTIONS:
+        (assemble_old / f"{name}.md").write_text(_section(name, f"old {name}", "2026-11-29"))
+    assemble(assemble_old, target, 300.0, [])
+    before = sections_of(target.read_text())
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "2-training-overhead.md").write_text(_section("2-training-overhead", "new", "2026-12-01"))
+    text = assemble(new, target, None, ["3-restart-cost"], ran=("2-training-overhead", "3-restart-cost"))
+    after = sections_of(text)
+    assert after["1-checkpoint-stall"] == before["1-checkpoint-stall"]
+    assert after["4-ray-train-side-by-side"] == before["4-ray-train-side-by-side"]
+    assert "2026-12-01" in after["2-training-overhead"] and "2026-11-29" not in after["2-training-overhead"]
+    assert "did not complete in the latest run" in after["3-restart-cost"]
+    assert "2026-11-29" in after["3-restart-cost"]
+    assert "- new target: **MET** (42 %)" in text and "- old 1-checkpoint-stall target" in text
+    assert "The last full `make bench` took 5.0 min." in text  # from the full run, not this partial one
+
+
+def test_the_readme_quotes_only_what_results_holds():
+    """The README's block is what `make bench` writes from the committed bench/RESULTS.md, and no
+    percentage or ratio elsewhere in its Performance section is missing from RESULTS.md."""
+    from bench.readme import BEGIN, END, block, figures_missing
+
+    readme, results = (ROOT / "README.md").read_text(), (ROOT / "bench/RESULTS.md").read_text()
+    assert readme[readme.index(BEGIN):readme.index(END) + len(END)] == block(results)
+    assert figures_missing(readme, results) == []
+    assert figures_missing(readme.replace(END, END + "\nspotrun is 2,400× faster."), results) == ["2,400×"]
