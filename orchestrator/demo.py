@@ -27,9 +27,10 @@ from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import UpdateRecord, latest_per_update, read_trace
 
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger
+from spotrun.orchestrator.specfile import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
-UPDATES = 80  # configs/demo.yaml's train.updates
+CONFIG = ROOT / "configs/demo.yaml"
 console = Console()
 
 
@@ -45,7 +46,7 @@ def wait_until(predicate, proc: subprocess.Popen, what: str, timeout: float = 30
 
 
 def run_cmd(runs: Path, job: str, trace: Path, address: str) -> list[str]:
-    return [sys.executable, "-m", "spotrun", "run", str(ROOT / "configs/demo.yaml"), "--job-id", job,
+    return [sys.executable, "-m", "spotrun", "run", str(CONFIG), "--job-id", job,
             "--trace", str(trace), "--address", address, "--set", f"storage=file://{runs}",
             "--set", f"data.shards={ROOT / 'configs/data/tiny'}"]
 
@@ -65,9 +66,9 @@ def kill_ranks(cmd: list[str], ledger: Ledger, trace: Path, kills: list[int], rn
     return proc.wait()
 
 
-def differences(reference: dict[int, UpdateRecord], final: dict[int, UpdateRecord]) -> list[str]:
+def differences(reference: dict[int, UpdateRecord], final: dict[int, UpdateRecord], updates: int) -> list[str]:
     """Every way the interrupted run's final updates differ from the reference's (empty: none)."""
-    out = [f"update {u} is missing" for u in range(1, UPDATES + 1) if u not in final]
+    out = [f"update {u} is missing" for u in range(1, updates + 1) if u not in final]
     out += [f"update {u} is not in the reference" for u in sorted(set(final) - set(reference))]
     for u in sorted(set(final) & set(reference)):
         r, f = reference[u], final[u]
@@ -82,6 +83,7 @@ def main() -> int:
     import ray
 
     runs = ROOT / "runs-demo"
+    updates = load_spec(CONFIG, [], "demo").train.updates
     job = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     trace, ref_trace = runs / f"{job}.trace.jsonl", runs / f"{job}-reference.trace.jsonl"
     runs.mkdir(exist_ok=True)
@@ -91,7 +93,7 @@ def main() -> int:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     try:
         address = ray.get_runtime_context().gcs_address
-        console.rule(f"[bold]spotrun demo: the reference {job}-reference, 2 ranks, {UPDATES} updates, uninterrupted")
+        console.rule(f"[bold]spotrun demo: the reference {job}-reference, 2 ranks, {updates} updates, uninterrupted")
         subprocess.run(run_cmd(runs, f"{job}-reference", ref_trace, address), cwd=ROOT, check=True)
         console.rule(f"[bold]{job}: the same job; SIGKILL a rank after updates {kills}")
         code = kill_ranks(run_cmd(runs, job, trace, address), Ledger(open_storage(f"file://{runs}"), job), trace,
@@ -104,12 +106,12 @@ def main() -> int:
                    cwd=ROOT, check=True)
     written = read_trace(trace)
     final = latest_per_update(written)
-    wrong = differences(latest_per_update(read_trace(ref_trace)), final)
+    wrong = differences(latest_per_update(read_trace(ref_trace)), final, updates)
     console.print(f"trace: {len(final)} distinct updates, {len(written) - len(final)} replayed after the kills")
     if wrong:
         console.print(f"[red]NOT EXACT[/]: {len(wrong)} difference(s) from the reference: " + "; ".join(wrong[:5]))
         return 1
-    console.print(f"[green]EXACT[/]: all {UPDATES} updates present once in the final run, each with the same "
+    console.print(f"[green]EXACT[/]: all {updates} updates present once in the final run, each with the same "
                   "occurrences and bitwise-equal parameters as the uninterrupted reference")
     return 0
 
