@@ -52,7 +52,7 @@ def test_single_process_chaos(tmp_path):
     code, report, err = verify(tmp_path, "train.updates=40", "checkpoint.every_updates=3", kills=10)
     assert code == 0, err
     assert report["verdict"] == "pass" and report["params_bitwise_equal"] is True
-    assert report["faults_delivered"] == report["faults_planned"] == 10
+    assert report["faults_delivered"] == report["faults_planned"] == 10 and report["restores_from_bundle"] > 0
     assert report["kills_injected"] + report["notices_injected"] == 10
     assert "node-removed" in report["fault_sites_not_applicable"]
     assert report["occurrence_gaps"] == report["occurrence_duplicates"] == report["metric_duplicates"] == 0
@@ -67,6 +67,7 @@ def test_single_process_chaos(tmp_path):
 def test_verify_catches_a_build_that_drops_a_category(tmp_path, category, sets):
     code, report, err = verify(tmp_path, "train.updates=24", "checkpoint.every_updates=4", *sets, kills=3,
                                env={"SPOTRUN_DROP_STATE": category})
+    assert report["restores_from_bundle"] > 0, "no restart restored a bundle: the dropped category was never lost"
     assert code == 1, err
     assert report["verdict"] == "fail" and any("weaker than the declared exact" in f for f in report["failures"])
     assert any(m.endswith(category) for m in report["restore_oracle"]), report["restore_oracle"]

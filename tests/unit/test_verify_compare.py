@@ -74,7 +74,7 @@ def test_the_untouched_pair_passes_and_counts_what_replays_wrote_twice(runs):
     # attempt 1 wrote updates 1..5 (killed inside 6); attempt 2 wrote again everything after the
     # bundle it restored (none yet published: everything): 3 names per update
     [restart] = history(open_storage(f"file://{runs / 'runs'}"), "chaos")["restarts"]
-    assert report.restarts == 1
+    assert report.restarts == 1 and report.restores_from_bundle == (restart["restored_from"] is not None)
     assert report.metric_duplicates_written == 3 * (5 - restart["restored_update"]) > 0
     assert report.metric_writes == 3 * 8 + report.metric_duplicates_written
 
