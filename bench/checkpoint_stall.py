@@ -35,9 +35,8 @@ from bench.synthetic import layers_for
 from bench.tables import ROOT, Section, Stopwatch, Table, cli, median, mib, pct, ratio, work_folder
 from spotrun.orchestrator.specfile import load_spec
 from spotrun.trainer.bundle import BundleWriter, serialise
-from spotrun.trainer.data.listing import scan
-from spotrun.trainer.data.tokenizer import CharTokenizer
 from spotrun.trainer.faults import FaultInjector
+from spotrun.trainer.session import TrainSession
 from spotrun.trainer.state import Capture, TrainState
 from spotrun.trainer.storage import LocalStorage, Storage
 
@@ -66,7 +65,7 @@ def build_state(size: Size, root: Path) -> TrainState:
         f"storage=file://{root}", f"data.shards={ROOT / 'configs/data/tiny'}", "model.kind=factory",
         "model.factory=bench.synthetic:linear_stack", f"model.n_embd={size.n_embd}",
         f"model.n_layer={layers_for(int(size.state_bytes), size.n_embd)}"], "stall")
-    state = TrainState(spec, scan(spec.data.shards), CharTokenizer(spec.data.vocab))
+    state = TrainSession(spec).state
     for p in state.model.parameters():  # one step allocates AdamW's moments, as in a job past update 1
         p.grad = torch.zeros_like(p)
     state.optimizer.step()

@@ -100,8 +100,8 @@ class Worker:
         import ray.train
         import ray.train.torch
 
-        from spotrun.trainer.model import build_model
-        from spotrun.trainer.spec import ModelSpec
+        from spotrun import ModelSpec
+        from spotrun.recipes.char_models import build_network
 
         self.c = config
         ctx = ray.train.get_context()
@@ -113,7 +113,7 @@ class Worker:
         torch.manual_seed(config["seed"])
         dataset = ChunkDataset(config["shards"], config["vocab"], config["seq_len"])
         self.vocab_size = dataset.tokenizer.size
-        model = build_model(ModelSpec(**config["model"]), self.vocab_size, config["seq_len"])
+        model = build_network(ModelSpec(**config["model"]), self.vocab_size, config["seq_len"])
         self.model = ray.train.torch.prepare_model(model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=config["lr"])
         loader = DataLoader(dataset, batch_size=config["micro_batch"], shuffle=True,

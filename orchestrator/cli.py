@@ -20,6 +20,7 @@ from spotrun.trainer.bundle import BundleError, load_bundle
 from spotrun.trainer.manifest import ManifestError
 from spotrun.trainer.storage import StorageError, UnsafeKeyError, open_storage
 
+from spotrun.orchestrator.groups import RankFailed
 from spotrun.orchestrator.specfile import SpecError, load_spec
 from spotrun.orchestrator.supervisor import JobFailedError
 
@@ -59,7 +60,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     reset = tuple(r for r in (a.reset or "").split(",") if r)
     if reset and not init_from:
         raise SpecError("--reset applies to --init-from BUNDLE_URI only")
-    kw = dict(trace_path=a.trace, record_ids=a.trace_ids, init_from=init_from, reset=reset)
+    kw = dict(trace_path=a.trace, record_ids=a.trace_ids, init_from=init_from, reset=reset,
+              drop=getattr(a, "drop", ()))  # set only by spotrun.orchestrator.mutant (verify --mutate)
     outcome = run_in_process(spec, **kw) if a.no_ray else run_on_ray(spec, address=a.address, **kw)
     if outcome.state == "stopped":
         err.print(f"spotrun run: {escape(outcome.reason)}", highlight=False, soft_wrap=True)
@@ -173,7 +175,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="spotrun-verify-"))
     verifier = Verifier(a.config, a.set, kills=a.kills, seed=a.seed, no_ray=a.no_ray, workdir=workdir,
-                        load=lambda path, overrides: load_spec(path, overrides, a.job_id), nodes=a.nodes)
+                        load=lambda path, overrides: load_spec(path, overrides, a.job_id), nodes=a.nodes,
+                        mutate=tuple(c for c in (a.mutate or "").split(",") if c))
     report = verifier.run()
     if a.json:
         _out(dataclasses.asdict(report))
@@ -257,6 +260,9 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--no-ray", action="store_true", help="world size 1 in this process, without Ray")
     f.add_argument("--nodes", type=int, default=0,
                    help="run on a local cluster of this many nodes and remove nodes too (one rank per node)")
+    f.add_argument("--mutate", metavar="CATEGORIES",
+                   help="prove the proof: a deliberately broken chaos run whose restores lose these state "
+                        "categories (docs/STATE.md; state:NAME for a registered object); verify must fail")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_verify)
 
@@ -277,10 +283,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
+    return run_parsed(parser().parse_args(argv))
+
+
+def run_parsed(a: argparse.Namespace) -> int:
+    """Run a parsed command line; a refused contract is one paragraph on stderr and exit 2."""
     try:
         return a.func(a)
-    except (SpecError, BundleError, ManifestError, StorageError, UnsafeKeyError, JobFailedError, ValueError) as e:
+    except (SpecError, BundleError, ManifestError, StorageError, UnsafeKeyError, JobFailedError, RankFailed,
+            ValueError) as e:
         err.print(f"[red]spotrun {a.command}: {escape(str(e))}[/]", highlight=False, soft_wrap=True)
         return 2
 

@@ -14,6 +14,7 @@ import threading
 from typing import Protocol
 
 from spotrun.trainer.collective import LocalCollective
+from spotrun.trainer.device import gpu_facts, rank_device
 from spotrun.trainer.rank import RankRunner, Report
 from spotrun.trainer.spec import JobSpec
 
@@ -40,6 +41,7 @@ class CapacityUnavailable(RuntimeError):
 class WorkerGroup(Protocol):
     world_size: int
     node_ids: list[str]
+    gpus: list[str | None]  # each rank's GPU model (None: CPU)
 
     def restore(self, bundle_key: str, storage_uri: str | None = None,
                 reset: tuple[str, ...] = ()) -> tuple[float, list[str]]:
@@ -72,9 +74,14 @@ class InProcessGroup:
                  trace: bool = True) -> None:
         self.world_size = 1
         self.node_ids = ["local"]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        assigned = ["0"] if visible is None and spec.world.num_gpus_per_rank else [g for g in (visible or "").split(",") if g]
+        device = rank_device(spec.world.num_gpus_per_rank, assigned, "local")  # DeviceError: exit 2
+        self.gpus = [gpu_facts(device)["gpu"]]
         self.runner = RankRunner(spec, rank=0, world_size=1, attempt=attempt, lineage_id=lineage_id,
                                  recovery_label=recovery_label, collective=LocalCollective(),
-                                 restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace)
+                                 restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace,
+                                 device=device)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 

@@ -2,44 +2,53 @@
 
 ``spotrun run`` resumes from the newest published bundle of the job when one
 exists and starts fresh otherwise; the same command continues a killed job.
+Before anything is placed, the job's entrypoint is imported here, so one that
+cannot be imported is refused at once (the ranks import it the same way: the
+working directory is on their path).
+
+``drop`` builds a deliberately broken job whose restores lose the named state
+categories; only ``spotrun verify --mutate`` asks for one (through
+:mod:`spotrun.orchestrator.mutant`), never ``spotrun run``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
+from spotrun.trainer.job import entrypoint_of, load_entrypoint
 from spotrun.trainer.spec import JobSpec
 
 from spotrun.orchestrator.groups import InProcessGroup
 from spotrun.orchestrator.supervisor import Outcome, Supervisor
 
 log = logging.getLogger("spotrun")
-MUTANT_ENV = "SPOTRUN_DROP_STATE"
 
 
-def mutant_drop() -> tuple[str, ...]:
-    """A deliberately broken build, for proving that ``spotrun verify`` catches one: the state
-    categories named in $SPOTRUN_DROP_STATE (comma-separated) are dropped after every restore."""
-    drop = tuple(d for d in os.environ.get(MUTANT_ENV, "").split(",") if d)
-    if drop:
-        log.warning("%s=%s: restores will drop these state categories on purpose", MUTANT_ENV, ",".join(drop))
-    return drop
+def check_entrypoint(spec: JobSpec) -> None:
+    """Import the job's entrypoint in this process (a :class:`JobError` says why it cannot be). The
+    working directory comes first on the path, as for ``python -m``: ranks inherit this path."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    load_entrypoint(entrypoint_of(spec))
 
 
 def run_in_process(spec: JobSpec, *, trace_path: str | None = None, record_ids: bool = False,
-                   init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = ()) -> Outcome:
+                   init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = (),
+                   drop: tuple[str, ...] = ()) -> Outcome:
     """World size 1 without Ray: the rank trains on a thread of this process."""
     return in_process_supervisor(spec, trace_path=trace_path, record_ids=record_ids, init_from=init_from,
-                                 reset=reset).run()
+                                 reset=reset, drop=drop).run()
 
 
 def in_process_supervisor(spec: JobSpec, *, trace_path: str | None = None, record_ids: bool = False,
-                          init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = ()) -> Supervisor:
+                          init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = (),
+                          drop: tuple[str, ...] = ()) -> Supervisor:
     if spec.world.size != 1:
         raise ValueError(f"running without Ray needs world.size=1 (the spec asks for {spec.world.size})")
-
-    drop = mutant_drop()
+    check_entrypoint(spec)
 
     def make_group(size, attempt, lineage, label, mode):
         return InProcessGroup(spec, attempt=attempt, lineage_id=lineage, recovery_label=label,
@@ -67,12 +76,11 @@ def ensure_ray(spec: JobSpec, address: str | None) -> None:
 
 def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | None = None,
                record_ids: bool = False, init_from: tuple[str, str] | None = None,
-               reset: tuple[str, ...] = ()) -> Outcome:
-    from spotrun.orchestrator.raygroup import RayGroup, rank_bundle, available_rank_slots, room_for_more_ranks
+               reset: tuple[str, ...] = (), drop: tuple[str, ...] = ()) -> Outcome:
+    from spotrun.orchestrator.raygroup import RayGroup, available_rank_slots, rank_bundle, room_for_more_ranks
 
+    check_entrypoint(spec)
     ensure_ray(spec, address)
-
-    drop = mutant_drop()
 
     def make_group(size, attempt, lineage, label, mode):
         return RayGroup(spec, size, attempt=attempt, lineage_id=lineage, recovery_label=label, restore_mode=mode,

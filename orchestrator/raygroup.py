@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spotrun.trainer.bundle import BundleError
 from spotrun.trainer.collective import LocalCollective, TorchCollective
+from spotrun.trainer.device import gpu_facts, rank_device
 from spotrun.trainer.manifest import ManifestError
 from spotrun.trainer.rank import RankRunner, Report
 from spotrun.trainer.spec import JobSpec
@@ -72,24 +73,30 @@ class RankActor:
 
     def setup(self, spec_json: str, rank: int, world_size: int, init_method: str, attempt: int,
               lineage_id: str, recovery_label: str, restore_mode: str | None, drop: tuple[str, ...],
-              record_ids: bool, trace: bool) -> dict[str, float]:
-        """Returns where the time went: forming the process group, then building the rank."""
+              record_ids: bool, trace: bool) -> dict[str, Any]:
+        """Pick the device (refusing a GPU this torch cannot see), form the process group, build the
+        rank. Returns the device, its GPU model, and where the time went."""
         t0 = time.perf_counter()
         spec = JobSpec.model_validate_json(spec_json)
         self.rank, self.grace_s = rank, spec.preemption.grace_s
+        assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+        device = rank_device(spec.world.num_gpus_per_rank, assigned, self.node_id)  # DeviceError: exit 2
         if spec.preemption.imds_url:
             self._imds = ImdsWatcher(spec.preemption.imds_url, spec.preemption.imds_poll_s, self.node_id, rank,
                                      self._on_notice).start()
         if world_size > 1:
-            backend = "nccl" if spec.world.num_gpus_per_rank else "gloo"
-            self.collective = TorchCollective(init_method, rank, world_size, backend, spec.world.collective_timeout_s)
+            backend = "gloo" if device == "cpu" else "nccl"
+            self.collective = TorchCollective(init_method, rank, world_size, backend, spec.world.collective_timeout_s,
+                                              device)
         else:
             self.collective = LocalCollective()
         t1 = time.perf_counter()
         self.runner = RankRunner(spec, rank=rank, world_size=world_size, attempt=attempt, lineage_id=lineage_id,
                                  recovery_label=recovery_label, collective=self.collective,
-                                 restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace)
-        return {"process_group_seconds": t1 - t0, "rank_setup_seconds": time.perf_counter() - t1}
+                                 restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace,
+                                 device=device)
+        return {"process_group_seconds": t1 - t0, "rank_setup_seconds": time.perf_counter() - t1,
+                "device": device, "gpu": gpu_facts(device)["gpu"]}
 
     def restore(self, bundle_key: str, storage_uri: str | None, reset: tuple[str, ...]) -> tuple[float, list[str]]:
         return self.runner.restore(bundle_key, storage_uri=storage_uri, reset=reset)
@@ -194,6 +201,7 @@ class RayGroup:
         setups = self._call([a.setup.remote(spec_json, r, world_size, init_method, attempt, lineage_id,
                                             recovery_label, restore_mode, drop, record_ids, trace)
                              for r, a in enumerate(self.actors)], timeout=STARTUP_TIMEOUT_S)
+        self.gpus = [s_["gpu"] for s_ in setups]  # each rank's GPU model (None: CPU)
         # Recorded in AttemptStarted: where this attempt's start-up time went (slowest rank for each part).
         self.timings = {"placement_seconds": round(placement, 4)}
         for k in ("process_group_seconds", "rank_setup_seconds"):

@@ -16,14 +16,16 @@ exactly as a rerun of ``spotrun run`` does.
 What travels, and what does not
     The spec travels inline, validated, with every ``--set`` applied: the head
     needs no copy of the file, so a laptop can submit through a forwarded
-    dashboard port. Nothing else is uploaded: no ``working_dir``, no
-    ``py_modules``, no ``runtime_env`` at all. spotrun and its dependencies
-    must already be installed on every node (the ranks import ``trainer`` and
-    ``orchestrator`` in their own workers anyway, so the cluster image has to
-    carry them), and ``python`` on the head's ``PATH`` must be that
+    dashboard port. A job with its own entrypoint (``job.entrypoint``) also
+    ships this command's working directory as Ray's ``runtime_env``
+    ``working_dir`` (without ``.git``, virtual environments, caches and run
+    outputs, see :data:`EXCLUDES`), so the entrypoint imports on the driver and
+    on every rank; it is imported here first, so one that cannot be is refused
+    before anything is submitted. The built-in job ships nothing. spotrun and
+    its dependencies must already be installed on every node (the cluster image
+    carries them), and ``python`` on the head's ``PATH`` must be that
     environment's interpreter (activate the environment before ``ray start``,
-    or use an image whose ``python`` is it). Uploading the repository would
-    only add seconds and a second, possibly different, copy of the code.
+    or use an image whose ``python`` is it).
 
     What the spec points at must be reachable from the cluster: ``s3://`` data
     and storage from anywhere; local paths (``data.shards``, a ``file://``
@@ -79,6 +81,22 @@ TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 _AUTH_HELP = ("the cluster uses token authentication: make its token available to this command as "
               "RAY_AUTH_TOKEN, in the file named by RAY_AUTH_TOKEN_PATH, or in ~/.ray/auth_token "
               "(RAY_AUTH_MODE, when set, must be 'token')")
+
+
+# What a user job's working directory is shipped without: version control, environments, caches, and
+# what runs write (bundles and metrics go to the job's storage, not back to the cluster).
+EXCLUDES = [".git", ".venv", "venv", "env", "__pycache__", "*.pyc", ".pytest_cache", ".mypy_cache",
+            ".ruff_cache", "*.egg-info", "node_modules", "runs", "runs-*", "spotrun-metrics"]
+
+
+def runtime_env(spec: JobSpec) -> dict[str, Any] | None:
+    """The working directory for a job with its own entrypoint (checked importable here); None otherwise."""
+    if spec.job is None:
+        return None
+    from spotrun.orchestrator.launch import check_entrypoint
+
+    check_entrypoint(spec)  # a JobError (exit 2) before anything is uploaded
+    return {"working_dir": str(Path.cwd()), "excludes": EXCLUDES}
 
 
 class SubmitError(ValueError):
@@ -167,10 +185,12 @@ def submit(spec_path: str | Path, overrides: list[str] = (), job_id: str | None 
         raise SubmitError("submit needs the cluster's dashboard address: --address http://HEAD:8265")
     spec = load_spec(spec_path, list(overrides), job_id)  # SpecError (a ValueError) before any network
     command = entrypoint(spec)
+    env = runtime_env(spec)
 
     client = connect(address)
     try:
-        submission_id = client.submit_job(entrypoint=command, metadata={"spotrun_job_id": spec.job_id})
+        submission_id = client.submit_job(entrypoint=command, runtime_env=env,
+                                          metadata={"spotrun_job_id": spec.job_id})
     except Exception as e:
         raise _explain(address, e) from e
     err.write(f"submitted {spec.job_id} to {address} as Ray job {submission_id}\n")
@@ -201,4 +221,4 @@ def submit(spec_path: str | Path, overrides: list[str] = (), job_id: str | None 
     return code
 
 
-__all__ = ["SubmitError", "connect", "entrypoint", "follow", "submit"]
+__all__ = ["EXCLUDES", "SubmitError", "connect", "entrypoint", "follow", "runtime_env", "submit"]

@@ -277,7 +277,7 @@ class Supervisor:
             log.info("placement failed: %s", e)
             return Placing(st.cause, st.last_update, st.world_before,
                            st.waited_s + max(self.clock() - t0, CAPACITY_POLL_S), below=size - 1)
-        except RankFailed as e:
+        except (RankFailed, ValueError) as e:  # a rank could not be built: a bug or bad input (JobError, ...)
             return Failed(str(e), e)
         except RankLost as e:
             # A rank (or its node) was lost while the attempt started: nothing ran, so place again,
@@ -333,6 +333,8 @@ class Supervisor:
         manifest = read_manifest(self.storage, key)
         update = manifest.counters.attempted_updates
         lost = None if st.last_update is None else max(0, st.last_update - update)
+        if label == "exact" and any(g != manifest.versions.gpu for g in getattr(group, "gpus", [])):
+            label = "exact-data"  # elastic on another device model (strict refuses that restore)
         self.ledger.append(Restored(
             attempt=self.attempts, bundle=key, update=update, recovery_label=label,
             policy=self.spec.world.policy, restore_mode=policy.restore_mode(self.spec),

@@ -26,6 +26,7 @@ planned fault site was hit. ``failures`` says which did not hold.
 
 from __future__ import annotations
 
+import bisect
 import json
 import random
 import shutil
@@ -113,6 +114,7 @@ class Report:
     reference_job: str
     chaos_job: str
     faults: list[dict[str, Any]] = field(default_factory=list)
+    mutated: list[str] = field(default_factory=list)  # a deliberately broken build lost these at every restore
 
 
 @dataclass(frozen=True)
@@ -169,8 +171,9 @@ def plan_faults(spec: JobSpec, kills: int, seed: int,
 
 class Verifier:
     def __init__(self, config: str, overrides: list[str], *, kills: int, seed: int, no_ray: bool,
-                 workdir: Path, load, nodes: int = 0) -> None:
+                 workdir: Path, load, nodes: int = 0, mutate: tuple[str, ...] = ()) -> None:
         self.config, self.overrides = config, list(overrides)
+        self.mutate = mutate  # a deliberately broken chaos run: its restores lose these categories
         self.kills, self.seed, self.no_ray = kills, seed, no_ray
         self.nodes = nodes  # > 0: run on a local multi-node cluster and remove nodes too
         self.cluster = None
@@ -184,8 +187,9 @@ class Verifier:
             spec = load(config, self.overrides)
         self.spec = spec
 
-    def _cmd(self, job: str, trace: Path, extra: list[str]) -> list[str]:
-        cmd = [sys.executable, "-m", "spotrun", "run", self.config, "--job-id", job, "--trace", str(trace),
+    def _cmd(self, job: str, trace: Path, extra: list[str], drop: tuple[str, ...] = ()) -> list[str]:
+        build = ["spotrun.orchestrator.mutant", "--drop", ",".join(drop)] if drop else ["spotrun"]
+        cmd = [sys.executable, "-m", *build, "run", self.config, "--job-id", job, "--trace", str(trace),
                "--trace-ids"]
         for s in [*self.overrides, *extra]:
             cmd += ["--set", s]
@@ -194,7 +198,7 @@ class Verifier:
         return [*cmd, "--no-ray"] if self.no_ray else cmd
 
     def _run(self, job: str, trace: Path, extra: list[str], max_runs: int,
-             removals: list[NodeRemoval] = ()) -> int:
+             removals: list[NodeRemoval] = (), drop: tuple[str, ...] = ()) -> int:
         """Run (and rerun after a driver death) until the job ends; returns how many runs it took.
         Meanwhile remove the planned nodes (and add a fresh one each time: capacity comes back)."""
         storage = open_storage(self.spec.storage, self.spec.storage_endpoint_url)
@@ -207,7 +211,7 @@ class Verifier:
             # stderr to a file, not a pipe: nobody reads a pipe while the job runs, and a driver that
             # outlives many restarts could fill it and block
             with tempfile.TemporaryFile("w+") as log:
-                proc = subprocess.Popen(self._cmd(job, trace, extra), stdout=subprocess.DEVNULL, stderr=log)
+                proc = subprocess.Popen(self._cmd(job, trace, extra, drop), stdout=subprocess.DEVNULL, stderr=log)
                 while proc.poll() is None:
                     if pending and self._remove_if_due(storage, job, trace, pending[0]):
                         pending.pop(0)
@@ -244,7 +248,8 @@ class Verifier:
             self._start_cluster()
         try:
             self._run(ref_job, ref_trace, [], max_runs=1)
-            self._run(chaos_job, chaos_trace, [fault_set], max_runs=len(faults) + 2, removals=removals)
+            self._run(chaos_job, chaos_trace, [fault_set], max_runs=len(faults) + 2, removals=removals,
+                      drop=self.mutate)
         finally:
             if self.cluster is not None:
                 self.cluster.shutdown()
@@ -312,6 +317,7 @@ class Verifier:
             first_divergence=None if divergence is None else divergence.__dict__,
             reference_job=ref_job, chaos_job=chaos_job,
             faults=[f.model_dump() for f in faults],
+            mutated=list(self.mutate),
         )
 
     def _first_divergence(self, ref: dict[int, UpdateRecord], chaos: dict[int, UpdateRecord], storage,
@@ -329,15 +335,11 @@ class Verifier:
     def _where_occurrences_differ(self, r: UpdateRecord, c: UpdateRecord) -> str:
         """The first differing occurrence, with the rank and microstep that trained on it."""
         spec = self.spec
-        seq_len = spec.data.seq_len + 1
-        tokens = 0
         for i, (a, b) in enumerate(zip(r.occurrences, c.occurrences)):
             if a != b:
-                seq = tokens // seq_len
+                seq = bisect.bisect_right(r.sequence_starts or [0], i) - 1
                 rank, micro = locate(seq, spec.world.size, spec.train.micro_batch)
                 return f"rank {rank}, microstep {micro}: expected occurrence {a}, got {b}"
-            start, end = (int(x) for x in a.rsplit("[", 1)[1].rstrip("]").split(":"))
-            tokens += end - start
         return f"expected {len(r.occurrences)} occurrence spans, got {len(c.occurrences)}"
 
     def _metrics(self, storage: Storage, ref_job: str, chaos_job: str, tolerance: float | None) -> MetricComparison:
@@ -387,6 +389,11 @@ def render(report: Report, console) -> None:
     from rich.table import Table
 
     ok = report.verdict == "pass"
+    if report.mutated:
+        lost = ", ".join(report.mutated)
+        console.print(f"[bold]mutant build[/]: every restore of the chaos run lost {lost} on purpose: "
+                      + ("verify caught it (the FAIL below is the expected outcome)" if not ok else
+                         "[bold red]not caught[/]: losing it had no observable effect on this job's updates"))
     console.print(f"[bold]{'PASS' if ok else 'FAIL'}[/]: declared contract [bold]{report.declared_contract}[/], "
                   f"observed [bold]{report.observed_contract}[/] ({report.faults_delivered} of "
                   f"{report.faults_planned} planned faults delivered, {report.restarts} restarts, "

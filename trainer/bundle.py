@@ -31,11 +31,14 @@ import torchdata
 
 from spotrun.trainer import __version__ as spotrun_version
 from spotrun.trainer.counters import LOOP_CONVENTION
-from spotrun.trainer.data.listing import Listing, ShardInfo, changed_shards, version_of
-from spotrun.trainer.data.tokenizer import CharTokenizer
+from spotrun.trainer.data.feed import TokenFeed
+from spotrun.trainer.data.listing import ShardInfo, changed_shards, version_of
+from spotrun.trainer.device import gpu_facts
+from spotrun.trainer.job import check_weights_only, code_fingerprint, entrypoint_of
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.manifest import (
     SCHEMA_VERSION,
+    CodeInfo,
     DataInfo,
     FileEntry,
     Manifest,
@@ -111,15 +114,19 @@ class Description:
 
     job_id: str
     spec_compat: dict[str, Any]
+    code: CodeInfo
     model: ModelInfo
     optimizer: OptimizerInfo
+    data_kind: str
     dataset_version: str
     tokenizer_version: str
-    shards: tuple[ShardInfo, ...]  # the source as listed when the job started
+    shards: tuple[ShardInfo, ...]  # token data: the source as listed when the job started
+    policy: str  # world.policy: strict restores only on the GPU model that wrote the bundle
+    gpu: str | None  # this rank's GPU model (None: CPU)
 
 
-def describe(state: TrainState, listing: Listing, tokenizer: CharTokenizer) -> Description:
-    spec = state.spec
+def describe(state: TrainState) -> Description:
+    spec, feed = state.spec, state.feed
     params = tuple(
         TensorInfo(name=k, shape=tuple(v.shape), dtype=str(v.dtype).removeprefix("torch."))
         for k, v in state.model.state_dict().items()
@@ -128,14 +135,19 @@ def describe(state: TrainState, listing: Listing, tokenizer: CharTokenizer) -> D
         {**{k: v for k, v in g.items() if k != "params"}, "params": names}
         for g, names in zip(state.optimizer.param_groups, state.group_names, strict=True)
     )
+    kind = spec.model.kind if spec.job is None else type(state.model).__qualname__
     return Description(
         job_id=spec.job_id,
         spec_compat=spec.compat_view(),
-        model=ModelInfo(kind=spec.model.kind, config_hash=spec.model_config_hash(), params=params),
+        code=CodeInfo(entrypoint=entrypoint_of(spec), fingerprint=code_fingerprint(spec)),
+        model=ModelInfo(kind=kind, config_hash=spec.model_config_hash(), params=params),
         optimizer=OptimizerInfo(type=type(state.optimizer).__name__, groups=_jsonable(groups)),
-        dataset_version=listing.version,
-        tokenizer_version=tokenizer.version,
-        shards=tuple(listing.infos()),
+        data_kind=feed.kind,
+        dataset_version=feed.dataset_version,
+        tokenizer_version=feed.tokenizer_version,
+        shards=tuple(feed.listing.infos()) if isinstance(feed, TokenFeed) else (),
+        policy=spec.world.policy,
+        gpu=gpu_facts(state.device)["gpu"],
     )
 
 
@@ -143,9 +155,10 @@ def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=float))
 
 
-def versions() -> Versions:
+def versions(device: str = "cpu") -> Versions:
     return Versions(python=platform.python_version(), torch=torch.__version__,
-                    torchdata=torchdata.__version__, numpy=np.__version__, spotrun=spotrun_version)
+                    torchdata=torchdata.__version__, numpy=np.__version__, spotrun=spotrun_version,
+                    **gpu_facts(device))
 
 
 def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lineage_id: str,
@@ -167,17 +180,20 @@ def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lin
         deterministic=torch.are_deterministic_algorithms_enabled(),
         spec_compat=desc.spec_compat,
         spec=spec.model_dump(mode="json"),
+        code=desc.code,
         model=desc.model,
         optimizer=desc.optimizer,
-        data=DataInfo(dataset_version=version_of(shards), tokenizer_version=desc.tokenizer_version,
-                      records=sum(s.records for s in shards), shards=tuple(shards), cursor=Cursor(**state.planner_state["cursor"]),
+        data=DataInfo(kind=desc.data_kind,
+                      dataset_version=version_of(shards) if desc.data_kind == "token" else desc.dataset_version,
+                      tokenizer_version=desc.tokenizer_version, records=state.planner_state["records"],
+                      shards=tuple(shards), cursor=Cursor(**state.planner_state["cursor"]),
                       prefetched_ahead=prefetched_ahead, source_offsets=source_offsets or {},
                       repeats_on_restore=state.planner_state["low_water"]["repeats"]),
         world=WorldInfo(size=state.world_size, accum_steps=accum_steps,
                         micro_batch=spec.train.micro_batch, policy=spec.world.policy),
         precision=Precision(stored="fp32", compute=spec.train.precision,
                             master_weights="the fp32 parameters are the masters"),
-        versions=versions(),
+        versions=versions(state.device),
         stall_seconds=stall_seconds,
     )
 
@@ -185,17 +201,33 @@ def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lin
 def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_job: bool = True) -> None:
     """Raise :class:`BundleIncompatible` naming both sides of the first difference."""
     problems = []
+    new_lineage = (f"to train on with this job as it is now, start a new lineage from the bundle: spotrun run "
+                   f"CONFIG --job-id NEW_ID --init-from <storage>/{where.removeprefix('bundle ')} (add --reset "
+                   "optimizer,scheduler to start those afresh)")
     if same_job and manifest.job_id != desc.job_id:
         problems.append(f"it belongs to job {manifest.job_id!r}, this job is {desc.job_id!r}")
-    if desc.spec_compat["data"]["order"] == "sequential" and manifest.data.shards:
+    if same_job and manifest.code != desc.code:  # a new lineage (--init-from) is how code moves on
+        problems.append(
+            f"job code: bundle {manifest.code.entrypoint} (fingerprint {manifest.code.fingerprint}), job "
+            f"{desc.code.entrypoint} (fingerprint {desc.code.fingerprint}): the entrypoint's module changed since "
+            f"the bundle was written, and other code may not take the same next updates; {new_lineage}")
+    if desc.policy == "strict" and manifest.versions.gpu != desc.gpu:
+        problems.append(
+            f"device: the bundle was written on {manifest.versions.gpu or 'CPUs'}, this rank has "
+            f"{desc.gpu or 'no GPU'}; world.policy=strict promises bitwise-equal parameters, which kernels give only "
+            f"on the same device model. Run on {manifest.versions.gpu or 'CPUs'}, or declare world.policy: elastic "
+            "(it restores on another model, labelled exact-data: the same occurrences, close parameters)")
+    if manifest.data.kind != desc.data_kind:
+        problems.append(f"data kind: bundle {manifest.data.kind}, job {desc.data_kind}")
+    elif desc.spec_compat["data"]["order"] == "sequential" and manifest.data.shards:
         # a streaming source may have grown: the shards the bundle read must be there, unchanged
         problems += changed_shards(manifest.data.shards, desc.shards)
     elif manifest.data.dataset_version != desc.dataset_version:
         problems.append(f"dataset version: bundle {manifest.data.dataset_version}, job {desc.dataset_version} "
                         "(the shards changed; restore against the data it was trained on)")
     if manifest.data.tokenizer_version != desc.tokenizer_version:
-        problems.append(f"tokenizer vocabulary: bundle {manifest.data.tokenizer_version}, "
-                        f"job {desc.tokenizer_version} (data.vocab differs)")
+        problems.append(f"tokenizer: bundle {manifest.data.tokenizer_version}, job {desc.tokenizer_version} "
+                        "(another vocabulary or tokenizer file; restore with the tokenizer the bundle was trained with)")
     if manifest.model.config_hash != desc.model.config_hash:
         problems.append(f"model config: bundle {manifest.spec_compat.get('model')}, "
                         f"job {desc.spec_compat.get('model')}")
@@ -210,8 +242,8 @@ def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_
             problems.append(f"parameter {name}: bundle {p.shape} {p.dtype}, model {q.shape} {q.dtype}")
     for key in sorted(set(manifest.spec_compat) | set(desc.spec_compat)):
         a, b = manifest.spec_compat.get(key), desc.spec_compat.get(key)
-        if a != b and key != "model":
-            problems.append(f"spec {key}: bundle {_diff(a, b)}")
+        if a != b and key != "model" and (same_job or key != "job"):
+            problems.append(f"spec {key}: bundle {_diff(a, b)}" + (f"; {new_lineage}" if key == "job" else ""))
     if problems:
         raise BundleIncompatible(f"{where} cannot be restored into this job: " + "; ".join(problems))
 
@@ -226,15 +258,35 @@ def _diff(a: Any, b: Any) -> str:
 # -- writing ----------------------------------------------------------------------------
 
 
+# Files whose content the job's own code produced (registered objects, a stream's state): what they
+# hold may change as training goes on, so each write proves it loads back as data.
+_JOB_STATE_FILES = ("/user.pt", "/stream.pt")
+
+
 def serialise(capture: Capture) -> dict[str, bytes]:
     out = {}
     for path, payload in capture.torch_files.items():
         buf = io.BytesIO()
         torch.save(payload, buf)
         out[path] = buf.getvalue()
+        if path.endswith(_JOB_STATE_FILES):
+            _check_loads_as_data(path, payload, out[path])
     for path, payload in capture.json_files.items():
         out[path] = json.dumps(payload, sort_keys=True).encode()
     return out
+
+
+def _check_loads_as_data(path: str, payload: dict[str, Any], blob: bytes) -> None:
+    """Raise a :class:`JobError` naming the object whose state a weights-only load refuses (the
+    bundle is not written: a restore could never read it)."""
+    try:
+        torch.load(io.BytesIO(blob), weights_only=True)
+    except Exception:  # noqa: BLE001 - name the culprit below
+        parts = payload.get("objects", {"stream": payload.get("stream")})
+        for name, state in parts.items():
+            owner = "the StreamData stream" if path.endswith("/stream.pt") else f"spotrun.Job(state={{{name!r}: ...}})"
+            check_weights_only(f"{owner} (at a checkpoint)", state)
+        raise
 
 
 @dataclass(frozen=True)
@@ -276,6 +328,7 @@ class BundleWriter:
 
     def _write(self, capture: Capture, bundle_key: str) -> WriteResult:
         t0 = time.perf_counter()
+        capture.wait()  # from a GPU: the copies into the host buffers may still be landing
         entries = []
         for path, blob in serialise(capture).items():
             digest = self._hasher.submit(lambda b: hashlib.sha256(b).hexdigest(), blob)

@@ -26,7 +26,8 @@ class Collective(Protocol):
     def agree(self, flags: list[bool]) -> list[bool]:
         """Element-wise OR of every rank's flags; all ranks get the same answer."""
 
-    def mean(self, value: float) -> float: ...
+    def mean(self, values: list[float]) -> list[float]:
+        """Element-wise mean over the ranks (one collective for all of them)."""
 
     def close(self) -> None: ...
 
@@ -41,8 +42,8 @@ class LocalCollective:
     def agree(self, flags: list[bool]) -> list[bool]:
         return list(flags)
 
-    def mean(self, value: float) -> float:
-        return value
+    def mean(self, values: list[float]) -> list[float]:
+        return list(values)
 
     def close(self) -> None:
         return None
@@ -50,9 +51,10 @@ class LocalCollective:
 
 class TorchCollective:
     def __init__(self, init_method: str, rank: int, world_size: int, backend: str = "gloo",
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, device: str = "cpu") -> None:
         self.rank = rank
         self.world_size = world_size
+        self.device = device  # NCCL reduces tensors on the rank's GPU only
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
 
@@ -71,14 +73,14 @@ class TorchCollective:
                 dist.broadcast(buf, src=0)
 
     def agree(self, flags: list[bool]) -> list[bool]:
-        t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [bool(v) for v in t.tolist()]
 
-    def mean(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
+    def mean(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
-        return float(t.item()) / self.world_size
+        return [v / self.world_size for v in t.tolist()]
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -1,7 +1,8 @@
 """What a restored bundle will do next: the next LR, the next occurrences, whether the scaler skips.
 
-Used by ``spotrun inspect``. It restores into a throw-away session and computes
-the next update's gradients without stepping; the bundle is not modified.
+Used by ``spotrun inspect``. It restores into a throw-away session and computes the next
+update's gradients (every rank's micro-batches, in this one process) without stepping; the
+bundle is not modified.
 """
 
 from __future__ import annotations
@@ -9,12 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
 from spotrun.trainer.bundle import LoadedBundle
-from spotrun.trainer.data.loader import MicroPlan, SequenceDataset, locations
+from spotrun.trainer.data.loader import MicroPlan, locations
 from spotrun.trainer.data.planner import slice_for
-from spotrun.trainer.loop import _autocast
+from spotrun.trainer.loop import forward
+from spotrun.trainer.rng import microbatch_seed, seed_all
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.trace import span_ids
 
@@ -25,19 +26,17 @@ def explain_next(session: TrainSession, bundle: LoadedBundle, show: int = 8) -> 
     c = st.counters.value
     lr = st.optimizer.param_groups[0]["lr"]
     sequences = st.planner.next_update()
-    spans = [s for seq in sequences for s in seq]
-    ids = span_ids(spans, session.listing)
-    dataset = SequenceDataset(session.listing.root, session.listing.endpoint_url, session.tokenizer, spec.seed, spec.data.mask_prob)
+    ids, _ = span_ids(sequences, session.feed.occurrence_id)
+    worker = session.feed.worker()
+    steps = session.accum_steps * session.world_size
     for m in range(session.accum_steps):
         for r in range(session.world_size):
             part = sequences[slice_for(r, m, session.world_size, spec.train.micro_batch)]
             plan = MicroPlan(update=c.attempted_updates + 1, microstep=m, rank=r, sequences=part,
-                             where=locations(part, session.listing.location))
-            batch = dataset[plan]
-            with _autocast(spec.train.precision, st.device):
-                logits = st.model(batch["inputs"])
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch["targets"].reshape(-1))
-            st.scaler.scale(loss / (session.accum_steps * session.world_size)).backward()
+                             records=locations(part, session.feed.locate))
+            seed_all(microbatch_seed(spec.seed, plan.update, m * session.world_size + r))
+            loss, _ = forward(st, worker(plan))
+            st.scaler.scale(loss / steps).backward()
     grads_finite = all(torch.isfinite(p.grad).all() for p in st.model.parameters() if p.grad is not None)
     return {
         "next_update": c.attempted_updates + 1,
@@ -51,4 +50,3 @@ def explain_next(session: TrainSession, bundle: LoadedBundle, show: int = 8) -> 
             "will_skip": st.scaler.is_enabled() and not grads_finite,
         },
     }
-

@@ -11,17 +11,19 @@ registry (``spotrun inventory --markdown``), so the document cannot drift.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 from spotrun.trainer.data.listing import scan
-from spotrun.trainer.state import TrainState, token_counts
+from spotrun.trainer.state import TrainState
 
 ORACLE_TRACE = "per-update occurrence digest and parameter digest equal the uninterrupted run"
+
+
+def _always(st: TrainState) -> bool:
+    return True
 
 
 @dataclass(frozen=True)
@@ -34,12 +36,14 @@ class Category:
     drop: Callable[[TrainState], None] | None
     needs: str = ""  # what a job must do for the oracle to see a drop (empty: any job)
     undetectable: str = ""  # why no oracle can see it, where that is so
+    applies: Callable[[TrainState], bool] = _always  # does this job have the category at all
+    skip: str = ""  # a registered state object whose restore a drop skips
 
 
 def _reinit_params(st: TrainState) -> None:
     with torch.no_grad():
         for p in st.model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.01)
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p) * 0.01)
 
 
 def _reset_ema(st: TrainState) -> None:
@@ -48,19 +52,23 @@ def _reset_ema(st: TrainState) -> None:
 
 def _zero_moments(st: TrainState) -> None:
     for s in st.optimizer.state.values():
-        s["exp_avg"].zero_()
-        s["exp_avg_sq"].zero_()
+        for k, v in s.items():
+            if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
+                v.zero_()
 
 
 def _reset_steps(st: TrainState) -> None:
     for s in st.optimizer.state.values():
-        s["step"].zero_()
+        if isinstance(s.get("step"), torch.Tensor):
+            s["step"].zero_()
+        elif "step" in s:
+            s["step"] = 0
 
 
 def _reset_scheduler(st: TrainState) -> None:
-    st.scheduler.last_epoch = 0
-    for g, base in zip(st.optimizer.param_groups, st.scheduler.base_lrs, strict=True):
-        g["lr"] = base * st.scheduler.lr_lambdas[0](0)
+    st.scheduler.load_state_dict(st.scheduler_initial)
+    for g, lr in zip(st.optimizer.param_groups, st.scheduler_initial["_last_lr"], strict=True):
+        g["lr"] = lr
 
 
 def _reset_scaler(st: TrainState) -> None:
@@ -70,26 +78,15 @@ def _reset_scaler(st: TrainState) -> None:
                                    "_growth_tracker": 0})
 
 
-def _reseed_torch(st: TrainState) -> None:
-    torch.manual_seed(st.spec.seed)
-
-
-def _reseed_python(st: TrainState) -> None:
-    random.seed(st.spec.seed)
-
-
-def _reseed_numpy(st: TrainState) -> None:
-    np.random.seed(st.spec.seed)
-
-
 def _empty_shuffle_buffer(st: TrainState) -> None:
     st.planner.stream.buffer.clear()
 
 
 def _list_by_name(st: TrainState) -> None:
     # a build that lists the source afresh (every shard, by name) instead of the bundle's shards
-    vars(st.listing).update(vars(scan(st.listing.root, st.listing.endpoint_url)))
-    st.planner.tokens = token_counts(st.listing)
+    listing = st.feed.listing
+    vars(listing).update(vars(scan(listing.root, listing.endpoint_url, listing.measure)))
+    st.planner.tokens = listing.units_of
 
 
 def _drop_remainder(st: TrainState) -> None:
@@ -104,6 +101,12 @@ def _cursor_from_prefetch(st: TrainState) -> None:
         st.planner.next_update()
 
 
+def _restart_stream(st: TrainState) -> None:
+    # a build that forgot the stream's own state: it reads on from where the stream was built
+    st.planner.stream.load_state_dict(st.planner.initial)
+    st.planner.load_state_dict({**st.planner.state_dict(), "stream": st.planner.initial})
+
+
 def _reset_counters(st: TrainState) -> None:
     st.counters.value = type(st.counters.value)()
 
@@ -112,43 +115,64 @@ def _eval_mode(st: TrainState) -> None:
     st.model.eval()
 
 
+def _is(kind: str) -> Callable[[TrainState], bool]:
+    return lambda st: st.feed.kind == kind
+
+
+def _planned(st: TrainState) -> bool:
+    return st.feed.kind in ("map", "token")
+
+
+# The global streams are re-seeded before every microstep (trainer/rng.py): what a bundle saves of them
+# can never change a later update.
+_DERIVED = ("re-derived at the start of every microstep from (seed, update, micro-batch index), so a build "
+            "that lost it draws exactly the same; captured anyway")
+
 CATEGORIES: tuple[Category, ...] = (
     Category("model_params", "TrainState.model", "rank-0/model.pt ['model'] (torch, weights-only)",
              "model.load_state_dict(strict=True) after the name/shape check", ORACLE_TRACE, _reinit_params),
     Category("ema", "TrainState.ema", "rank-0/model.pt ['ema'] (fp32 tensors)",
              "EMA.load_state_dict (names must match the model's)",
-             "parameter digest (it covers the EMA weights)", _reset_ema),
-    Category("optimizer_moments", "TrainState.optimizer", "rank-0/optimizer.pt, keyed by parameter name",
-             "load_named_state maps names to this model's parameter positions", ORACLE_TRACE, _zero_moments),
+             "parameter digest (it covers the EMA weights)", _reset_ema, needs="spotrun.Job(ema_decay=...)",
+             applies=lambda st: st.ema is not None),
+    Category("optimizer_moments", "TrainState.optimizer", "rank-0/optimizer.pt ['state'], keyed by parameter name",
+             "load_named_state maps names to this model's parameter positions", ORACLE_TRACE, _zero_moments,
+             needs="an optimizer with moments or momentum (AdamW, SGD with momentum, ...)"),
     Category("optimizer_steps", "TrainState.optimizer", "rank-0/optimizer.pt ['state'][name]['step']",
              "restored with the moments", ORACLE_TRACE + " (AdamW's bias correction reads the step)",
-             _reset_steps),
-    Category("scheduler", "TrainState.scheduler", "rank-0/state.json ['scheduler'] (LambdaLR state)",
-             "scheduler.load_state_dict; the schedule function is rebuilt from the spec",
-             ORACLE_TRACE + " (the next LR differs)", _reset_scheduler),
+             _reset_steps, needs="an optimizer that reads its step count (Adam, AdamW, ...)"),
+    Category("scheduler", "TrainState.scheduler", "rank-0/optimizer.pt ['scheduler'] (its state_dict)",
+             "scheduler.load_state_dict; the schedule itself is rebuilt by the job's scheduler factory",
+             ORACLE_TRACE + " (the next LR differs)", _reset_scheduler, needs="spotrun.Job(scheduler=...)",
+             applies=lambda st: st.scheduler is not None),
     Category("grad_scaler", "TrainState.scaler", "rank-0/state.json ['scaler']",
              "GradScaler.load_state_dict (scale and growth tracker)",
              ORACLE_TRACE + " and applied_updates", _reset_scaler,
              needs="train.precision=fp16 with a scale that overflows (e.g. grad_scaler.init_scale 2^30)"),
     Category("rng_torch", "global torch CPU generator", "rank-<r>/rng.json ['torch_cpu']",
-             "torch.set_rng_state, last of all", ORACLE_TRACE + " (dropout masks differ)", _reseed_torch,
-             needs="model.dropout > 0"),
+             "torch.set_rng_state, last of all; then seeded per micro-batch", ORACLE_TRACE + " (dropout masks differ)",
+             None, undetectable=_DERIVED),
     Category("rng_python", "global python random", "rank-<r>/rng.json ['python']",
-             "random.setstate, last of all", ORACLE_TRACE, _reseed_python,
-             needs="a model or loss that draws from python's random (the built-in models do not)"),
+             "random.setstate, last of all; then seeded per micro-batch", ORACLE_TRACE, None, undetectable=_DERIVED),
     Category("rng_numpy", "global numpy generator", "rank-<r>/rng.json ['numpy']",
-             "np.random.set_state, last of all", ORACLE_TRACE, _reseed_numpy,
-             needs="a model or loss that draws from numpy's global generator (the built-in models do not)"),
+             "np.random.set_state, last of all; then seeded per micro-batch", ORACLE_TRACE, None,
+             undetectable=_DERIVED),
     Category("rng_cuda", "torch CUDA generators (one per device)", "rank-<r>/rng.json ['torch_cuda']",
-             "torch.cuda.set_rng_state_all", ORACLE_TRACE, None,
-             undetectable="on CPU-only machines there is no CUDA stream to lose; checked on GPU runs only"),
-    Category("data_cursor", "Planner (epoch, index, offset)", "rank-0/state.json ['planner']['cursor']",
+             "torch.cuda.set_rng_state_all; then seeded per micro-batch", ORACLE_TRACE, None,
+             undetectable=_DERIVED),
+    Category("data_cursor", "Planner (epoch, index, offset); StreamPlanner (elements read)",
+             "rank-0/state.json ['planner']['cursor']",
              "snapshot: loaded with the buffer; replay: fast-forward from the epoch start",
              "occurrence digest per update", _cursor_from_prefetch),
     Category("shuffle_buffer", "EpochStream (contents, order position, generator)",
              "rank-0/state.json ['planner']['snapshot']['stream']",
              "snapshot: loaded as saved; replay: recomputed by drawing again from the epoch start",
-             "occurrence digest per update", _empty_shuffle_buffer, needs="data.shuffle_buffer > 0"),
+             "occurrence digest per update", _empty_shuffle_buffer, needs="data.shuffle_buffer > 0",
+             applies=_planned),
+    Category("stream_state", "the StreamData stream's own state_dict()", "rank-0/stream.pt ['stream']",
+             "snapshot: stream.load_state_dict; replay: its initial state, then read up to the cursor",
+             "occurrence digest per update (and the stream's elements through the parameters)", _restart_stream,
+             applies=_is("stream")),
     Category("source_listing", "Listing (shards in the order discovered, their hashes) and "
              "EpochStream's growth log", "manifest ['data']['shards']; rank-0/state.json ['planner']['records'] "
              "and ['planner']['snapshot']['stream']['known', 'exhausted']",
@@ -156,17 +180,19 @@ CATEGORIES: tuple[Category, ...] = (
              "the lineage's growth records (<job>/source/)",
              "occurrence digest per update", _list_by_name,
              needs="data.order=sequential and a shard that appeared after the boundary, named to sort "
-                   "before a known one"),
+                   "before a known one", applies=_is("token")),
     Category("packer_remainder", "Packer.current (occurrence id + tokens already packed)",
              "rank-0/state.json ['planner']['snapshot']['packer']",
              "snapshot: loaded; replay: the occurrence at the cursor, cut at its offset",
              "occurrence digest per update", _drop_remainder,
-             needs="a boundary where an occurrence straddles two updates (nearly every boundary)"),
+             needs="a boundary where an occurrence straddles two updates (nearly every boundary)",
+             applies=_is("token")),
     Category("counters", "CountersState", "rank-0/state.json ['counters'] and the manifest",
              "CountersState.load_state_dict; read under loop_convention",
              "update numbering and counters in the trace and the next manifest", _reset_counters),
     Category("train_mode", "model.training", "rank-0/state.json ['train_mode']",
-             "model.train(mode)", ORACLE_TRACE + " (dropout on or off)", _eval_mode, needs="model.dropout > 0"),
+             "model.train(mode)", ORACLE_TRACE + " (dropout on or off)", _eval_mode,
+             needs="a model whose modes differ (dropout, batch norm)"),
     Category("accumulation", "TrainLoop (microstep position, accumulated gradients)",
              "not stored: bundles are taken at update boundaries only",
              "none: a restore always starts at microstep 0 with zero gradients", "", None,
@@ -184,6 +210,22 @@ CATEGORIES: tuple[Category, ...] = (
 
 BY_NAME = {c.name: c for c in CATEGORIES}
 
+USER_STATE = Category(
+    "state:<name>", "the job's registered object spotrun.Job(state={name: obj}), each rank's own copy",
+    "rank-<r>/user.pt ['objects'][name] (its state_dict, torch weights-only)",
+    "obj.load_state_dict with rank r's copy (a rank beyond the bundle's world keeps its built state)",
+    "the restore oracle (its state right after the restore equals the bundle's) and " + ORACLE_TRACE,
+    lambda st: None, needs="its state to differ from a freshly built object's at the boundary")
+
+
+def categories_of(state: TrainState) -> dict[str, Category]:
+    """The categories this job has: the static ones that apply, and one per registered object
+    (``state:<name>``, whose drop skips that object's restore)."""
+    out = {c.name: c for c in CATEGORIES if c.applies(state)}
+    for name in state.user:
+        out[f"state:{name}"] = replace(USER_STATE, name=f"state:{name}", skip=name)
+    return out
+
 
 # Where each category sits in a capture: (file, path of keys) -> category. A path prefix
 # covers everything below it; "*" matches any key at that level.
@@ -193,8 +235,8 @@ LOCATIONS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("rank-0/optimizer.pt", ("state", "*", "step"), "optimizer_steps"),
     ("rank-0/optimizer.pt", ("state",), "optimizer_moments"),
     ("rank-0/optimizer.pt", ("param_groups",), "scheduler"),  # the live lr is the schedule's
+    ("rank-0/optimizer.pt", ("scheduler",), "scheduler"),
     ("rank-0/state.json", ("counters",), "counters"),
-    ("rank-0/state.json", ("scheduler",), "scheduler"),
     ("rank-0/state.json", ("scaler",), "grad_scaler"),
     ("rank-0/state.json", ("planner", "cursor"), "data_cursor"),
     ("rank-0/state.json", ("planner", "low_water"), "data_cursor"),
@@ -204,6 +246,7 @@ LOCATIONS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("rank-0/state.json", ("planner", "snapshot", "stream"), "shuffle_buffer"),
     ("rank-0/state.json", ("planner", "snapshot", "packer"), "packer_remainder"),
     ("rank-0/state.json", ("train_mode",), "train_mode"),
+    ("rank-0/stream.pt", ("stream",), "stream_state"),
     ("rank-*/rng.json", ("python",), "rng_python"),
     ("rank-*/rng.json", ("numpy",), "rng_numpy"),
     ("rank-*/rng.json", ("torch_cpu",), "rng_torch"),
@@ -212,6 +255,8 @@ LOCATIONS: tuple[tuple[str, tuple[str, ...], str], ...] = (
 
 
 def _category_of(path: str, keys: tuple[str, ...]) -> str:
+    if path.endswith("/user.pt") and len(keys) >= 2 and keys[0] == "objects":
+        return f"state:{keys[1]}"
     for file, prefix, category in LOCATIONS:
         if (file == path or (file.startswith("rank-*") and path.endswith(file[6:]))) and len(keys) >= len(prefix) \
                 and all(p in ("*", k) for p, k in zip(prefix, keys)):
@@ -237,7 +282,7 @@ def _differences(a, b, keys: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     return [] if a == b else [keys]
 
 
-DATA_CATEGORIES = frozenset({"data_cursor", "shuffle_buffer", "packer_remainder", "source_listing"})
+DATA_CATEGORIES = frozenset({"data_cursor", "shuffle_buffer", "packer_remainder", "source_listing", "stream_state"})
 
 
 def roundtrip_mismatches(saved: dict[str, object], restored: dict[str, object]) -> list[str]:
@@ -267,10 +312,29 @@ def markdown() -> str:
         "buffer and EMA weight against an uninterrupted run. `tests/unit/test_oracle_can_fail.py`",
         "drops each category in turn after an otherwise faithful restore and asserts the oracle sees it.",
         "",
+        "## The job's contract",
+        "",
+        "A user job (`spotrun.Job`, see the README's *Bring your own job*) restores exactly when:",
+        "",
+        "- the dataset is fixed for a lineage (or `MapData`/`StreamData` declares a `version`);",
+        "- `transform` and `collate` are pure functions of their arguments;",
+        "- all randomness comes from the global generators (seeded by spotrun at every microstep from",
+        "  (seed, update, micro-batch index)) or from the generator passed to the transform;",
+        "- no state that shapes a later update lives outside the model, the optimizer, the scheduler and",
+        "  the objects registered in `state` (each rank's copy is saved as `state:<name>` below).",
+        "",
+        "Detection: the restore oracle compares every category below right after each restore;",
+        "`spotrun verify --mutate CATEGORY` runs a build whose restores lose that category and must fail",
+        "(or the category has no observable effect on that job); state kept outside `state` fails",
+        "`spotrun verify` at the first update after a restore; a changed entrypoint module or",
+        "`job.config` refuses the resume (start a new lineage with `--init-from`).",
+        "",
+        "## Categories",
+        "",
         "| category | owner | serialization | restore | oracle | a drop is seen when |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for c in CATEGORIES:
+    for c in (*CATEGORIES, USER_STATE):
         seen = "never (see below)" if c.drop is None else (c.needs or "always")
         lines.append(f"| `{c.name}` | {c.owner} | {c.serialization} | {c.restore} | {c.oracle or '-'} | {seen} |")
     lines += ["", "## Categories whose omission no oracle can detect", ""]
@@ -278,7 +342,7 @@ def markdown() -> str:
         if c.undetectable:
             lines.append(f"- `{c.name}`: {c.undetectable}.")
     lines += ["", "## Categories the oracle detects only on some jobs", ""]
-    for c in CATEGORIES:
+    for c in (*CATEGORIES, USER_STATE):
         if c.drop is not None and c.needs:
             lines.append(f"- `{c.name}`: needs {c.needs}.")
     return "\n".join(lines) + "\n"

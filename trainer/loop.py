@@ -1,41 +1,84 @@
-"""One update: ``accum_steps`` microsteps, then at most one optimizer step.
+"""One update: ``accum_steps`` microsteps of the job's step, then at most one optimizer step.
 
-The order below is loop convention ``LOOP_CONVENTION`` (see counters.py); a
-bundle records it so a restored counter is read in the order that wrote it.
+The job's ``step(model, batch)`` computes the loss (and optional named floats); everything
+else is the engine's: the batch moved to the device, autocast, backward of the loss scaled for
+accumulation and the grad scaler, gradient sync, unscale, clipping, the optimizer and scheduler
+steps, ``zero_grad`` and the EMA. The order below is loop convention ``LOOP_CONVENTION`` (see
+counters.py); a bundle records it so a restored counter is read in the order that wrote it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
 
-from spotrun.trainer.data.listing import Listing
 from spotrun.trainer.faults import FaultInjector
+from spotrun.trainer.job import RESERVED_METRICS, JobError
+from spotrun.trainer.rng import microbatch_seed, seed_all
 from spotrun.trainer.state import TrainState
 from spotrun.trainer.trace import UpdateRecord, digest_strings, digest_tensors, span_ids
 
 GradSync = Callable[[torch.nn.Module], None]
 
 
-def _autocast(precision: str, device: str) -> contextlib.AbstractContextManager:
+def autocast(precision: str, device: str) -> contextlib.AbstractContextManager:
     if precision == "fp32":
         return contextlib.nullcontext()
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
     return torch.autocast(device_type=device.split(":")[0], dtype=dtype)
 
 
+def to_device(batch: Any, device: str) -> Any:
+    """Every tensor of a (nested) batch on ``device``; everything else as it is."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+
+def split_step(result: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss and the named floats of what a job's step returned (checked)."""
+    loss, metrics = (result if isinstance(result, tuple) else (result, {}))
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise JobError(f"the job's step returned {type(loss).__name__} as its loss; it must return a scalar "
+                       "tensor (or (loss, {'name': float, ...}))")
+    if not loss.requires_grad:
+        raise JobError("the job's step returned a loss that does not require grad; compute it from the model's "
+                       "output and do not call backward(), step() or zero_grad() in it (spotrun does)")
+    clash = RESERVED_METRICS & set(metrics)
+    if clash:
+        raise JobError(f"the job's step names metrics {sorted(clash)}, which spotrun reports itself; rename them")
+    return loss, {k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v) for k, v in metrics.items()}
+
+
+def _wait_on_gpu(event: Any) -> None:
+    """Order the training stream after a capture's copies (a GPU-side wait: the host goes on)."""
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
+
+
+def forward(st: TrainState, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """One microstep's forward pass: the job's step on the batch, on the device, under autocast."""
+    with autocast(st.spec.train.precision, st.device):
+        return split_step(st.job.step(st.trained, to_device(batch, st.device)))
+
+
 class TrainLoop:
-    def __init__(self, state: TrainState, batches: Iterator[dict[str, Any]], listing: Listing,
-                 accum_steps: int, attempt: int, faults: FaultInjector,
-                 grad_sync: GradSync | None = None, record_ids: bool = False, digests: bool = True) -> None:
+    def __init__(self, state: TrainState, batches: Iterator[Any], accum_steps: int, attempt: int,
+                 faults: FaultInjector, grad_sync: GradSync | None = None, record_ids: bool = False,
+                 digests: bool = True) -> None:
         self.state = state
         self.batches = batches
-        self.listing = listing
         self.accum_steps = accum_steps
         self.attempt = attempt
         self.faults = faults
@@ -44,59 +87,79 @@ class TrainLoop:
         # The parameter digest hashes every parameter and EMA weight: worth it for a trace, not
         # on every update of a rank whose records nobody reads.
         self.digests = digests
+        self.metric_names: list[str] | None = None  # fixed by the first microstep
 
     def params_digest(self) -> str:
         st = self.state
         named = dict(st.model.state_dict())
-        named.update({f"ema.{k}": v for k, v in st.ema.state_dict().items()})
+        if st.ema is not None:
+            named.update({f"ema.{k}": v for k, v in st.ema.state_dict().items()})
         return digest_tensors(named)
 
     def run_update(self) -> UpdateRecord:
-        st, spec = self.state, self.state.spec
+        st = self.state
         update = st.counters.value.attempted_updates + 1
+        st.pending_user_copy = _wait_on_gpu(st.pending_user_copy)  # the step may change registered state
         losses: list[torch.Tensor] = []
-        plan = None
-        global_spans = None
+        sums: dict[str, float] = {}
+        plan = first = None
         for m in range(self.accum_steps):
             self.faults.hit("microstep", update, m)
-            batch = next(self.batches)
-            plan = batch["plan"]
+            plan, batch = next(self.batches)
             if (plan.update, plan.microstep) != (update, m):
                 raise RuntimeError(f"loader delivered update {plan.update}.{plan.microstep}, loop expects {update}.{m}")
             if m == 0:
-                global_spans = plan.global_spans
-            inputs = batch["inputs"].to(st.device)
-            targets = batch["targets"].to(st.device)
-            with _autocast(spec.train.precision, st.device):
-                logits = st.model(inputs)
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-            self.faults.hit("backward", update, m)
-            st.scaler.scale(loss / self.accum_steps).backward()
+                first = plan
+            # the step's draws (dropout, ...) depend on which micro-batch this is, never on the rank
+            seed_all(microbatch_seed(st.spec.seed, update, m * st.world_size + st.rank))
+            # with DDP, only the last microstep's backward averages the gradients across ranks
+            deferred = m < self.accum_steps - 1 and isinstance(st.trained, DistributedDataParallel)
+            with st.trained.no_sync() if deferred else contextlib.nullcontext():
+                loss, metrics = forward(st, batch)
+                self.faults.hit("backward", update, m)
+                st.scaler.scale(loss / self.accum_steps).backward()
+            self._check_names(metrics)
             losses.append(loss.detach())
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
         self.faults.hit("before_update", update)
         lr = st.optimizer.param_groups[0]["lr"]
         applied = self._step()
         # The cursor travels with the batch: the state after the update just consumed.
         st.planner_state = plan.planner_after
         self._count(applied)
-        spans = span_ids(global_spans, self.listing)
+        ids, starts = span_ids(first.global_batch, st.feed.occurrence_id)
         return UpdateRecord(
             update=update,
             attempt=self.attempt,
-            occurrences_sha256=digest_strings(spans),
-            n_occurrences=len(spans),
+            occurrences_sha256=digest_strings(ids),
+            n_occurrences=len(ids),
             params_sha256=self.params_digest() if self.digests else "",
-            loss=float(torch.stack(losses).mean()),
+            loss=float(torch.stack(losses).float().mean()),
             lr=lr,
             applied=applied,
-            occurrences=spans if self.record_ids else None,
+            metrics={k: v / self.accum_steps for k, v in sums.items()},
+            occurrences=ids if self.record_ids else None,
+            sequence_starts=starts if self.record_ids else None,
         )
+
+    def _check_names(self, metrics: dict[str, float]) -> None:
+        names = sorted(metrics)
+        if self.metric_names is None:
+            self.metric_names = names
+        elif names != self.metric_names:
+            raise JobError(f"the job's step returned metrics {names} after {self.metric_names}; return the same "
+                           "names at every microstep (every rank averages them together)")
+        bad = [k for k, v in metrics.items() if not math.isfinite(v)]
+        if bad and self.state.spec.train.precision != "fp16":
+            raise JobError(f"the job's step returned non-finite metrics {bad}")
 
     def _step(self) -> bool:
         """Sync, unscale, clip, step. True iff the parameters changed (no overflow skip)."""
         st, spec = self.state, self.state.spec
         if self.grad_sync is not None:
             self.grad_sync(st.model)
+        st.pending_copy = _wait_on_gpu(st.pending_copy)  # the step overwrites what the capture copies
         st.scaler.unscale_(st.optimizer)
         if spec.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(st.model.parameters(), spec.train.grad_clip, foreach=False)
@@ -106,7 +169,7 @@ class TrainLoop:
         st.optimizer.zero_grad(set_to_none=True)
         # GradScaler backs its scale off exactly when it skipped the step for inf/nan grads.
         applied = scale_before is None or st.scaler.get_scale() >= scale_before
-        if applied:
+        if applied and st.ema is not None:
             st.ema.update(st.model)
         return applied
 
@@ -118,7 +181,10 @@ class TrainLoop:
         c.last_update_applied = applied
         c.microsteps += self.accum_steps * st.world_size
         c.samples_consumed += spec.global_sequences
-        c.tokens_consumed += spec.global_sequences * (spec.data.seq_len + 1)
+        if st.feed.kind == "token":
+            c.tokens_consumed += spec.global_sequences * st.feed.units_per_sequence
+        if st.scheduler is None:
+            return
         if applied:
             st.scheduler.step()
         elif spec.train.scheduler_counts == "attempted":

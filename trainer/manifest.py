@@ -19,7 +19,7 @@ from spotrun.trainer.data.listing import ShardInfo
 from spotrun.trainer.data.planner import Cursor
 from spotrun.trainer.storage import UnsafeKeyError, check_key
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the job's code (entrypoint, fingerprint) and data kind
 _RANK_DIR = re.compile(r"^rank-(\d+)/")
 # The world side (fresh | exact | exact-data | fresh-epoch | new-experiment), then "+<data side>"
 # when the data side is not exact, e.g. "exact+bounded-repetition".
@@ -58,6 +58,13 @@ class TensorInfo(_M):
     dtype: str
 
 
+class CodeInfo(_M):
+    """The job's code: a bundle restores only into the entrypoint module that wrote it."""
+
+    entrypoint: str
+    fingerprint: str  # sha256 (16 hex) of the entrypoint module's source
+
+
 class ModelInfo(_M):
     kind: str
     config_hash: str
@@ -70,9 +77,10 @@ class OptimizerInfo(_M):
 
 
 class DataInfo(_M):
-    dataset_version: str  # over the listed shards, in order
-    tokenizer_version: str
-    records: int  # listed when the boundary's last update was planned
+    kind: str = "token"  # map | token | stream: the job's data kind
+    dataset_version: str  # token data: over the listed shards, in order; map/stream: declared identity
+    tokenizer_version: str  # "" without a tokenizer
+    records: int  # token/map: listed when the boundary's last update was planned; stream: elements read
     shards: tuple[ShardInfo, ...] = ()  # those records' shards, in the order they were discovered
     cursor: Cursor
     prefetched_ahead: int  # micro-batches fetched past the cursor when saved; replayed on restore
@@ -86,6 +94,9 @@ class Versions(_M):
     torchdata: str
     numpy: str
     spotrun: str
+    gpu: str | None = None  # the GPU model the bundle was written on (None: CPU)
+    cuda: str | None = None  # torch's CUDA runtime
+    driver: str | None = None  # the NVIDIA driver
 
 
 class Precision(_M):
@@ -117,7 +128,8 @@ class ManifestDraft(_M):
     train_mode: bool
     deterministic: bool
     spec_compat: dict[str, Any]
-    spec: dict[str, Any]  # the whole JobSpec that wrote it (inspect rebuilds the job from it)
+    spec: dict[str, Any]  # the whole JobSpec that wrote it
+    code: CodeInfo
     model: ModelInfo
     optimizer: OptimizerInfo
     data: DataInfo

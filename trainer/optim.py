@@ -1,4 +1,4 @@
-"""Optimizer, LR schedule and grad scaler, and the optimizer state mapped by parameter *name*.
+"""The grad scaler, and the optimizer state mapped by parameter *name*.
 
 ``torch.optim`` keys its state by the position of a parameter in its groups;
 a bundle keys it by name so that a renamed or reordered parameter is caught by
@@ -7,46 +7,24 @@ the compatibility check instead of silently receiving another tensor's moments.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
-
 from spotrun.trainer.spec import TrainSpec
 
 
-def build_optimizer(model: nn.Module, spec: TrainSpec) -> tuple[torch.optim.AdamW, list[list[str]]]:
-    """AdamW with two groups (decay: matrices; no decay: biases, norms, embeddings' 1-D params)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (decay if p.dim() >= 2 else no_decay).append(name)
-    params = dict(model.named_parameters())
-    groups = [
-        {"params": [params[n] for n in decay], "weight_decay": spec.weight_decay},
-        {"params": [params[n] for n in no_decay], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, foreach=False)
-    return opt, [decay, no_decay]
-
-
-def lr_multiplier(spec: TrainSpec):
-    """Linear warmup to ``lr`` then cosine to ``min_lr`` at ``updates``, as a factor of ``lr``."""
-    floor = spec.min_lr / spec.lr
-
-    def factor(i: int) -> float:
-        if i < spec.warmup_updates:
-            return (i + 1) / spec.warmup_updates
-        span = max(1, spec.updates - spec.warmup_updates)
-        progress = min(1.0, (i - spec.warmup_updates) / span)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def build_scheduler(opt: torch.optim.Optimizer, spec: TrainSpec) -> LambdaLR:
-    return LambdaLR(opt, lr_multiplier(spec))
+def group_names(opt: torch.optim.Optimizer, model: nn.Module) -> list[list[str]]:
+    """The parameter *names* of each of ``opt``'s groups (what a bundle keys the state by)."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    names = []
+    for i, g in enumerate(opt.param_groups):
+        missing = [tuple(p.shape) for p in g["params"] if id(p) not in name_of]
+        if missing:
+            raise ValueError(f"optimizer group {i} holds parameters that are not the model's (shapes {missing}); "
+                             "build the optimizer from the model it is given")
+        names.append([name_of[id(p)] for p in g["params"]])
+    return names
 
 
 def build_scaler(spec: TrainSpec, device: str) -> torch.amp.GradScaler:

@@ -25,6 +25,7 @@ from typing import Any
 
 from spotrun.trainer.bundle import BundleWriter, WriteResult, build_manifest, bundle_dir, load_bundle
 from spotrun.trainer.collective import Collective
+from spotrun.trainer.data.feed import TokenFeed
 from spotrun.trainer.data.growth import GrowthRecords
 from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.metrics import MetricSink, metrics_dir, open_sinks, points_of
@@ -62,7 +63,8 @@ class Report:
 class RankRunner:
     def __init__(self, spec: JobSpec, *, rank: int, world_size: int, attempt: int, lineage_id: str,
                  recovery_label: str, collective: Collective, restore_mode: str | None = None,
-                 drop: tuple[str, ...] = (), record_ids: bool = False, trace: bool = True) -> None:
+                 drop: tuple[str, ...] = (), record_ids: bool = False, trace: bool = True,
+                 device: str = "cpu") -> None:
         self.spec = spec
         self.rank = rank
         self.attempt = attempt
@@ -72,10 +74,13 @@ class RankRunner:
         self.storage = open_storage(spec.storage, spec.storage_endpoint_url)
         self.session = TrainSession(spec, rank=rank, world_size=world_size, attempt=attempt,
                                     restore_mode=restore_mode, drop=drop,
-                                    grad_sync=collective.sync_gradients if world_size > 1 else None,
+                                    grad_sync=(collective.sync_gradients if world_size > 1
+                                               and spec.train.grad_sync == "allreduce" else None),
                                     record_ids=record_ids and rank == 0,
-                                    digests=trace and rank == 0)  # only rank 0's records are reported
-        self.session.state.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
+                                    digests=trace and rank == 0,  # only rank 0's records are reported
+                                    device=device)
+        if isinstance(self.session.feed, TokenFeed):  # a growing source's rescans, agreed across ranks
+            self.session.feed.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
         self.session.faults.record_to(FaultLog(self.storage, spec.job_id))  # verify counts what fired
         self.writer = BundleWriter(self.storage, self.session.faults)
         # Rank 0 writes the metric points; each upserts by <job>/<update>/<name>.
@@ -137,9 +142,12 @@ class RankRunner:
         try:
             while not s.done:
                 record = s.run_update()
-                record.loss = self.collective.mean(record.loss)
+                names = sorted(record.metrics)
+                record.loss, *values = self.collective.mean([record.loss, *(record.metrics[n] for n in names)])
+                record.metrics = dict(zip(names, values, strict=True))
                 self.metrics.write(points_of(self.spec.job_id, record.update, self.attempt, self.lineage_id,
-                                             {"loss": record.loss, "lr": record.lr, "applied": record.applied}))
+                                             {"loss": record.loss, "lr": record.lr, "applied": record.applied,
+                                              **record.metrics}))
                 with self._lock:
                     if self.rank == 0:
                         self._report.records.append(record)

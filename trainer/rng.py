@@ -1,8 +1,15 @@
-"""Every global random stream a rank's training can draw from, captured and restored.
+"""Every global random stream a rank's training can draw from: re-derived per micro-batch, captured.
 
 Python's ``random``, NumPy's legacy global generator, torch's CPU generator and
-each CUDA device's generator. Restored *last* on restore, after the model and
-loader were built, because building them draws from these streams too.
+each CUDA device's generator. At the start of every microstep the loop seeds all
+of them from (seed, update, micro-batch index within the update's global batch):
+a micro-batch is the same sequences whatever the world size (rank r, microstep m
+trains on block m * world_size + r), so dropout and any other draw of the job's
+step are the same for the same data on 2 ranks or on 1. That is what keeps an
+elastic restart's parameters *close* with dropout on; only the order of gradient
+sums changes. The streams are still captured in every bundle and restored *last*
+(after the model and loader were built, because building them draws from these
+streams too), for whatever draws outside the microsteps.
 """
 
 from __future__ import annotations
@@ -22,6 +29,12 @@ def seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def microbatch_seed(seed: int, update: int, block: int) -> int:
+    """The seed of the global streams for micro-batch ``block`` of update ``update``."""
+    words = np.random.SeedSequence([seed % 2**63, update, block, 0xD50]).generate_state(2, np.uint64)
+    return int(words[0]) >> 1
 
 
 def _b64(t: torch.Tensor) -> str:

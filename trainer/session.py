@@ -6,23 +6,28 @@
     record = session.run_update()    # one update; returns its UpdateRecord
     capture = session.capture()      # at a boundary: host copy of the state
     session.close()
+
+The session builds the job from the spec's entrypoint (:func:`spotrun.trainer.job.build_job`)
+after seeding every global stream, binds its data to the engine, and builds the state.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from spotrun.trainer.bundle import Description, LoadedBundle, describe
 from spotrun.trainer.counters import CountersState
-from spotrun.trainer.data.listing import ShardInfo, scan
-from spotrun.trainer.data.loader import PlanSampler, SequenceDataset, make_loader
+from spotrun.trainer.data.feed import TokenFeed, bind
+from spotrun.trainer.data.listing import ShardInfo
+from spotrun.trainer.data.loader import PlanDataset, PlanSampler, make_loader
 from spotrun.trainer.data.planner import RestoreMode
-from spotrun.trainer.data.tokenizer import CharTokenizer
 from spotrun.trainer.faults import FaultInjector
-from spotrun.trainer.inventory import BY_NAME, DATA_CATEGORIES, roundtrip_mismatches
+from spotrun.trainer.inventory import DATA_CATEGORIES, categories_of, roundtrip_mismatches
+from spotrun.trainer.job import build_job
 from spotrun.trainer.loop import GradSync, TrainLoop
-from spotrun.trainer.optim import build_scheduler
+from spotrun.trainer.rng import seed_all
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.state import Capture, TrainState
 from spotrun.trainer.trace import UpdateRecord
@@ -31,43 +36,54 @@ from spotrun.trainer.trace import UpdateRecord
 class TrainSession:
     def __init__(self, spec: JobSpec, *, rank: int = 0, world_size: int = 1, attempt: int = 1,
                  restore_mode: RestoreMode | None = None, drop: Iterable[str] = (),
-                 grad_sync: GradSync | None = None, record_ids: bool = False, digests: bool = True) -> None:
+                 grad_sync: GradSync | None = None, record_ids: bool = False, digests: bool = True,
+                 device: str = "cpu") -> None:
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
         self.attempt = attempt
         self.accum_steps = spec.accum_steps_for(world_size)
-        self.listing = scan(spec.data.shards, spec.storage_endpoint_url)
-        self.tokenizer = CharTokenizer(spec.data.vocab)
-        self.state = TrainState(spec, self.listing, self.tokenizer, rank, world_size,
-                                restore_mode or spec.checkpoint.restore_mode)
-        self.desc: Description = describe(self.state, self.listing, self.tokenizer)
+        seed_all(spec.seed)  # whatever the entrypoint draws while building is the same on every attempt
+        self.job = build_job(spec, rank=rank, world_size=world_size, device=device)
+        self.feed = bind(self.job.data, spec)
+        self.state = TrainState(spec, self.job, self.feed, rank, world_size,
+                                restore_mode or spec.checkpoint.restore_mode, device)
+        self.desc: Description = describe(self.state)
         self.drop = tuple(drop)
-        unknown = [d for d in self.drop if d not in BY_NAME or BY_NAME[d].drop is None]
+        known = categories_of(self.state)
+        unknown = [d for d in self.drop if d not in known or known[d].drop is None]
         if unknown:
-            droppable = [n for n, c in BY_NAME.items() if c.drop is not None]
-            raise ValueError(f"cannot drop state categories {unknown}; droppable: {droppable}")
+            droppable = [n for n, c in known.items() if c.drop is not None]
+            raise ValueError(f"cannot drop state categories {unknown}; droppable in this job: {droppable}")
         self.faults = FaultInjector(spec.faults, attempt, rank)
         self.grad_sync = grad_sync
         self.record_ids = record_ids
         self.digests = digests
         self._sampler: PlanSampler | None = None
         self._loop: TrainLoop | None = None
-        self._iter = None
+        self._iter: Iterator[Any] | None = None
         self._consumed_microsteps = 0
 
     @property
     def counters(self):
         return self.state.counters.value
 
+    @property
+    def listing(self):
+        """The token data's shard listing (``None`` for map and stream data)."""
+        return self.feed.listing if isinstance(self.feed, TokenFeed) else None
+
     def restore(self, bundle: LoadedBundle) -> float:
         """Load a verified bundle; returns the seconds it took. Must precede :meth:`start`."""
         t0 = time.perf_counter()
-        if self.spec.data.order == "sequential" and bundle.manifest.data.shards:
-            self.state.resume_listing(bundle.manifest.data.shards)  # the shards in the order it read them
-        self.state.restore(bundle.payloads)
+        if isinstance(self.feed, TokenFeed) and self.spec.data.order == "sequential" and bundle.manifest.data.shards:
+            self.feed.resume(bundle.manifest.data.shards)  # the shards in the order it read them
+        known = categories_of(self.state)
+        self.state.restore(bundle.payloads, skip=[known[d].skip for d in self.drop if known[d].skip])
         for name in self.drop:  # a deliberately broken build (oracle tests, verify's mutants)
-            BY_NAME[name].drop(self.state)
+            drop = known[name].drop
+            if drop is not None:
+                drop(self.state)
         self.state.planner_state = self.state.planner.state_dict()
         return time.perf_counter() - t0
 
@@ -78,6 +94,7 @@ class TrainSession:
         if bundle.manifest.world.size != self.world_size:
             return []
         capture = self.state.capture()
+        capture.wait()
         restored = {**capture.torch_files, **capture.json_files}
         found = roundtrip_mismatches(bundle.payloads, restored)
         if self.state.planner.restore_mode in ("bounded-repetition", "fresh-epoch"):
@@ -86,14 +103,15 @@ class TrainSession:
 
     def known_shards(self) -> list[ShardInfo]:
         """The shards listed when the last consumed update was planned: what a bundle records (the
-        planner runs ahead and may have listed more since)."""
-        return self.listing.infos(self.state.planner_state["records"])
+        planner runs ahead and may have listed more since). Token data only."""
+        listing = self.listing
+        return listing.infos(self.state.planner_state["records"]) if listing is not None else []
 
     def source_offsets(self, known: Sequence[ShardInfo]) -> dict[str, int]:
         """Per-shard line offsets of the ``known`` shards a streaming reader has fully consumed at
-        the last consumed update (sequential order only; a permuted order has no meaningful
+        the last consumed update (sequential token data only; a permuted order has no meaningful
         per-shard position)."""
-        if self.spec.data.order != "sequential":
+        if self.listing is None or self.spec.data.order != "sequential":
             return {}
         return self.listing.shard_offsets(self.state.planner_state["low_water"]["position"], len(known))
 
@@ -109,27 +127,27 @@ class TrainSession:
         st = self.state
         st.counters.load_state_dict(CountersState().state_dict())
         if "optimizer" in reset:
-            st.optimizer.state.clear()  # AdamW re-creates moments and steps lazily, as in a fresh job
-        if "scheduler" in reset:
-            st.scheduler = build_scheduler(st.optimizer, self.spec.train)
+            st.optimizer.state.clear()  # torch optimizers create their state lazily, as in a fresh job
+        if "scheduler" in reset and self.job.scheduler is not None:
+            st.scheduler = self.job.scheduler(st.optimizer, self.spec.train.updates)
         if "data" in reset:
             st.planner.reset()
             st.planner_state = st.planner.state_dict()
 
     def start(self) -> None:
         first = self.counters.attempted_updates + 1
-        self._sampler = PlanSampler(self.state.planner, self.listing.location, self.rank, self.world_size, self.accum_steps,
-                                    self.spec.train.micro_batch, first, self.spec.train.updates)
-        dataset = SequenceDataset(self.listing.root, self.listing.endpoint_url, self.tokenizer, self.spec.seed, self.spec.data.mask_prob)
-        loader = make_loader(dataset, self._sampler, self.spec.data.workers, self.spec.data.prefetch)
+        self._sampler = PlanSampler(self.state.planner, self.feed.locate, self.rank, self.world_size,
+                                    self.accum_steps, self.spec.train.micro_batch, first, self.spec.train.updates)
+        loader = make_loader(PlanDataset(self.feed.worker()), self._sampler, self.spec.data.workers,
+                             self.spec.data.prefetch)
         self._iter = iter(loader)
-        self._loop = TrainLoop(self.state, self._counting(self._iter), self.listing, self.accum_steps,
-                               self.attempt, self.faults, self.grad_sync, self.record_ids, self.digests)
+        self._loop = TrainLoop(self.state, self._counting(self._iter), self.accum_steps, self.attempt, self.faults,
+                               self.grad_sync, self.record_ids, self.digests)
 
-    def _counting(self, it):
-        for batch in it:
+    def _counting(self, it: Iterator[Any]) -> Iterator[Any]:
+        for item in it:
             self._consumed_microsteps += 1
-            yield batch
+            yield item
 
     @property
     def done(self) -> bool:
@@ -158,4 +176,3 @@ class TrainSession:
         it, self._iter = self._iter, None
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
-

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -26,11 +26,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class JobCodeSpec(_Strict):
+    """The user's job: ``entrypoint`` names ``package.module:function`` taking a
+    ``spotrun.BuildContext`` and returning a ``spotrun.Job``; ``config`` is free-form and reaches
+    it as ``ctx.config``. Both shape the trajectory: a bundle restores only under equal values."""
+
+    entrypoint: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+    config: dict[str, Any] = {}
+
+
 class ModelSpec(_Strict):
-    """The network. ``gpt`` is a tiny character GPT, ``mlp`` a fast bigram-ish
-    net for tests, ``factory`` names a user's ``module:function`` that takes
-    ``(spec: ModelSpec, vocab_size: int)`` and returns an ``nn.Module`` whose
-    ``forward(tokens) -> logits``."""
+    """The built-in character LM's network (read only by that recipe). ``gpt`` is a tiny
+    character GPT, ``mlp`` a fast bigram-ish net for tests, ``factory`` names a user's
+    ``module:function`` that takes ``(spec: ModelSpec, vocab_size: int)`` and returns an
+    ``nn.Module`` whose ``forward(tokens) -> logits``."""
 
     kind: Literal["gpt", "mlp", "factory"] = "gpt"
     n_layer: int = Field(2, ge=1)
@@ -103,6 +112,14 @@ class TrainSpec(_Strict):
     grad_scaler: GradScalerSpec = GradScalerSpec()
     scheduler_counts: Literal["applied", "attempted"] = "applied"
     threads: int = Field(1, ge=1)
+    # How gradients are averaged across ranks: "allreduce" sums every gradient in one flat buffer
+    # after the last microstep's backward (any step function works on the model itself); "ddp" wraps
+    # the model in torch's DistributedDataParallel (bucketed, overlapped with backward, no_sync on the
+    # earlier microsteps; the step must call the model it is given, not its submodules). See README.
+    grad_sync: Literal["allreduce", "ddp"] = "allreduce"
+    # GPU: TF32 matmuls are faster and round inputs to 10 mantissa bits, differently on each GPU
+    # generation; off unless allowed (bitwise restores hold either way on the same GPU model)
+    allow_tf32: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> TrainSpec:
@@ -182,6 +199,7 @@ class JobSpec(_Strict):
     seed: int = 0
     storage: str = "file://./runs"
     storage_endpoint_url: str | None = None
+    job: JobCodeSpec | None = None  # None: the built-in character LM (spotrun.recipes.char_lm)
     model: ModelSpec = ModelSpec()
     data: DataSpec = DataSpec()
     train: TrainSpec = TrainSpec()
@@ -197,6 +215,12 @@ class JobSpec(_Strict):
             raise ValueError(f"metrics.sinks lists s3, which writes into the job's storage, but storage="
                              f"{self.storage!r} is not s3://BUCKET/PREFIX")
         w = self.world
+        if self.train.grad_sync == "ddp" and w.policy == "strict" and w.size >= 3:
+            raise ValueError(
+                f"train.grad_sync=ddp cannot keep world.policy=strict bitwise at {w.size} ranks: DDP rebuilds its "
+                "buckets after a process's first update, so the first update after a restore sums in another "
+                "order (measured in bench/RESULTS.md, section 5). Use train.grad_sync=allreduce (the default), "
+                "or world.policy=elastic (close parameters)")
         if w.max_size is not None and w.max_size < w.min_size:
             raise ValueError(f"world.max_size={w.max_size} is below world.min_size={w.min_size}")
         if w.policy == "elastic":
@@ -238,6 +262,7 @@ class JobSpec(_Strict):
         """The keys that shape the trajectory; a bundle restores only under equal values."""
         return {
             "seed": self.seed,
+            "job": self.job.model_dump(mode="json") if self.job else None,
             "model": self.model.model_dump(mode="json"),
             "data": self.data.model_dump(
                 mode="json", include={"seq_len", "mask_prob", "shuffle_buffer", "vocab", "order"}

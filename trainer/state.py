@@ -8,49 +8,40 @@ so nothing built afterwards can move them.
 A capture is a host-memory copy of everything, split into bundle files:
 
     rank-0/model.pt      parameters, persistent buffers, EMA (torch, weights-only)
-    rank-0/optimizer.pt  moments and step counters keyed by parameter name
-    rank-0/state.json    counters, scheduler, scaler, data planner, train mode
+    rank-0/optimizer.pt  optimizer state keyed by parameter name, and the LR scheduler
+    rank-0/state.json    counters, scaler, data planner, train mode
+    rank-0/stream.pt     a StreamData's own state (stream data only)
     rank-<r>/rng.json    python, numpy, torch CPU and CUDA generators of rank r
+    rank-<r>/user.pt     the job's registered state objects, rank r's copies
 
 The model and optimizer are replicas across data-parallel ranks, so rank 0
-alone writes them; every rank writes its own random streams.
+alone writes them; every rank writes its own random streams and registered state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from spotrun.trainer.counters import CountersState
-from spotrun.trainer.data.growth import GrowthRecords
-from spotrun.trainer.data.listing import Listing, ShardInfo
-from spotrun.trainer.data.planner import Planner, RestoreMode
-from spotrun.trainer.data.tokenizer import CharTokenizer
+from spotrun.trainer.data.feed import Feed
+from spotrun.trainer.data.planner import RestoreMode
+from spotrun.trainer.device import set_determinism
 from spotrun.trainer.ema import EMA
-from spotrun.trainer.model import build_model
-from spotrun.trainer.optim import (
-    build_optimizer,
-    build_scaler,
-    build_scheduler,
-    load_named_state,
-    named_state,
-)
+from spotrun.trainer.job import Job, JobError, check_weights_only
+from spotrun.trainer.optim import build_scaler, group_names, load_named_state, named_state
 from spotrun.trainer.rng import RngState, seed_all
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.stateful import check_version
 
-STATE_VERSION = 1
-
-
-def set_determinism(threads: int) -> None:
-    """Deterministic kernels and a fixed intra-op thread count (reduction order depends on it)."""
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(threads)
+STATE_VERSION = 2  # 2: the scheduler in optimizer.pt, registered state in rank-<r>/user.pt
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -63,17 +54,42 @@ class HostBuffers:
 
     Copying into warm buffers instead of freshly allocated ones keeps page faults out of the
     stall (they were most of it). The writer reads a capture's buffers in the background, so a
-    capture may only start once the previous write finished: at most one save is in flight."""
+    capture may only start once the previous write finished: at most one save is in flight.
 
-    def __init__(self) -> None:
+    From a GPU the buffers are pinned and the device-to-host copies are issued on a side stream
+    (:meth:`copies`), which first waits for the work already queued on the training stream: the
+    host does not wait for them. :meth:`done` records an event after the copies issued so far;
+    the training stream waits for it (on the GPU) before it next overwrites what was copied, and
+    the writer waits for it before it reads the buffers."""
+
+    def __init__(self, device: str = "cpu") -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._stream = torch.cuda.Stream(device) if device.startswith("cuda") else None
+
+    @contextlib.contextmanager
+    def copies(self) -> Iterator[None]:
+        """Issue the copies in this block on the side stream (on the CPU: in place, synchronously)."""
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream())  # the values as the training stream left them
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def done(self) -> Any:
+        """A CUDA event after every copy issued so far (``None`` on the CPU, where they are done)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
 
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self._buffers[key] = torch.empty_like(t, device="cpu", memory_format=torch.contiguous_format)
-        buf.copy_(t)
+            buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        buf.copy_(t, non_blocking=t.is_cuda)
         return buf
 
     def copy_tree(self, key: str, obj: Any) -> Any:
@@ -95,58 +111,70 @@ class Capture:
     torch_files: dict[str, dict[str, Any]]  # relative path -> tensors (cloned)
     json_files: dict[str, dict[str, Any]]  # relative path -> JSON-able payload
     stall_seconds: float = 0.0
+    ready: Any = None  # a CUDA event once the device-to-host copies landed (None: they already have)
 
-
-def token_counts(listing: Listing, start: int = 0) -> np.ndarray:
-    """Tokens per record from ``start`` on. CharTokenizer.token_count: a token per char, plus EOS."""
-    return listing.chars_of[start:] + 1
+    def wait(self) -> None:
+        """Block until the buffers hold the boundary's values (the writer calls this before reading)."""
+        if self.ready is not None:
+            self.ready.synchronize()
 
 
 class TrainState:
     """Every owner of state of one rank. Each attribute is a ``Stateful`` (or a torch one)."""
 
-    def __init__(self, spec: JobSpec, listing: Listing, tokenizer: CharTokenizer,
-                 rank: int = 0, world_size: int = 1, restore_mode: RestoreMode = "snapshot",
-                 device: str = "cpu") -> None:
+    def __init__(self, spec: JobSpec, job: Job, feed: Feed, rank: int = 0, world_size: int = 1,
+                 restore_mode: RestoreMode = "snapshot", device: str = "cpu") -> None:
         self.spec = spec
+        self.job = job
+        self.feed = feed
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        set_determinism(spec.train.threads)
+        set_determinism(spec.train.threads, spec.train.allow_tf32)
         seed_all(spec.seed)
-        self.model = build_model(spec.model, tokenizer.size, spec.data.seq_len).to(device)
+        model = job.model()
+        if not isinstance(model, nn.Module):
+            raise JobError(f"spotrun.Job(model=...) returned a {type(model).__name__}, not a torch.nn.Module")
+        self.model = model.to(device)
+        # The module the step is given: the model, or (train.grad_sync=ddp, several ranks) torch's DDP
+        # around it, whose hooks average the gradients during backward. State is always the model's.
+        self.trained: nn.Module = self.model
+        if spec.train.grad_sync == "ddp" and world_size > 1:
+            self.trained = DistributedDataParallel(self.model, device_ids=None if device == "cpu" else [device])
         seed_all(rank_seed(spec.seed, rank))
-        self.ema = EMA(self.model, spec.train.ema_decay)
-        self.optimizer, self.group_names = build_optimizer(self.model, spec.train)
-        self.scheduler = build_scheduler(self.optimizer, spec.train)
+        self.ema = EMA(self.model, job.ema_decay) if job.ema_decay is not None else None
+        self.optimizer = job.optimizer(self.model)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise JobError(f"spotrun.Job(optimizer=...) returned a {type(self.optimizer).__name__}, not a "
+                           "torch.optim.Optimizer")
+        self.group_names = group_names(self.optimizer, self.model)
+        self.scheduler = job.scheduler(self.optimizer, spec.train.updates) if job.scheduler else None
+        # as built: what a fresh job's schedule starts from (a deliberately broken restore goes back to it)
+        self.scheduler_initial = copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None
         self.scaler = build_scaler(spec.train, device.split(":")[0])
         self.counters = CountersState()
-        self.listing = listing
-        self.growth: GrowthRecords | None = None  # set by the rank: shared rescan decisions
-        sequential = spec.data.order == "sequential"
-        self.planner = Planner(token_counts(listing), spec.seed, spec.data.shuffle_buffer, spec.data.seq_len,
-                               spec.global_sequences, restore_mode, sequential=sequential,
-                               max_repeat=spec.data.max_repeat if spec.data.recovery == "bounded-repetition"
-                               else None,
-                               discover=self._discover if sequential else None)
+        self.planner = feed.planner(restore_mode)
+        self.user = dict(job.state)
         self.rng = RngState()
-        self.host = HostBuffers()
+        self.host = HostBuffers(device)
+        # Copies of the last capture the training stream must let finish before it overwrites
+        # their sources (GPU only): the registered objects before the next step, the rest before
+        # the next optimizer step (see TrainLoop).
+        self.pending_user_copy: Any = None
+        self.pending_copy: Any = None
         # The planner runs ahead (prefetch); this is its state after the last *consumed*
         # update, set by the loop from the batch that carried it. It is what a bundle saves.
         self.planner_state: dict[str, Any] = self.planner.state_dict()
+        self.check_saveable()
 
-    def _discover(self, epoch: int, records: int) -> np.ndarray:
-        """A streaming reader reached the end of the known shards: rescan the source (and, with
-        other ranks, adopt what the first of them found there)."""
-        before = len(self.listing)
-        growth = self.growth
-        self.listing.discover(None if growth is None else lambda found: growth.decide(epoch, records, found))
-        return token_counts(self.listing, before)
-
-    def resume_listing(self, recorded: Sequence[ShardInfo]) -> None:
-        """Before a restore: the listing in the bundle's order, and the planner's records with it."""
-        self.listing.resume(recorded)
-        self.planner.tokens = token_counts(self.listing)
+    def check_saveable(self) -> None:
+        """Refuse, before any update, state a bundle could not hold as data (see check_weights_only)."""
+        if self.scheduler is not None:
+            check_weights_only(f"the LR scheduler ({type(self.scheduler).__name__})", self.scheduler.state_dict())
+        for name, obj in self.user.items():
+            check_weights_only(f"spotrun.Job(state={{{name!r}: {type(obj).__name__}}})", obj.state_dict())
+        if "stream" in self.planner_state:
+            check_weights_only("the StreamData stream", self.planner_state["stream"])
 
     # -- capture ---------------------------------------------------------------------
 
@@ -156,45 +184,82 @@ class TrainState:
         The tensors land in :attr:`host` buffers that the next capture overwrites: write (or
         drop) a capture before taking the next one."""
         files: dict[str, dict[str, Any]] = {}
+        json_files: dict[str, dict[str, Any]] = {f"rank-{self.rank}/rng.json": self.rng.state_dict()}
+        planner = dict(self.planner_state)
+        stream = planner.pop("stream", None)
+        if self.user:  # first: the next step may change them, the next optimizer step the rest
+            with self.host.copies():
+                files[f"rank-{self.rank}/user.pt"] = {
+                    "version": STATE_VERSION,
+                    "objects": {n: self.host.copy_tree(f"user/{n}", o.state_dict()) for n, o in self.user.items()},
+                }
+            self.pending_user_copy = self.host.done()
         if self.rank == 0:
-            files["rank-0/model.pt"] = {
-                "version": STATE_VERSION,
-                "model": self.host.copy_tree("model", dict(self.model.state_dict())),
-                "ema": self.host.copy_tree("ema", self.ema.state_dict()),
-            }
-            files["rank-0/optimizer.pt"] = self.host.copy_tree("optimizer", named_state(self.optimizer,
-                                                                                        self.group_names))
-        json_files = {f"rank-{self.rank}/rng.json": self.rng.state_dict()}
-        if self.rank == 0:
+            with self.host.copies():
+                files.update(self._replicated())
+                if stream is not None:
+                    files["rank-0/stream.pt"] = {"version": STATE_VERSION, "stream": self.host.copy_tree("stream", stream)}
             json_files["rank-0/state.json"] = copy.deepcopy({
                 "version": STATE_VERSION,
                 "counters": self.counters.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
-                "planner": self.planner_state,
+                "planner": planner,
                 "train_mode": self.model.training,
             })
-        return Capture(self.counters.value.attempted_updates, self.rank, files, json_files)
+        self.pending_copy = self.host.done()
+        return Capture(self.counters.value.attempted_updates, self.rank, files, json_files, ready=self.pending_copy)
+
+    def _replicated(self) -> dict[str, dict[str, Any]]:
+        """The model, EMA, optimizer and scheduler: the same on every rank, so rank 0 writes them."""
+        return {
+            "rank-0/model.pt": {
+                "version": STATE_VERSION,
+                "model": self.host.copy_tree("model", dict(self.model.state_dict())),
+                "ema": self.host.copy_tree("ema", self.ema.state_dict()) if self.ema is not None else {},
+            },
+            "rank-0/optimizer.pt": {
+                **self.host.copy_tree("optimizer", named_state(self.optimizer, self.group_names)),
+                "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
+            },
+        }
 
     # -- restore ---------------------------------------------------------------------
 
-    def restore(self, payloads: dict[str, Any]) -> None:
-        """Load every owner from a bundle's payloads (already checksum-verified)."""
+    def restore(self, payloads: dict[str, Any], skip: Iterable[str] = ()) -> None:
+        """Load every owner from a bundle's payloads (already checksum-verified). ``skip`` names
+        registered state objects whose restore is skipped (a deliberately broken build)."""
         model = payloads["rank-0/model.pt"]
         check_version("rank-0/model.pt", model, STATE_VERSION)
         self.model.load_state_dict(model["model"], strict=True)
-        self.ema.load_state_dict(model["ema"])
+        if self.ema is not None:
+            self.ema.load_state_dict(model["ema"])
         # A copy: torch's load keeps same-dtype tensors as given, and the optimizer must own its state.
-        load_named_state(self.optimizer, self.group_names, _clone(payloads["rank-0/optimizer.pt"]))
+        opt = dict(payloads["rank-0/optimizer.pt"])
+        scheduler = opt.pop("scheduler", None)
+        load_named_state(self.optimizer, self.group_names, _clone(opt))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(scheduler)
         state = payloads["rank-0/state.json"]
         check_version("rank-0/state.json", state, STATE_VERSION)
         self.counters.load_state_dict(state["counters"])
-        self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-        self.planner.load_state_dict(state["planner"])
+        planner = dict(state["planner"])
+        if "rank-0/stream.pt" in payloads:
+            planner["stream"] = _clone(payloads["rank-0/stream.pt"]["stream"])
+        self.planner.load_state_dict(planner)
         self.planner_state = self.planner.state_dict()
         self.model.train(state["train_mode"])
+        user = payloads.get(f"rank-{self.rank}/user.pt")
+        if user is not None:  # absent for a rank beyond the bundle's world (elastic): keeps its built state
+            check_version(f"rank-{self.rank}/user.pt", user, STATE_VERSION)
+            missing = sorted(set(self.user) - set(user["objects"]))
+            if missing:
+                raise JobError(f"the bundle holds no state for the registered objects {missing}; a job that "
+                               "registers new state starts a new lineage (--init-from)")
+            for name, obj in self.user.items():
+                if name not in skip:
+                    obj.load_state_dict(_clone(user["objects"][name]))
         rng_key = f"rank-{self.rank}/rng.json"
         if rng_key in payloads:
             self.rng.load_state_dict(payloads[rng_key])  # last: nothing after this draws

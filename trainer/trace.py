@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from spotrun.trainer.data.listing import Listing
 from spotrun.trainer.data.packer import Span
 
 
@@ -29,11 +29,19 @@ class UpdateRecord(BaseModel):
     loss: float
     lr: float
     applied: bool
+    metrics: dict[str, float] = {}  # the job's own named values (the step's second result)
     occurrences: list[str] | None = None  # the span ids themselves, when asked for
+    sequence_starts: list[int] | None = None  # index in ``occurrences`` where each sequence starts
 
 
-def span_ids(spans: list[Span], listing: Listing) -> list[str]:
-    return [f"{s.epoch}/{listing.record_key(s.record)}[{s.start}:{s.end}]" for s in spans]
+def span_ids(batch: list[tuple[Span, ...]], occurrence_id: Callable[[Span], str]) -> tuple[list[str], list[int]]:
+    """The ids of an update's occurrence spans in global order, and where each sequence starts."""
+    ids: list[str] = []
+    starts: list[int] = []
+    for seq in batch:
+        starts.append(len(ids))
+        ids.extend(occurrence_id(s) for s in seq)
+    return ids, starts
 
 
 def digest_strings(items: list[str]) -> str:
@@ -59,7 +67,7 @@ class TraceWriter:
         self._f = open(self.path, "a", buffering=1)
 
     def write(self, record: UpdateRecord) -> None:
-        exclude = None if self.with_ids else {"occurrences"}
+        exclude = None if self.with_ids else {"occurrences", "sequence_starts"}
         self._f.write(json.dumps(record.model_dump(exclude=exclude)) + "\n")
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ class ScriptedGroup:
     def __init__(self, world_size: int, polls: list, salvage: list[Report] = ()) -> None:
         self.world_size = world_size
         self.node_ids = [f"node-{r}" for r in range(world_size)]
+        self.gpus: list[str | None] = [None] * world_size
         self.timings: dict[str, float] = {}
         self.polls = list(polls)
         self._salvage = list(salvage)

@@ -81,7 +81,7 @@ def test_bounded_repetition_repeats_at_most_max_repeat_and_skips_nothing(tmp_pat
     final = latest_per_update(read_trace(trace))
     assert sorted(final) == list(range(1, 31))
     listing = scan(data)
-    lengths = {f"0/{listing.record_key(i)}": int(listing.chars_of[i]) + 1 for i in range(len(listing))}
+    lengths = {f"0/{listing.record_key(i)}": int(listing.units_of[i]) for i in range(len(listing))}
     spans = coverage(final)
     repeated = set()
     for name, parts in spans.items():

@@ -233,3 +233,32 @@ def test_submit_runs_the_deploy_spec_as_the_cluster_would(head, tmp_path):
         assert first["world_size"] == 2 and first["published"] >= 2
     finally:
         imds.close()
+
+
+@pytest.mark.slow
+def test_submit_ships_the_working_directory_of_a_user_job(head, tmp_path):
+    """A user project submitted from its own folder: its entrypoint module reaches the driver and both
+    ranks through the working_dir runtime environment (the head has no copy of it)."""
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy(ROOT / "tests/helpers/jobs.py", project / "shipped_job.py")
+    (project / "runs").mkdir()
+    (project / "runs" / "big-output.bin").write_bytes(b"0" * 1024)  # excluded: run outputs stay here
+    runs = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "spotrun", "submit", str(ROOT / "configs/tiny.yaml"), "--address",
+                        head["url"], "--job-id", "shipped", "--json", "--set", "job.entrypoint=shipped_job:stream_job",
+                        "--set", f"storage=file://{runs}", "--set", "world.size=2", "--set", "train.updates=4",
+                        "--set", "checkpoint.every_updates=2"],
+                       cwd=project, env=head["env"], capture_output=True, text=True, timeout=170)
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr[-4000:]}"
+    assert json.loads(p.stdout)["status"] == "SUCCEEDED"
+    assert len(list((runs / "shipped/bundles").glob("*/manifest.json"))) == 2
+
+
+def test_a_user_job_whose_entrypoint_cannot_be_imported_is_not_submitted(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    port = _free_ports(1)[0]  # nothing listens here: the refusal must come first
+    rc = main(["submit", str(ROOT / "configs/tiny.yaml"), "--address", f"http://127.0.0.1:{port}",
+               "--set", "job.entrypoint=missing_module:build"])
+    assert rc == 2
+    assert "module 'missing_module' cannot be imported" in capsys.readouterr().err

@@ -15,17 +15,19 @@ from tests.conftest import ROOT
 from spotrun.trainer.data.growth import GrowthRecords
 from spotrun.trainer.data.listing import DatasetError, scan, version_of
 from spotrun.trainer.storage import LocalStorage
-from spotrun.trainer.data.loader import PlanSampler, SequenceDataset, make_loader
+from spotrun.recipes.char_lm import masking
+from spotrun.trainer.data.feed import TokenWorker
+from spotrun.trainer.data.loader import PlanDataset, PlanSampler, make_loader
 from spotrun.trainer.data.planner import Planner
 from spotrun.trainer.data.tokenizer import EOS, MASK, CharTokenizer
-from spotrun.trainer.data.transform import mask_tokens
+from spotrun.trainer.data.transform import occurrence_generator
 
 TINY = ROOT / "configs/data/tiny"
 
 
 def planner(mode="snapshot", buffer=16, seq_len=32, global_sequences=8, tokens=None) -> Planner:
     if tokens is None:
-        tokens = scan(TINY).chars_of + 1
+        tokens = scan(TINY).units_of
     return Planner(tokens, seed=3, buffer_size=buffer, seq_len=seq_len, global_sequences=global_sequences,
                    restore_mode=mode)
 
@@ -59,7 +61,7 @@ def test_every_occurrence_is_delivered_once_per_epoch_without_gap(buffer):
 def test_shuffle_depends_on_seed_and_epoch_only():
     a, b = planner(), planner()
     assert [a.next_update() for _ in range(5)] == [b.next_update() for _ in range(5)]
-    c = Planner(scan(TINY).chars_of + 1, seed=4, buffer_size=16, seq_len=32, global_sequences=8)
+    c = Planner(scan(TINY).units_of, seed=4, buffer_size=16, seq_len=32, global_sequences=8)
     assert a.next_update() != c.next_update()
 
 
@@ -105,13 +107,15 @@ def test_unknown_planner_version_is_refused():
 
 
 def test_transform_is_a_function_of_the_occurrence():
-    tokens = np.arange(10, 400) % 90 + 4
+    tokens = torch.arange(10, 400) % 90 + 4
     tokens[-1] = EOS
-    a = mask_tokens(tokens, 0.3, seed=1, epoch=2, record=7)
-    assert np.array_equal(a, mask_tokens(tokens, 0.3, seed=1, epoch=2, record=7))
-    assert not np.array_equal(a, mask_tokens(tokens, 0.3, seed=1, epoch=3, record=7))
+    mask = masking(0.3)
+    a = mask(tokens, occurrence_generator(1, 2, 7))
+    assert torch.equal(a, mask(tokens, occurrence_generator(1, 2, 7)))
+    assert not torch.equal(a, mask(tokens, occurrence_generator(1, 3, 7)))
+    assert not torch.equal(a, mask(tokens, occurrence_generator(2, 2, 7)))
     assert a[-1] == EOS
-    assert 0.2 < (a == MASK).mean() < 0.4
+    assert 0.2 < (a == MASK).float().mean() < 0.4
 
 
 def test_listing_version_tracks_content(tmp_path):
@@ -237,8 +241,9 @@ def test_loader_output_does_not_depend_on_worker_count():
         p = planner()
         sampler = PlanSampler(p, listing.location, rank=0, world_size=1, accum_steps=2, micro_batch=4,
                               first_update=1, last_update=6)
-        loader = make_loader(SequenceDataset(listing.root, None, tok, 3, 0.1), sampler, workers, 2)
-        outs.append([(b["inputs"], b["targets"], b["plan"].update, b["plan"].microstep) for b in loader])
+        worker = TokenWorker(listing.root, None, tok, 3, masking(0.1))
+        loader = make_loader(PlanDataset(worker), sampler, workers, 2)
+        outs.append([(b["inputs"], b["targets"], plan.update, plan.microstep) for plan, b in loader])
     for other in outs[1:]:
         assert len(other) == len(outs[0]) == 12
         for x, y in zip(outs[0], other):

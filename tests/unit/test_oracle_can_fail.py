@@ -27,8 +27,9 @@ JOBS = {
              "train.grad_scaler.growth_interval=2"),
     "host_rng": (*BASE, "model.kind=factory", "model.factory=tests.helpers.rng_models:build"),
     "growing": (*BASE, "data.order=sequential"),
+    "stream": (*BASE, "job.entrypoint=tests.helpers.jobs:stream_job"),
 }
-JOB_OF = {"grad_scaler": "fp16", "rng_python": "host_rng", "rng_numpy": "host_rng", "source_listing": "growing"}
+JOB_OF = {"grad_scaler": "fp16", "source_listing": "growing", "stream_state": "stream"}
 DROPPABLE = [c.name for c in CATEGORIES if c.drop is not None]
 
 

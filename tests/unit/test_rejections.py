@@ -125,7 +125,7 @@ def test_other_tokenizer_vocabulary_is_refused_naming_both_versions(tmp_path, st
     old, new = CharTokenizer(DEFAULT_VOCAB).version, CharTokenizer(swapped).version
     assert old != new
     msg = refused(spec, storage)
-    assert "tokenizer vocabulary" in msg
+    assert "tokenizer: bundle" in msg
     assert old in msg and new in msg
 
 

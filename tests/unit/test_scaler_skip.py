@@ -26,7 +26,7 @@ def test_forced_overflow_skips_and_scheduler_follows_declared_counter(spec_facto
     assert sum(r.applied for r in trace) == c.applied_updates
     storage = open_storage(spec.storage)
     final = load_bundle(storage, list_bundles(storage, spec.job_id)[0].key, None)
-    scheduler = final.payloads["rank-0/state.json"]["scheduler"]
+    scheduler = final.payloads["rank-0/optimizer.pt"]["scheduler"]
     expected = c.applied_updates if counts == "applied" else c.attempted_updates
     assert scheduler["last_epoch"] == expected
     # While updates are skipped under "applied", the LR stays at its first warmup value.

@@ -214,3 +214,12 @@ def test_empty_file_gives_the_defaults(tmp_path):
     spec = load_spec(path)
     assert spec.job_id == "empty"
     assert spec.train.updates == JobSpec().train.updates
+
+
+def test_ddp_is_refused_where_strict_cannot_hold_bitwise(tmp_path):
+    from tests.conftest import make_spec
+
+    with pytest.raises(SpecError, match="train.grad_sync=ddp cannot keep world.policy=strict bitwise at 3 ranks"):
+        make_spec(tmp_path, "train.grad_sync=ddp", "world.size=3")
+    assert make_spec(tmp_path, "train.grad_sync=ddp", "world.size=2").train.grad_sync == "ddp"
+    assert make_spec(tmp_path, "train.grad_sync=ddp", "world.size=3", "world.policy=elastic").world.size == 3

@@ -1,5 +1,8 @@
 """A content-versioned listing of JSONL shards, an index of their records, and its growth.
 
+Each record's length is measured in the units the packer lays down (tokens: a tokenizer's
+``count``; by default one per character plus an end-of-sequence token).
+
 Shards are the ``*.jsonl`` files of a local directory or the ``*.jsonl`` objects
 directly under an ``s3://bucket/prefix`` (read with the job's storage endpoint).
 A record's key is ``<shard name>:<line number>``; it never changes while the
@@ -81,18 +84,26 @@ class ShardIndex:
     sha256: str
     line_of: np.ndarray
     offset_of: np.ndarray
-    chars_of: np.ndarray
+    units_of: np.ndarray  # tokens of each record as the packer counts them
 
     @cached_property  # every checkpoint records its shards: build each model once
     def info(self) -> ShardInfo:
         return ShardInfo(name=self.name, sha256=self.sha256, records=len(self.line_of))
 
 
-def index_shard(name: str, blob: bytes) -> ShardIndex:
+Measure = Callable[[str], int]
+
+
+def chars_and_eos(text: str) -> int:
+    """The default measure: a token per character plus the end-of-sequence token."""
+    return len(text) + 1
+
+
+def index_shard(name: str, blob: bytes, measure: Measure = chars_and_eos) -> ShardIndex:
     """Index every non-blank line; each must be a JSON object with a string ``text``."""
     line_of: list[int] = []
     offset_of: list[int] = []
-    chars_of: list[int] = []
+    units_of: list[int] = []
     offset = 0
     for n, line in enumerate(blob.splitlines(keepends=True)):
         if line.strip():
@@ -104,11 +115,11 @@ def index_shard(name: str, blob: bytes) -> ShardIndex:
                 raise DatasetError(f"{name}:{n}: 'text' must be a string")
             line_of.append(n)
             offset_of.append(offset)
-            chars_of.append(len(text))
+            units_of.append(measure(text))
         offset += len(line)
     as_array = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
     return ShardIndex(name, hashlib.sha256(blob).hexdigest(), as_array(line_of), as_array(offset_of),
-                      as_array(chars_of))
+                      as_array(units_of))
 
 
 def version_of(shards: Iterable[ShardInfo | ShardIndex]) -> str:
@@ -124,9 +135,11 @@ class Listing:
     While a job runs it only grows at its end (:meth:`discover`), so a record's index never
     changes; a restore sets it back to a bundle's shards (:meth:`resume`) before anything is read."""
 
-    def __init__(self, root: str, endpoint_url: str | None, shards: Sequence[ShardIndex]) -> None:
+    def __init__(self, root: str, endpoint_url: str | None, shards: Sequence[ShardIndex],
+                 measure: Measure = chars_and_eos) -> None:
         self.root = root
         self.endpoint_url = endpoint_url
+        self.measure = measure
         self._set(shards)
 
     def _set(self, shards: Sequence[ShardIndex]) -> None:
@@ -135,7 +148,7 @@ class Listing:
         self.shard_of = cat(np.full(len(s.line_of), i, np.int64) for i, s in enumerate(self._shards))
         self.line_of = cat(s.line_of for s in self._shards)
         self.offset_of = cat(s.offset_of for s in self._shards)
-        self.chars_of = cat(s.chars_of for s in self._shards)
+        self.units_of = cat(s.units_of for s in self._shards)
 
     def __len__(self) -> int:
         return len(self.shard_of)
@@ -195,13 +208,14 @@ class Listing:
         known = set(self.shards)
         source = None if self.local else open_source(self.root, self.endpoint_url)
         read = lambda name: (Path(self.root) / name).read_bytes() if source is None else source.get(name)  # noqa: E731
-        found = {name: index_shard(name, read(name)) for name in _shard_names(self.root, source) if name not in known}
+        found = {name: index_shard(name, read(name), self.measure)
+                 for name in _shard_names(self.root, source) if name not in known}
         proposal = [s.info for s in found.values()]
         agreed = decide(proposal) if decide is not None else proposal
         added = []
         for info in agreed:
             try:
-                shard = found.get(info.name) or index_shard(info.name, read(info.name))
+                shard = found.get(info.name) or index_shard(info.name, read(info.name), self.measure)
             except FileNotFoundError as e:
                 raise DatasetError(f"shard {info.name}, read by this job, is gone from {self.root}") from e
             if shard.sha256 != info.sha256:
@@ -249,9 +263,10 @@ def _shard_names(root: str, source: Storage | None) -> list[str]:
     return sorted(k for k in source.list("") if "/" not in k and k.endswith(".jsonl"))
 
 
-def scan(root: str | Path, endpoint_url: str | None = None) -> Listing:
-    """List the ``*.jsonl`` shards of ``root`` in name order and index every record."""
-    listing = Listing(str(root), endpoint_url, [])
+def scan(root: str | Path, endpoint_url: str | None = None, measure: Measure = chars_and_eos) -> Listing:
+    """List the ``*.jsonl`` shards of ``root`` in name order and index every record (its length in
+    the units ``measure`` counts)."""
+    listing = Listing(str(root), endpoint_url, [], measure)
     listing.discover()
     if not listing.shards:
         raise DatasetError(f"data.shards={str(root)!r} holds no *.jsonl shard")

@@ -1,13 +1,14 @@
-"""Prefetch: plans from the rank's planner become tensors in torchdata worker processes.
+"""Prefetch: plans from the rank's planner become batches in torchdata worker processes.
 
 The sampler runs in the rank's main process and yields one :class:`MicroPlan`
 per (update, microstep); each plan carries the planner state *after* its update,
 so the cursor saved at a boundary is the one of the last batch the loop
 consumed, never the furthest one the workers fetched (those are replayed after
-a restore, by contract). Workers are a pure function of the plan, which is why
-``data.workers`` may change across a restore: a plan carries where each of its
-records is (shard, byte offset), so a worker forked before the listing grew
-reads the new shards' records too.
+a restore, by contract). Workers are a pure function of the plan (the feed's
+worker: :mod:`spotrun.trainer.data.feed`), which is why ``data.workers`` may
+change across a restore: a plan carries what each of its records needs (token
+data: shard and byte offset, so a worker forked before the listing grew reads
+the new shards' records too; stream data: the element itself).
 
 torchdata's own ``state_dict`` is deliberately not used: it is per worker and
 requires the same worker count on restore.
@@ -19,20 +20,16 @@ import ctypes
 import signal
 import sys
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from spotrun.trainer.data.listing import read_line
 from spotrun.trainer.data.packer import Span
-from spotrun.trainer.data.planner import Planner, slice_for
-from spotrun.trainer.data.tokenizer import CharTokenizer
-from spotrun.trainer.data.transform import mask_tokens
+from spotrun.trainer.data.planner import slice_for
 
 
 @dataclass
@@ -41,22 +38,24 @@ class MicroPlan:
     microstep: int
     rank: int
     sequences: list[tuple[Span, ...]]
-    where: dict[int, tuple[str, int]]  # record -> (shard, byte offset), for every record of the plan
-    global_spans: list[Span] | None = None  # the whole update's spans, on microstep 0 only
+    records: dict[int, Any]  # record -> what a worker needs to materialise it (see Locate)
+    global_batch: list[tuple[Span, ...]] | None = None  # the whole update's sequences, on microstep 0 only
     planner_after: dict[str, Any] | None = field(default=None, repr=False)  # on the last microstep
 
 
-Locate = Callable[[int], tuple[str, int]]
+# record -> what a worker needs for it: (shard, byte offset) for token data, the element for stream
+# data, None for map data (the index is enough)
+Locate = Callable[[int], Any]
 
 
-def locations(sequences: list[tuple[Span, ...]], locate: Locate) -> dict[int, tuple[str, int]]:
+def locations(sequences: list[tuple[Span, ...]], locate: Locate) -> dict[int, Any]:
     return {s.record: locate(s.record) for seq in sequences for s in seq}
 
 
 class PlanSampler(Sampler):
     """Yields the micro-batch plans of one rank from ``first_update`` to ``last_update``."""
 
-    def __init__(self, planner: Planner, locate: Locate, rank: int, world_size: int, accum_steps: int,
+    def __init__(self, planner: Any, locate: Locate, rank: int, world_size: int, accum_steps: int,
                  micro_batch: int, first_update: int, last_update: int) -> None:
         self.planner = planner
         self.locate = locate
@@ -80,8 +79,8 @@ class PlanSampler(Sampler):
                     microstep=m,
                     rank=self.rank,
                     sequences=part,
-                    where=locations(part, self.locate),
-                    global_spans=[s for seq in sequences for s in seq] if m == 0 else None,
+                    records=locations(part, self.locate),
+                    global_batch=sequences if m == 0 else None,
                     planner_after=after if m == self.accum_steps - 1 else None,
                 )
 
@@ -89,50 +88,21 @@ class PlanSampler(Sampler):
         return max(0, self.last_update - self.first_update + 1) * self.accum_steps
 
 
-class SequenceDataset(Dataset):
-    """Turns a plan into ``inputs``/``targets`` of shape ``[micro_batch, seq_len]``."""
+class PlanDataset(Dataset):
+    """Indexed by plans: ``dataset[plan] -> (plan, batch)``, the batch made by the feed's worker."""
 
-    def __init__(self, root: str, endpoint_url: str | None, tokenizer: CharTokenizer, seed: int,
-                 mask_prob: float) -> None:
-        self.root = root
-        self.endpoint_url = endpoint_url
-        self.tokenizer = tokenizer
-        self.seed = seed
-        self.mask_prob = mask_prob
-        self._cache: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
+    def __init__(self, worker: Callable[[MicroPlan], Any]) -> None:
+        self.worker = worker
 
-    def occurrence_tokens(self, epoch: int, record: int, where: tuple[str, int]) -> tuple[np.ndarray, np.ndarray]:
-        """(original, transformed) tokens of one occurrence; cached because packing splits records."""
-        key = (epoch, record)
-        hit = self._cache.get(key)
-        if hit is None:
-            original = self.tokenizer.encode(read_line(self.root, self.endpoint_url, *where))
-            hit = (original, mask_tokens(original, self.mask_prob, self.seed, epoch, record))
-            self._cache[key] = hit
-            if len(self._cache) > 256:
-                self._cache.popitem(last=False)
-        return hit
-
-    def __getitem__(self, plan: MicroPlan) -> dict[str, Any]:  # type: ignore[override]
-        inputs, targets = [], []
-        for seq in plan.sequences:
-            toks = [self.occurrence_tokens(s.epoch, s.record, plan.where[s.record]) for s in seq]
-            orig = np.concatenate([t[0][s.start:s.end] for t, s in zip(toks, seq)])
-            masked = np.concatenate([t[1][s.start:s.end] for t, s in zip(toks, seq)])
-            inputs.append(masked[:-1])
-            targets.append(orig[1:])
-        return {
-            "inputs": torch.from_numpy(np.stack(inputs)),
-            "targets": torch.from_numpy(np.stack(targets)),
-            "plan": plan,
-        }
+    def __getitem__(self, plan: MicroPlan) -> tuple[MicroPlan, Any]:  # type: ignore[override]
+        return plan, self.worker(plan)
 
     def __len__(self) -> int:
-        raise TypeError("SequenceDataset is indexed by plans, not by position")
+        raise TypeError("PlanDataset is indexed by plans, not by position")
 
 
-def _identity(batch: dict[str, Any]) -> dict[str, Any]:
-    return batch
+def _identity(item: tuple[MicroPlan, Any]) -> tuple[MicroPlan, Any]:
+    return item
 
 
 def _die_with_parent(worker_id: int) -> None:
@@ -145,7 +115,7 @@ def _die_with_parent(worker_id: int) -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def make_loader(dataset: SequenceDataset, sampler: PlanSampler, workers: int, prefetch: int) -> StatefulDataLoader:
+def make_loader(dataset: PlanDataset, sampler: PlanSampler, workers: int, prefetch: int) -> StatefulDataLoader:
     """A loader whose iteration order is the sampler's, with ``workers`` prefetching processes."""
     # torchdata 0.11 warns once per iterator about a deprecated torch call it makes itself.
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")

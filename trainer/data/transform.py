@@ -1,25 +1,17 @@
-"""The per-occurrence random transform: token masking seeded by the occurrence.
+"""The per-occurrence random stream a transform draws from.
 
-The generator is a pure function of ``(seed, epoch, record)``, never a shared
-stream, so which worker runs the transform, in which order, cannot change it.
+A transform's generator is a pure function of ``(seed, epoch, record)``, never a shared stream,
+so which prefetch worker runs the transform, in which order, and how many workers there are
+cannot change what it draws: a random augmentation is exact across restarts by construction.
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from spotrun.trainer.data.tokenizer import EOS, MASK
-
-
-def occurrence_rng(seed: int, epoch: int, record: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64([seed, epoch, record, 0x7A5F]))
+import torch
 
 
-def mask_tokens(tokens: np.ndarray, prob: float, seed: int, epoch: int, record: int) -> np.ndarray:
-    """Return a copy of ``tokens`` with each non-EOS token replaced by MASK with ``prob``."""
-    if prob <= 0:
-        return tokens.copy()
-    draw = occurrence_rng(seed, epoch, record).random(len(tokens))
-    out = tokens.copy()
-    out[(draw < prob) & (tokens != EOS)] = MASK
-    return out
+def occurrence_generator(seed: int, epoch: int, record: int) -> torch.Generator:
+    """A fresh ``torch.Generator`` seeded from the occurrence ``(seed, epoch, record)``."""
+    words = np.random.SeedSequence([seed % 2**63, epoch, record, 0x7A5F]).generate_state(2, np.uint64)
+    return torch.Generator().manual_seed(int(words[0]) >> 1)

@@ -1,7 +1,7 @@
-"""The networks: a tiny character GPT, a fast MLP for tests, or a user's factory.
+"""The built-in character LM's networks: a tiny character GPT, a fast MLP for tests, or a factory.
 
 Every model maps ``tokens [B, T] -> logits [B, T, vocab]``. Dropout draws from
-the global torch generator, which is why that generator is part of the bundle.
+the global torch generator, which spotrun captures in every bundle.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from spotrun.trainer.spec import ModelSpec
+from spotrun import ModelSpec
 
 
 class _Block(nn.Module):
@@ -78,7 +78,8 @@ class MLP(nn.Module):
         return self.out(self.drop(h))
 
 
-def build_model(spec: ModelSpec, vocab_size: int, block_size: int) -> nn.Module:
+def build_network(spec: ModelSpec, vocab_size: int, block_size: int) -> nn.Module:
+    """The network ``model.kind`` names (``factory``: the user's ``module:function(spec, vocab_size)``)."""
     if spec.kind == "gpt":
         return CharGPT(spec, vocab_size, block_size)
     if spec.kind == "mlp":

@@ -1,0 +1,131 @@
+"""Small user jobs on the public API, for tests: a stateful stream, and state kept in and out of bounds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import spotrun
+
+
+class NoiseStream:
+    """An endless stream of (features, target) pairs; its position alone decides the next element."""
+
+    def __init__(self, seed: int, width: int = 8) -> None:
+        self.seed, self.width, self.pos = seed, width, 0
+
+    def __iter__(self) -> NoiseStream:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.pos)
+        x = torch.randn(self.width, generator=g)
+        self.pos += 1
+        return x, (x * torch.linspace(-1, 1, self.width)).sum(0, keepdim=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pos = int(state["pos"])
+
+
+def regression(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def stream_job(ctx: spotrun.BuildContext) -> spotrun.Job:
+    """A regression on a StreamData, with dropout, AdamW and a step schedule."""
+    return spotrun.Job(
+        model=lambda: nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1)),
+        data=spotrun.StreamData(NoiseStream(ctx.seed)),
+        step=regression,
+        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
+        scheduler=lambda opt, total: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7),
+    )
+
+
+def counter_job(ctx: spotrun.BuildContext, register: bool) -> spotrun.Job:
+    """The loss is scaled by how many microsteps this rank has run: state that shapes every update.
+    Registered (``register``), a restore puts it back; kept outside ``state``, a restart loses it."""
+    calls = Calls()
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        calls.n += 1
+        return regression(model, batch) * (1 + 0.05 * calls.n)
+
+    return spotrun.Job(
+        model=lambda: nn.Linear(8, 1),
+        data=spotrun.StreamData(NoiseStream(ctx.seed)),
+        step=step,
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
+        state={"calls": calls} if register else {},
+    )
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.n = int(state["n"])
+
+
+def registered_counter(ctx: spotrun.BuildContext) -> spotrun.Job:
+    return counter_job(ctx, register=True)
+
+
+def unregistered_counter(ctx: spotrun.BuildContext) -> spotrun.Job:
+    return counter_job(ctx, register=False)
+
+
+# -- bad input: each must be refused before any update, naming the problem --------------------
+
+
+def not_a_job(ctx: spotrun.BuildContext) -> dict:
+    return {"model": nn.Linear(8, 1)}
+
+
+def empty_dataset(ctx: spotrun.BuildContext) -> spotrun.Job:
+    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.MapData([]), step=regression,
+                       optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01))
+
+
+class HoldsAFunction:
+    """A state object whose state_dict holds code: a bundle must never need to unpickle it."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fn": regression}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def unsaveable_state(ctx: spotrun.BuildContext) -> spotrun.Job:
+    job = stream_job(ctx)
+    job.state = {"bank": HoldsAFunction()}
+    return job
+
+
+class TurnsUnsaveable(Calls):
+    """Saveable when built; from the third microstep on its state holds an object a bundle cannot."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n, **({"when": Calls()} if self.n > 2 else {})}
+
+
+def state_turns_unsaveable(ctx: spotrun.BuildContext) -> spotrun.Job:
+    calls = TurnsUnsaveable()
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        calls.n += 1
+        return regression(model, batch)
+
+    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.StreamData(NoiseStream(ctx.seed)), step=step,
+                       optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01), state={"late": calls})

@@ -1,0 +1,80 @@
+"""Where a rank trains: the GPU Ray assigned to it, or the CPU; and the settings exactness needs there.
+
+A rank given GPUs by Ray (``world.num_gpus_per_rank > 0``) trains on them: Ray sets the
+actor's ``CUDA_VISIBLE_DEVICES`` to the ids it assigned, so the first visible device is the
+rank's own (``cuda:0``; a fractional share is the same device). A rank that was given a GPU
+but whose torch sees no CUDA device (a CPU build of torch on a GPU node, a driver mismatch)
+is refused before any update: training silently on the CPU while the GPU idles is the one
+outcome a spot user pays for and never sees.
+
+Exactness on a GPU needs deterministic kernels (``torch.use_deterministic_algorithms``, with
+``CUBLAS_WORKSPACE_CONFIG`` set before cuBLAS starts), cuDNN's autotuner off, and no TF32
+unless the spec allows it (``train.allow_tf32``): TF32 rounds matmul inputs to 10 bits of
+mantissa, which changes results from one GPU generation to the next.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from spotrun.trainer.job import JobError
+
+
+class DeviceError(JobError):
+    """The rank cannot train on the device the spec asks for; the message names the node and the fix."""
+
+
+def select_device(num_gpus_per_rank: float, assigned: Sequence[str], *, cuda_available: bool, device_count: int,
+                  node: str) -> str:
+    """``"cpu"`` or ``"cuda:0"`` for a rank that Ray gave the GPU ids ``assigned``."""
+    if num_gpus_per_rank <= 0:
+        return "cpu"
+    build = f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none: a CPU-only build'})"
+    if not assigned:
+        raise DeviceError(f"node {node}: world.num_gpus_per_rank={num_gpus_per_rank:g}, but Ray assigned this rank "
+                          "no GPU. Start the Ray node with its GPUs (ray start --num-gpus N), or set "
+                          "world.num_gpus_per_rank=0 to train on CPUs.")
+    if not cuda_available or device_count == 0:
+        raise DeviceError(
+            f"node {node}: Ray assigned GPU {','.join(assigned)} to this rank, but {build} sees no CUDA device "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}). spotrun does not train "
+            "on the CPU while a GPU is paid for: install a CUDA build of torch that matches the node's driver "
+            "(e.g. pip install torch==<version> --index-url https://download.pytorch.org/whl/cu<xx>), or set "
+            "world.num_gpus_per_rank=0 to train on CPUs.")
+    return "cuda:0"
+
+
+def rank_device(num_gpus_per_rank: float, assigned: Sequence[str], node: str) -> str:
+    """:func:`select_device` for this process; pins the CUDA device and its deterministic settings."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: deterministic GEMMs
+    device = select_device(num_gpus_per_rank, assigned, cuda_available=torch.cuda.is_available(),
+                           device_count=torch.cuda.device_count() if torch.cuda.is_available() else 0, node=node)
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    return device
+
+
+def set_determinism(threads: int, allow_tf32: bool = False) -> None:
+    """Deterministic kernels and a fixed intra-op thread count (reduction order depends on it)."""
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(threads)
+    torch.backends.cudnn.benchmark = False  # the autotuner may pick another algorithm on another run
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    torch.backends.cudnn.allow_tf32 = allow_tf32
+
+
+def gpu_facts(device: str) -> dict[str, str | None]:
+    """The GPU model, CUDA runtime and driver a bundle was written with (all None on the CPU)."""
+    if not device.startswith("cuda"):
+        return {"gpu": None, "cuda": None, "driver": None}
+    driver = None
+    version_file = Path("/proc/driver/nvidia/version")
+    if version_file.exists():  # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  ..."
+        words = version_file.read_text().split()
+        driver = next((w for w in words if w.count(".") >= 1 and w.replace(".", "").isdigit()), None)
+    return {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda, "driver": driver}

@@ -1,0 +1,146 @@
+"""The user's job: what an entrypoint returns, and how the engine finds and checks it.
+
+A spec names an entrypoint, ``job: {entrypoint: "package.module:build", config: {...}}``. On every
+rank the engine seeds every global generator, calls ``build(ctx)`` with a :class:`BuildContext`,
+and trains the :class:`Job` it returns. spotrun owns the loop, the data order and cursor, every
+RNG, the update boundary and the bundle; the job brings pure pieces and registers the rest:
+
+- ``model()`` builds the network (called after every generator is seeded);
+- ``data`` is a :class:`~spotrun.trainer.data.kinds.MapData`, ``TokenData`` or ``StreamData``;
+- ``step(model, batch)`` returns the loss, or ``(loss, {"name": float, ...})``; spotrun does
+  backward, accumulation, clipping, the grad scaler, the optimizer and scheduler steps and
+  ``zero_grad``;
+- ``optimizer(model)`` and ``scheduler(optimizer, total_updates)`` build those two;
+- ``state`` maps a name to any object with ``state_dict()``/``load_state_dict()`` whose state
+  shapes later updates; each rank's copy is saved and restored (it must round-trip through
+  ``torch.load(weights_only=True)``).
+
+A spec without ``job`` runs the built-in character LM, :data:`BUILTIN`, written on this same API.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import io
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from spotrun.trainer.spec import JobSpec
+from spotrun.trainer.stateful import Stateful
+
+BUILTIN = "spotrun.recipes.char_lm:build"
+
+StepResult = torch.Tensor | tuple[torch.Tensor, Mapping[str, float]]
+RESERVED_METRICS = frozenset({"loss", "lr", "applied"})
+
+
+class JobError(ValueError):
+    """The job cannot be trained as written; the message names the piece and the fix."""
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What an entrypoint knows when it builds the job (the same on every attempt of a lineage)."""
+
+    config: Mapping[str, Any]  # the spec's free-form ``job.config``
+    seed: int
+    rank: int
+    world_size: int
+    device: str  # "cpu" or "cuda:<i>": where the model trains
+    total_updates: int  # train.updates: what a schedule runs to
+    spec: JobSpec  # the whole validated spec (read-only)
+
+
+@dataclass
+class Job:
+    """A training job on spotrun's engine (see the module docstring for each piece's contract)."""
+
+    model: Callable[[], nn.Module]
+    data: Any  # MapData | TokenData | StreamData (checked by the engine when it binds the data)
+    step: Callable[[nn.Module, Any], StepResult]
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    scheduler: Callable[[torch.optim.Optimizer, int], Any] | None = None
+    state: Mapping[str, Stateful] = field(default_factory=dict)
+    ema_decay: float | None = None  # keep an fp32 exponential moving average of the parameters
+
+    def __post_init__(self) -> None:
+        for name in ("model", "step", "optimizer"):
+            if not callable(getattr(self, name)):
+                raise JobError(f"spotrun.Job({name}=...) must be callable, got {type(getattr(self, name)).__name__}")
+        if self.scheduler is not None and not callable(self.scheduler):
+            raise JobError("spotrun.Job(scheduler=...) must be a callable (optimizer, total_updates) -> scheduler, "
+                           "or None")
+        if self.ema_decay is not None and not 0 <= self.ema_decay < 1:
+            raise JobError(f"spotrun.Job(ema_decay={self.ema_decay}) must be in [0, 1)")
+        for name, obj in self.state.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise JobError(f"spotrun.Job(state=...): the name {name!r} must be a Python identifier")
+            if not isinstance(obj, Stateful):
+                raise JobError(f"spotrun.Job(state={{{name!r}: ...}}): a {type(obj).__name__} has no "
+                               "state_dict()/load_state_dict(); register an object that has both")
+
+
+def load_entrypoint(ref: str) -> Callable[[BuildContext], Job]:
+    """Import ``package.module:function``; a :class:`JobError` says what failed and where it looked."""
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # an ImportError, or anything the module raised while importing
+        where = ", ".join(p or "." for p in sys.path[:6])
+        raise JobError(
+            f"job.entrypoint {ref!r}: module {module_name!r} cannot be imported ({type(e).__name__}: {e}). "
+            f"It was looked for on the Python path ({where}, ...): run spotrun from the folder that holds "
+            f"the module (spotrun submit ships the working directory), or install it in this environment."
+        ) from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise JobError(f"job.entrypoint {ref!r}: module {module_name!r} ({module.__file__}) has no function "
+                       f"{attr!r}; name a function build(ctx: spotrun.BuildContext) -> spotrun.Job")
+    return fn
+
+
+def build_job(spec: JobSpec, *, rank: int, world_size: int, device: str) -> Job:
+    """Call the spec's entrypoint (or the built-in recipe) and check what it returned."""
+    ref = entrypoint_of(spec)
+    fn = load_entrypoint(ref)
+    ctx = BuildContext(config=dict(spec.job.config) if spec.job else {}, seed=spec.seed, rank=rank,
+                       world_size=world_size, device=device, total_updates=spec.train.updates, spec=spec)
+    job = fn(ctx)
+    if not isinstance(job, Job):
+        raise JobError(f"job.entrypoint {ref!r} returned a {type(job).__name__}, not a spotrun.Job; "
+                       "return spotrun.Job(model=..., data=..., step=..., optimizer=...)")
+    return job
+
+
+def entrypoint_of(spec: JobSpec) -> str:
+    return spec.job.entrypoint if spec.job else BUILTIN
+
+
+def code_fingerprint(spec: JobSpec) -> str:
+    """sha256 of the entrypoint module's source: a bundle restores only into the code that wrote it."""
+    module = sys.modules[entrypoint_of(spec).partition(":")[0]]
+    source = Path(module.__file__).read_bytes() if getattr(module, "__file__", None) else b""
+    return hashlib.sha256(source).hexdigest()[:16]
+
+
+def check_weights_only(owner: str, state: Any) -> None:
+    """Raise :class:`JobError` unless ``state`` survives ``torch.save`` then ``torch.load(weights_only=True)``:
+    a bundle is data, never code, so what it holds must load without unpickling objects."""
+    buf = io.BytesIO()
+    try:
+        torch.save(state, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+    except Exception as e:  # pickling or the weights-only unpickler refused something in it
+        raise JobError(
+            f"{owner}: its state_dict() cannot be saved as data ({type(e).__name__}: {str(e).splitlines()[0]}). "
+            "A bundle holds only tensors, numbers, strings, booleans, None and lists/tuples/dicts of them: "
+            "turn other objects into those in state_dict() and back in load_state_dict()."
+        ) from e
