@@ -20,7 +20,8 @@ test: venv
 demo: venv
 	$(PY) -m spotrun.orchestrator.demo
 
-# Every benchmark, each printing its table; together they write bench/RESULTS.md (~6 min on 2 cores).
+# Every benchmark, each printing its table; together they write bench/RESULTS.md and the README's
+# figures (~9 min on a quiet 2-core machine).
 bench: venv
 	$(PY) -m bench
 

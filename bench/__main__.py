@@ -1,7 +1,11 @@
 """``make bench``: run every bench in its own process, then assemble bench/RESULTS.md.
 
-    python -m bench            # the full set (about 6 minutes on 2 cores)
-    python -m bench --quick    # tiny runs, results under bench/.work/quick/
+    python -m bench                    # the full set (about 9 minutes on a quiet 2-core machine)
+    python -m bench --only NAME...     # those benches; the other sections of RESULTS.md stay as they were
+    python -m bench --quick            # tiny runs, results under bench/.work/quick/
+
+A full run (not ``--quick``) also rewrites the figures in the README's Performance section from the
+new bench/RESULTS.md (bench/readme.py).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import subprocess
 import sys
 import time
 
+from bench.readme import README, update_readme
 from bench.report import SECTIONS, assemble
 from bench.tables import BENCH, DEFAULT_RESULTS, WORK
 
@@ -27,15 +32,18 @@ def main() -> int:
     target = out / "RESULTS.md" if args.quick else BENCH / "RESULTS.md"
     t0 = time.perf_counter()
     failed = []
-    for name in SECTIONS:
-        if args.only and name not in args.only:
-            continue
+    ran = tuple(name for name in SECTIONS if not args.only or name in args.only)
+    for name in ran:
         print(f"\n=== {name} ===", flush=True)
+        for stale in out.glob(f"{name}.*"):  # a failed run must not leave an older run's section as its own
+            stale.unlink()
         cmd = [sys.executable, "-m", MODULES[name], "--out", str(out), *(["--quick"] if args.quick else [])]
         if subprocess.run(cmd).returncode != 0:
             failed.append(name)
     total = time.perf_counter() - t0
-    assemble(out, target, None if args.only else total, failed)
+    text = assemble(out, target, None if args.only else total, failed, ran)
+    if not args.quick:
+        update_readme(README, text)
     print(f"\nwrote {target} ({total / 60:.1f} min){'; failed: ' + ', '.join(failed) if failed else ''}")
     return 1 if failed else 0
 

@@ -97,8 +97,8 @@ def main() -> int:
                               "--set", "train.updates=24", "--set", "checkpoint.every_updates=3"], 1200)
     try:
         rep = json.loads(out[out.index("{"):out.rindex("}") + 1])
-        detail = (f"{rep['verdict']}, {rep['observed_contract']}, {rep['kills_injected']} faults, "
-                  f"bitwise {rep['params_bitwise_equal']}")
+        detail = (f"{rep['verdict']}, {rep['observed_contract']}, {rep['faults_delivered']} of "
+                  f"{rep['faults_planned']} faults delivered, bitwise {rep['params_bitwise_equal']}")
     except ValueError:
         detail = out.strip().splitlines()[-1] if out.strip() else "no output"
     rows.append(["verify --no-ray --kills 4 (1 GPU rank)", "pass" if code == 0 else "FAIL", detail, f"{sec:.0f}"])

@@ -36,7 +36,7 @@ def verify_one(folder: Path, sync: str, world: int, updates: int, kills: int) ->
     report = v.run()
     return {"sync": sync, "world": world, "verdict": report.verdict, "bitwise": report.params_bitwise_equal,
             "observed": report.observed_contract, "max_diff": report.params_max_abs_diff,
-            "first_divergence": report.first_divergence, "kills": report.kills_injected}
+            "first_divergence": report.first_divergence, "kills": report.faults_delivered}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The peer: the side-by-side job written as a Ray Train user writes it, run on ``TorchTrainer`` as installed.
+"""The peer: the side-by-side job written as a Ray Train user writes it at its best, run on ``TorchTrainer``.
 
 What it does, following Ray Train's "Saving and Loading Checkpoints" and
 "Handling Failures" guides (Ray Train V2, the default in Ray 2.60):
@@ -10,34 +10,37 @@ What it does, following Ray Train's "Saving and Loading Checkpoints" and
 - ``prepare_model`` (DDP; ``no_sync`` while accumulating) and
   ``prepare_data_loader`` over a shuffled ``DataLoader`` with one worker
   process, ``sampler.set_epoch(epoch)`` at each epoch, as the guide shows;
+  with ``loader_fix`` its ``worker_init_fn`` asks the kernel to kill the worker
+  when its parent dies (``PR_SET_PDEATHSIG``: the fix spotrun's own loader has;
+  without it a killed rank's forked worker keeps the rank's sockets open until
+  PyTorch's 5 s watchdog fires);
 - every K steps rank 0 saves model, optimizer, step and epoch position with
-  ``torch.save`` into a temporary directory and every rank calls
-  ``ray.train.report(metrics, checkpoint=...)`` (rank 0 with the checkpoint,
-  the others with none); at start, ``ray.train.get_checkpoint()`` resumes;
-- a metric point per step is appended to a log, as a tracker's
-  ``log_metric(name, value, step)`` stores it.
+  ``torch.save`` into a fresh temporary directory and every rank calls
+  ``ray.train.report(metrics, checkpoint=..., checkpoint_upload_mode=ASYNC)``
+  (rank 0 with the checkpoint, the others with none): the upload, and the wait
+  for the controller to take the report, run on Ray Train's background thread,
+  which deletes the directory once uploaded; at start, ``ray.train.get_checkpoint()``
+  resumes, skipping the batches of the steps already done in the saved epoch
+  (exact here: the sampler's order is a function of (seed, epoch) and the world
+  size is unchanged);
+- the controller polls its workers every ``poll_s`` seconds
+  (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default).
 
-Resume of the data position (``resume``), the part users write themselves:
-
-- ``epoch-restart``: re-enter the saved epoch and iterate its ``DataLoader``
-  from the start — the docs' pattern (they checkpoint once per epoch and
-  resume at an epoch) applied to checkpoints taken inside an epoch;
-- ``skip-steps``: also skip the batches of the steps already done in the
-  saved epoch (``itertools.islice``-style), which is exact here because the
-  sampler's order is a function of (seed, epoch) and the world size is
-  unchanged.
-
-Each worker appends what it did to ``<out>/rank-<r>.jsonl`` (its starts with
-their pid, every step's sample ids and time, every checkpoint's blocking
-time) so that the bench can compare it with spotrun's run the same way.
+The metrics Ray Train itself keeps are those reported with each checkpoint
+(``Result.metrics_dataframe``, every checkpoint kept). Each worker also appends
+what it did to ``<out>/rank-<r>.jsonl`` (its starts with their pid, every step's
+sample ids and time, every checkpoint's blocking time) so that the bench can
+time it and compare what it consumed with spotrun's run the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,6 +50,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
+
+POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 
 
 class ChunkDataset(Dataset):
@@ -68,6 +73,13 @@ class ChunkDataset(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         c = self.chunks[i]
         return c[:-1], c[1:], i
+
+
+def die_with_parent(worker_id: int) -> None:
+    """A loader worker dies the moment its parent (the rank) dies: PR_SET_PDEATHSIG."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def _append(path: Path, record: dict[str, Any]) -> None:
@@ -105,10 +117,13 @@ class Worker:
         self.model = ray.train.torch.prepare_model(model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=config["lr"])
         loader = DataLoader(dataset, batch_size=config["micro_batch"], shuffle=True,
-                            num_workers=config["workers"], drop_last=True)
+                            num_workers=config["workers"], drop_last=True,
+                            worker_init_fn=die_with_parent if config["loader_fix"] else None)
         self.loader = ray.train.torch.prepare_data_loader(loader)
         self.steps_per_epoch = len(self.loader) // config["accum_steps"]
         self.step, self.epoch, self.step_in_epoch = 0, 0, 0
+        self.staging = Path(config["out"]) / f"staging-{self.rank}"
+        self.staging.mkdir(exist_ok=True)
 
     def resume(self) -> None:
         import ray.train
@@ -127,9 +142,9 @@ class Worker:
             if self.world > 1:
                 self.loader.sampler.set_epoch(self.epoch)  # as the guide says
             batches = iter(self.loader)
-            done = self.step_in_epoch if self.c["resume"] == "skip-steps" else 0
+            done = self.step_in_epoch
             for _ in range(done * self.c["accum_steps"]):
-                next(batches)  # skipped: loaded and thrown away
+                next(batches)  # the steps already done in this epoch: loaded and thrown away
             for i in range(done, self.steps_per_epoch):
                 self.one_step(batches, i)
                 if self.step >= self.c["updates"]:
@@ -152,29 +167,27 @@ class Worker:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step, self.step_in_epoch = self.step + 1, i + 1
-        now = time.time()
-        _append(self.log, {"event": "step", "step": self.step, "attempt": self.attempt, "t": now, "ids": ids})
-        if self.rank == 0:  # the tracker: one appended point per step
-            _append(Path(c["out"]) / "metrics.jsonl", {"step": self.step, "name": "loss",
-                                                       "value": sum(losses) / len(losses), "t": now})
+        _append(self.log, {"event": "step", "step": self.step, "attempt": self.attempt, "t": time.time(),
+                           "ids": ids})
         if self.step % c["every"] == 0 or self.step == c["updates"]:
             self.checkpoint(sum(losses) / len(losses))
 
     def checkpoint(self, loss: float) -> None:
+        """Save and report; the blocking time is what this call took, from the loop's side."""
         import ray.train
 
         t0 = time.perf_counter()
         epoch, in_epoch = self.epoch, self.step_in_epoch
         if in_epoch == self.steps_per_epoch:
             epoch, in_epoch = epoch + 1, 0
-        metrics = {"loss": loss, "step": self.step}
+        checkpoint = None
         if self.rank == 0:
-            with tempfile.TemporaryDirectory() as d:
-                torch.save({"model": self.model.module.state_dict(), "optimizer": self.opt.state_dict(),
-                            "step": self.step, "epoch": epoch, "step_in_epoch": in_epoch}, Path(d) / "state.pt")
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
-        else:
-            ray.train.report(metrics, checkpoint=None)
+            d = Path(tempfile.mkdtemp(dir=self.staging))  # Ray Train deletes it once uploaded (ASYNC)
+            torch.save({"model": self.model.module.state_dict(), "optimizer": self.opt.state_dict(),
+                        "step": self.step, "epoch": epoch, "step_in_epoch": in_epoch}, d / "state.pt")
+            checkpoint = ray.train.Checkpoint.from_directory(d)
+        ray.train.report({"loss": loss, "step": self.step}, checkpoint=checkpoint,
+                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
         _append(self.log, {"event": "checkpoint", "step": self.step, "attempt": self.attempt,
                            "seconds": time.perf_counter() - t0})
 
@@ -185,8 +198,10 @@ def train_func(config: dict[str, Any]) -> None:
     worker.train()
 
 
-def fit(config: dict[str, Any], storage: Path, name: str, max_failures: int = 3):
-    """Run ``train_func`` on ``TorchTrainer`` with FailureConfig and CheckpointConfig."""
+def fit(config: dict[str, Any], storage: Path, name: str, poll_s: float | None, max_failures: int = 3):
+    """Run ``train_func`` on ``TorchTrainer`` with FailureConfig and CheckpointConfig (every checkpoint
+    kept, so that ``Result.metrics_dataframe`` holds every report); ``poll_s`` sets the controller's
+    poll for this run (None: Ray Train's default)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -195,6 +210,14 @@ def fit(config: dict[str, Any], storage: Path, name: str, max_failures: int = 3)
         scaling_config=ScalingConfig(num_workers=config["world_size"], use_gpu=False),
         run_config=RunConfig(name=name, storage_path=str(storage),
                              failure_config=FailureConfig(max_failures=max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=3)),
+                             checkpoint_config=CheckpointConfig()),
     )
-    return trainer.fit()
+    saved = os.environ.pop(POLL_ENV, None)
+    if poll_s is not None:
+        os.environ[POLL_ENV] = str(poll_s)  # the trainer hands it to its controller
+    try:
+        return trainer.fit()
+    finally:
+        os.environ.pop(POLL_ENV, None)
+        if saved is not None:
+            os.environ[POLL_ENV] = saved

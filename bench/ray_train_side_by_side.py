@@ -1,12 +1,18 @@
-"""Bench 4 — spotrun and Ray Train side by side: the same job, one worker SIGKILLed at the same update.
+"""Bench 4 — spotrun and Ray Train at its best, side by side: the same job, one worker SIGKILLed at the same update.
 
 Both run 2 workers on one local Ray instance (started here, 127.0.0.1), the
-same model, optimizer, global batch and records (see bench/peer_loop.py for
-exactly what the Ray Train loop does), a checkpoint every 10 updates, and 60
-updates. In each killed run, rank 1's process SIGKILLs itself at the start of
-update 27 (spotrun: a ``microstep`` fault; Ray Train: ``os.kill`` in the loop),
-and the bench sees the death from ``/proc`` the same way for both. Every
-figure is against an uninterrupted run of the same system in this bench.
+same model, optimizer, global batch and records (bench/peer_loop.py says
+exactly what the Ray Train loop does), at two checkpoint intervals: one inside
+the peer's controller poll and one well beyond it. spotrun runs with its
+defaults; Ray Train with asynchronous checkpoint upload, a 0.2 s controller
+poll and its DataLoader workers dying with their rank (the fix spotrun's own
+loader has). Ray Train's own settings are then varied one at a time: the
+loader without that fix, and the default 2 s poll. In each killed run, rank 1's
+process SIGKILLs itself at the start of the same update (spotrun: a
+``microstep`` fault; Ray Train: ``os.kill`` in the loop), and the bench sees the
+death from ``/proc`` the same way for both. Every figure is against an
+uninterrupted run of the same system in the same repetition; each cell is the
+median (min–max) over the repetitions.
 """
 
 from __future__ import annotations
@@ -18,30 +24,46 @@ from pathlib import Path
 
 from bench.observe import DeathWatch
 from bench.runs import Run, checkpoint_figures, first_attempt_pid, peer_pid, peer_run, restart_figures, spotrun_run
-from bench.tables import ROOT, Section, Stopwatch, Table, cli, fmt, ratio, work_folder
+from bench.tables import ROOT, Section, Stopwatch, Table, cli, fmt, median, work_folder
 
 
 @dataclass(frozen=True)
 class Shape:
     updates: int
-    every: int
     kill_at: int
+    intervals: tuple[int, ...]  # checkpoint every k updates: inside, then well beyond the peer's poll
+    reps: int
 
 
-FULL = Shape(updates=60, every=10, kill_at=27)
-QUICK = Shape(updates=14, every=5, kill_at=12)
+# ~15 ms an update here: every 10 updates is inside the 0.2 s poll, every 50 several polls apart
+FULL = Shape(updates=100, kill_at=77, intervals=(10, 50), reps=3)
+QUICK = Shape(updates=14, kill_at=11, intervals=(4, 8), reps=1)
 WORLD = 2
-RESUMES = ("epoch-restart", "skip-steps")
+FAST_POLL_S = 0.2
 
 
-def spotrun_job(root: Path, job_id: str, shape: Shape, kill: bool) -> Run:
+@dataclass(frozen=True)
+class System:
+    label: str
+    poll_s: float | None = None  # Ray Train's controller poll; None: its default, 2 s
+    loader_fix: bool = True  # Ray Train: PR_SET_PDEATHSIG in the DataLoader's worker_init_fn
+
+
+SPOTRUN = System("spotrun")
+PEER = System("Ray Train", poll_s=FAST_POLL_S)
+VARIANTS = (System("Ray Train, loader without the fix", poll_s=FAST_POLL_S, loader_fix=False),
+            System("Ray Train, default poll (2 s)"))
+
+
+def spotrun_job(root: Path, job_id: str, shape: Shape, every: int, kill: bool) -> Run:
+    """spotrun with its defaults (restart backoff included); the JSONL sink keeps the timed write log."""
     from spotrun.orchestrator.launch import run_on_ray
     from spotrun.orchestrator.specfile import load_spec
     from spotrun.trainer.storage import open_storage
 
     sets = [f"storage=file://{root}", f"data.shards={ROOT / 'configs/data/tiny'}", f"world.size={WORLD}",
-            f"train.updates={shape.updates}", f"checkpoint.every_updates={shape.every}", "data.workers=1",
-            "world.restart_backoff_s=0", "metrics.sinks=[sqlite, jsonl]"]
+            f"train.updates={shape.updates}", f"checkpoint.every_updates={every}", "data.workers=1",
+            "metrics.sinks=[sqlite, jsonl]"]
     if kill:
         sets.append(f"faults=[{{site: microstep, update: {shape.kill_at}, microstep: 0, rank: 1}}]")
     spec = load_spec(ROOT / "configs/tiny.yaml", sets, job_id)
@@ -55,19 +77,19 @@ def spotrun_job(root: Path, job_id: str, shape: Shape, kill: bool) -> Run:
     return spotrun_run(spec, trace, outcome, watch.died_at if watch else None)
 
 
-def peer_config(out: Path, shape: Shape, kill: bool, resume: str) -> dict:
+def peer_config(out: Path, shape: Shape, every: int, kill: bool, system: System) -> dict:
     """The same job as configs/tiny.yaml at world size 2 (model, seq_len, micro-batch, accumulation, lr)."""
     from spotrun.orchestrator.specfile import load_spec
 
     spec = load_spec(ROOT / "configs/tiny.yaml", [f"data.shards={ROOT / 'configs/data/tiny'}"], "peer")
     return {"out": str(out), "shards": spec.data.shards, "vocab": spec.data.vocab, "seq_len": spec.data.seq_len,
             "micro_batch": spec.train.micro_batch, "accum_steps": spec.train.accum_steps,
-            "updates": shape.updates, "every": shape.every, "kill_at": shape.kill_at if kill else 0,
+            "updates": shape.updates, "every": every, "kill_at": shape.kill_at if kill else 0,
             "kill_rank": 1, "lr": spec.train.lr, "seed": spec.seed, "model": spec.model.model_dump(),
-            "workers": 1, "resume": resume, "world_size": WORLD}
+            "workers": 1, "loader_fix": system.loader_fix, "world_size": WORLD}
 
 
-def peer_job(root: Path, name: str, shape: Shape, kill: bool, resume: str) -> Run:
+def peer_job(root: Path, name: str, shape: Shape, every: int, kill: bool, system: System) -> Run:
     from bench.peer_loop import fit
 
     out = root / name
@@ -75,116 +97,189 @@ def peer_job(root: Path, name: str, shape: Shape, kill: bool, resume: str) -> Ru
     watch = DeathWatch(peer_pid(out, 1)) if kill else None
     if watch:
         watch.start()
-    result = fit(peer_config(out, shape, kill, resume), root / "ray-train-storage", name)
+    result = fit(peer_config(out, shape, every, kill, system), root / "ray-train-storage", name, system.poll_s)
     if watch:
         watch.stop()
     if result.error is not None:
         raise RuntimeError(f"Ray Train run {name} failed: {result.error}")
-    return peer_run(out, WORLD, watch.died_at if watch else None)
+    reported = [] if result.metrics_dataframe is None else result.metrics_dataframe.to_dict("records")
+    return peer_run(out, WORLD, watch.died_at if watch else None, reported)
 
 
-def run(shape: Shape, scratch: Path) -> dict[str, dict]:
+def one_run(system: System, scratch: Path, name: str, shape: Shape, every: int, kill: bool) -> Run:
+    clock = Stopwatch()
+    if system is SPOTRUN:
+        run = spotrun_job(scratch / name, "job", shape, every, kill)
+    else:
+        run = peer_job(scratch, name, shape, every, kill, system)
+    print(f"{name} ({system.label}): {clock.seconds:.1f} s", flush=True)  # progress: ~30 runs in all
+    return run
+
+
+def run(shape: Shape, scratch: Path) -> dict:
+    """Every repetition runs every configuration once, interleaved: drift in the machine's load hits all alike."""
     import ray
 
+    fair: dict[str, dict[str, list[dict]]] = {str(k): {SPOTRUN.label: [], PEER.label: []} for k in shape.intervals}
+    variants: dict[str, list[dict]] = {PEER.label: [], **{v.label: [] for v in VARIANTS}}
     ray.init(address="local", num_cpus=WORLD + 1, include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
     try:
-        spot_ref = spotrun_job(scratch / "spot-ref", "ref", shape, kill=False)
-        peer_ref = peer_job(scratch, "peer-ref", shape, kill=False, resume=RESUMES[0])
-        spot = spotrun_job(scratch / "spot-kill", "kill", shape, kill=True)
-        peers = {r: peer_job(scratch, f"peer-kill-{r}", shape, kill=True, resume=r) for r in RESUMES}
+        for rep in range(shape.reps):
+            refs = {}
+            for every in shape.intervals:
+                for system in (SPOTRUN, PEER):
+                    tag = f"{'spot' if system is SPOTRUN else 'peer'}-{every}-{rep}"
+                    ref = refs[(system.label, every)] = one_run(system, scratch, f"{tag}-ref", shape, every, False)
+                    killed = one_run(system, scratch, f"{tag}-kill", shape, every, True)
+                    cost = checkpoint_figures(ref, every)
+                    fair[str(every)][system.label].append(
+                        {**restart_figures(killed, ref, shape.kill_at), **cost, "interval_s": every * cost["step_s"]})
+            first = shape.intervals[0]
+            variants[PEER.label].append(fair[str(first)][PEER.label][-1])
+            for i, system in enumerate(VARIANTS):  # against this repetition's uninterrupted Ray Train run
+                killed = one_run(system, scratch, f"variant{i}-{rep}", shape, first, True)
+                variants[system.label].append(restart_figures(killed, refs[(PEER.label, first)], shape.kill_at))
     finally:
         ray.shutdown()
-    out = {"spotrun": {**restart_figures(spot, spot_ref, shape.kill_at),
-                       **{f"ckpt_{k}": v for k, v in checkpoint_figures(spot_ref, shape.every).items()}}}
-    for r, p in peers.items():
-        out[f"Ray Train ({r})"] = {**restart_figures(p, peer_ref, shape.kill_at),
-                                   **{f"ckpt_{k}": v for k, v in checkpoint_figures(peer_ref, shape.every).items()}}
-    return out
+    return {"shape": shape.__dict__, "fast_poll_s": FAST_POLL_S, "fair": fair, "variants": variants}
 
 
-ROWS = (
+RESTART_ROWS = (
     ("kill_to_next_update_s", "kill → next completed update (s)"),
     ("kill_to_killed_update_s", "kill → the killed update completed (s)"),
     ("resumed_from", "resumed from the checkpoint of update"),
     ("updates_lost", "updates lost (done after that checkpoint, redone)"),
     ("gaps", "occurrence gaps vs the uninterrupted run"),
     ("duplicates", "occurrence duplicates vs the uninterrupted run"),
-    ("metric_duplicates_read", "metric points duplicated (same step and name), as read"),
-    ("metric_duplicates_written", "metric points duplicated, as written"),
+    ("metric_duplicates_read", "metric points a reader sees twice (same step and name)"),
+    ("metric_duplicates_written", "metric points written twice"),
     ("restarts", "restarts"),
-    ("ckpt_block_s", "checkpoint: loop blocked per checkpoint (s, median)"),
-    ("ckpt_extra_updates", "checkpoint: extra time per checkpoint (update-times)"),
-    ("ckpt_wall_s", "uninterrupted: update 1 → last update (s)"),
 )
+CHECKPOINT_ROWS = (
+    ("interval_s", "checkpoint: time between checkpoints (s, interval × median update)"),
+    ("block_s", "checkpoint: loop blocked in the checkpoint call (s, median)"),
+    ("extra_updates", "checkpoint: extra time per checkpoint (update-times)"),
+    ("step_s", "uninterrupted: median update (s)"),
+    ("wall_s", "uninterrupted: update 1 → last update (s)"),
+)
+# lower is better for each of these: where Ray Train's median is lower, it is ahead
+COMPARED = {"kill_to_next_update_s": "kill → next update (s)", "kill_to_killed_update_s": "kill → killed update (s)",
+            "updates_lost": "updates lost", "block_s": "loop blocked per checkpoint (s)",
+            "extra_updates": "extra time per checkpoint (update-times)", "step_s": "median update (s)",
+            "wall_s": "uninterrupted run (s)"}
 
 
-def tables(results: dict[str, dict]) -> tuple[list[Table], list[str]]:
-    systems = list(results)
-    peers = [s for s in systems if s != "spotrun"]
-    t = Table("The same 2-worker job, rank 1 SIGKILLed at the same update",
-              ["", *systems, *(f"spotrun / {p.split('(')[1].rstrip(')')}" for p in peers)])
-    for key, label in ROWS:
-        vals = [results[s][key] for s in systems]
-        rel = [fmt(ratio(results["spotrun"][key], results[p][key])) + "×"
-               if key.endswith("_s") and results[p][key] else "" for p in peers]
-        t.add(label, *(fmt(v) for v in vals), *rel)
-    t.notes += [
-        "occurrences: spotrun's are token spans of records (epoch/shard:line[start:end]); the Ray Train loop's "
-        "are fixed-length chunks of the token stream (epoch/chunk). Each system is compared with its own "
-        "uninterrupted run, step by step, keeping the latest attempt of every redone step",
-        "metric points: spotrun's default SQLite sink upserts by <job>/<update>/<name> (its raw JSONL log keeps "
-        "every write); the Ray Train loop appends a point per step, as a tracker's log_metric(step=) does",
-        "checkpoint blocked: spotrun's capture (the stall; writing happens in the background); Ray Train's "
-        "torch.save into a temporary directory plus ray.train.report (synchronous upload, the default). "
-        "extra time per checkpoint: the step after a checkpoint minus the median step, in the uninterrupted run",
-        "Ray Train's report() returns only once its controller has taken the previous report (a queue of one, "
-        "read at the controller's poll, every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S = 2 s by default). Checkpoints "
-        "here are a fraction of a second apart, so every report waits for that poll, and a checkpoint reported "
-        "shortly before the kill may not be registered yet: Ray Train then resumes from the one before. Both "
-        "effects shrink when checkpoints are further apart than the poll interval",
-        "world.restart_backoff_s=0 for spotrun (its default 0.5 s would add); Ray Train restarts without a "
-        "backoff by default. Both loops use one DataLoader worker process per rank",
-    ]
-    return [t], verdicts(results, peers)
+def spread(values: Sequence) -> str:
+    """median (min–max) over the repetitions; one figure when they agree."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "—"
+    lo, mid, hi = min(values), median(values), max(values)
+    return fmt(mid) if lo == hi else f"{fmt(mid)} ({fmt(lo)}–{fmt(hi)})"
 
 
-def verdicts(results: dict[str, dict], peers: list[str]) -> list[str]:
-    s = results["spotrun"]
-    faster = all((s["kill_to_next_update_s"] or 1e9) < (results[p]["kill_to_next_update_s"] or 0) for p in peers)
-    times = ", ".join(f"{p}: {fmt(results[p]['kill_to_next_update_s'])} s" for p in peers)
-    clean = s["gaps"] == 0 and s["duplicates"] == 0 and s["metric_duplicates_read"] == 0
-    shown = [p for p in peers if results[p]["gaps"] or results[p]["duplicates"] or results[p]["metric_duplicates_read"]]
+def _med(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return median(values) if values else None
+
+
+def tables(results: dict) -> tuple[list[Table], list[str]]:
+    fair, shape = results["fair"], results["shape"]
+    columns = [""]
+    for every in fair:
+        columns += [f"spotrun, every {every}", f"Ray Train, every {every}", f"spotrun / Ray Train, every {every}"]
+    main = Table(f"The same 2-worker job, rank 1 SIGKILLed at update {shape['kill_at']} of {shape['updates']}: "
+                 f"median (min–max) of {shape['reps']} runs each", columns)
+    for key, label in (*RESTART_ROWS, *CHECKPOINT_ROWS):
+        cells = [label]
+        for runs in fair.values():
+            s, p = _med(runs[SPOTRUN.label], key), _med(runs[PEER.label], key)
+            rel = f"{fmt(s / p)}×" if key.endswith("_s") and s is not None and p else ""
+            cells += [spread([r.get(key) for r in runs[SPOTRUN.label]]),
+                      spread([r.get(key) for r in runs[PEER.label]]), rel]
+        main.add(*cells)
+    main.notes += NOTES
+    first = next(iter(fair))
+    variants = results["variants"]
+    settings = Table(f"Ray Train's settings one at a time, checkpoint every {first} updates: median (min–max) of "
+                     f"{shape['reps']} runs each", ["", *variants])
+    for key, label in RESTART_ROWS:
+        settings.add(label, *(spread([r.get(key) for r in runs]) for runs in variants.values()))
+    settings.notes.append(f"Ray Train: asynchronous upload, a {results['fast_poll_s']} s controller poll and the "
+                          "loader fix, as in the table above; then the loader without the fix (its killed rank's "
+                          "forked worker holds the rank's sockets open until PyTorch's 5 s watchdog fires), then "
+                          "the default 2 s poll. Gaps and duplicates against the uninterrupted Ray Train run")
+    return [main, settings], verdicts(results)
+
+
+NOTES = [
+    "spotrun runs with its defaults (world.restart_backoff_s 0.5 s with jitter, a 20 ms supervisor poll); "
+    "Ray Train with ray.train.report(..., checkpoint_upload_mode=CheckpointUploadMode.ASYNC), "
+    f"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S={FAST_POLL_S} (its default is 2 s: second table) and "
+    "FailureConfig(max_failures=3), no backoff. Both loops use one DataLoader worker process per rank, which "
+    "dies with its rank (PR_SET_PDEATHSIG)",
+    "loop blocked in the checkpoint call: wall time on rank 0 from the loop's side. spotrun: the full stall "
+    "recorded with each bundle (the previous write finishing, the capture, the manifest draft); Ray Train: "
+    "torch.save into a temporary directory plus ray.train.report (the upload and the wait for the controller "
+    "run on its background thread). extra time per checkpoint: the step after a checkpoint minus the median "
+    "step, in the uninterrupted run",
+    "occurrences: spotrun's are token spans of records (epoch/shard:line[start:end]); the Ray Train loop's are "
+    "fixed-length chunks of the token stream (epoch/chunk), resumed by skipping the batches of the steps done "
+    "in the saved epoch. Each system is compared with its own uninterrupted run, step by step, keeping the "
+    "latest attempt of every redone step",
+    "metric points as Ray Train keeps them: Result.metrics_dataframe (one row per checkpoint report, every "
+    "checkpoint kept); spotrun's: read from its SQLite sink (upserted by <job>/<update>/<name>), written as its "
+    "JSONL log keeps every write",
+]
+
+
+def verdicts(results: dict) -> list[str]:
+    fair = results["fair"]
+    every = list(fair)
+    s_next = {k: _med(fair[k][SPOTRUN.label], "kill_to_next_update_s") for k in every}
+    p_next = {k: _med(fair[k][PEER.label], "kill_to_next_update_s") for k in every}
+    faster = all(s_next[k] is not None and p_next[k] is not None and s_next[k] < p_next[k] for k in every)
+    spot_runs = [r for k in every for r in fair[k][SPOTRUN.label]]
+    clean = all(r["gaps"] == 0 and r["duplicates"] == 0 and r["metric_duplicates_read"] == 0 for r in spot_runs)
+    peer_runs = [r for k in every for r in fair[k][PEER.label]]
+    wins = [f"{what}, every {k}: {fmt(p)} vs spotrun {fmt(s)}"
+            for k in every for key, what in COMPARED.items()
+            if (s := _med(fair[k][SPOTRUN.label], key)) is not None
+            and (p := _med(fair[k][PEER.label], key)) is not None and p < s]
     return [
-        f"restart faster than Ray Train's on the same kill: **{'MET' if faster else 'NOT MET'}** "
-        f"(kill → next update: spotrun {fmt(s['kill_to_next_update_s'])} s; {times})",
-        f"0 gaps and 0 duplicates where Ray Train shows some: **{'MET' if clean else 'NOT MET'}** (spotrun: "
-        f"{s['gaps']} gaps, {s['duplicates']} duplicate occurrences, {s['metric_duplicates_read']} duplicate "
-        f"metric points; Ray Train shows some in: {', '.join(shown) or 'none'})",
+        f"restart faster than Ray Train's (async upload, {results['fast_poll_s']} s poll, loader fix) on the same "
+        f"kill: **{'MET' if faster else 'NOT MET'}** (kill → next update, medians: "
+        + "; ".join(f"every {k}: spotrun {fmt(s_next[k])} s, Ray Train {fmt(p_next[k])} s" for k in every) + ")",
+        f"0 gaps and 0 duplicates: **{'MET' if clean else 'NOT MET'}** (spotrun, {len(spot_runs)} killed runs: "
+        f"{sum(r['gaps'] for r in spot_runs)} gaps, {sum(r['duplicates'] for r in spot_runs)} duplicate "
+        f"occurrences, {sum(r['metric_duplicates_read'] for r in spot_runs)} duplicate metric points read; "
+        f"Ray Train, {len(peer_runs)} killed runs: {sum(r['gaps'] for r in peer_runs)} gaps, "
+        f"{sum(r['duplicates'] for r in peer_runs)} duplicate occurrences, "
+        f"{sum(r['metric_duplicates_read'] for r in peer_runs)} duplicate metric points reported)",
+        "where Ray Train is ahead (lower median): " + ("; ".join(wins) if wins else "nowhere in this run"),
     ]
 
 
-INTRO = """The same job — spotrun's `tiny` model (1-layer char GPT), AdamW, a global batch of 2 workers ×
-4 sequences × 2 accumulation steps of 33 tokens, the `configs/data/tiny` records, a checkpoint every
-10 updates, 60 updates — on spotrun (`run_on_ray`) and on Ray Train's `TorchTrainer` with
-`FailureConfig(max_failures=3)` and `CheckpointConfig(num_to_keep=3)`, on one local Ray instance.
-Rank 1's process is SIGKILLed at the start of update 27 in each killed run. The Ray Train loop
-(bench/peer_loop.py) follows Ray Train's checkpointing and fault-tolerance guides; its resume of the
-data position is the part users write themselves, so it runs twice: `epoch-restart` (re-enter the
-saved epoch from its first batch: the guides' per-epoch pattern applied to checkpoints taken inside
-an epoch, which is what the guides' example becomes when checkpoints are every K steps) and
-`skip-steps` (also skip the batches of the steps already done in that epoch: exact here, because the
-distributed sampler's order is a function of seed and epoch and the world size did not change)."""
+def intro(shape: Shape) -> str:
+    return f"""The same job — spotrun's `tiny` model (1-layer char GPT), AdamW, a global batch of 2 workers ×
+4 sequences × 2 accumulation steps of 33 tokens, the `configs/data/tiny` records — on spotrun
+(`run_on_ray`, its defaults) and on Ray Train's `TorchTrainer` set up at its best (bench/peer_loop.py:
+asynchronous checkpoint upload, a {FAST_POLL_S} s controller poll, DataLoader workers that die with their rank,
+an exact resume of the data position), on one local Ray instance. Rank 1's process is SIGKILLed at
+the start of update {shape.kill_at} of {shape.updates} in each killed run, with checkpoints every
+{shape.intervals[0]} updates (inside Ray Train's {FAST_POLL_S} s poll) and every {shape.intervals[-1]} (several polls apart)."""
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = cli(__doc__.splitlines()[0], argv)
     clock = Stopwatch()
+    shape = QUICK if args.quick else FULL
     with work_folder("sidebyside") as folder:
-        results = run(QUICK if args.quick else FULL, folder)
+        results = run(shape, folder)
     tabs, verdict_lines = tables(results)
-    Section("4-ray-train-side-by-side", "4. Ray Train side by side", INTRO, tabs, verdict_lines, clock.seconds,
-            results).emit(args.out)
+    Section("4-ray-train-side-by-side", "4. Ray Train side by side", intro(shape), tabs, verdict_lines, clock.seconds,
+            results, clock.measured).emit(args.out)
 
 
 if __name__ == "__main__":

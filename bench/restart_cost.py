@@ -241,7 +241,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         ray = {} if args.no_ray else run_ray(folder, args.quick)
     tabs, verdicts, summary = tables(cursor, ray)
     Section("3-restart-cost", "3. Restart cost, broken down", INTRO, tabs, verdicts, clock.seconds,
-            {"cursor": cursor, "ray": ray, "summary": summary, "advance_seconds": advance_s}).emit(args.out)
+            {"cursor": cursor, "ray": ray, "summary": summary, "advance_seconds": advance_s},
+            clock.measured).emit(args.out)
 
 
 if __name__ == "__main__":

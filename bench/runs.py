@@ -2,9 +2,11 @@
 
 spotrun's run comes from its trace (occurrence ids per update and attempt), its
 raw JSONL metric log (one timestamped point per update and attempt), its
-default SQLite sink (what a reader of the metrics sees) and its ledger. The
-peer's comes from the logs its workers append (bench/peer_loop.py). Both are
-compared with an uninterrupted run of the same system.
+default SQLite sink (what a reader of the metrics sees) and its ledger (the
+stall of each checkpoint). The peer's comes from the logs its workers append
+(bench/peer_loop.py: times, ids, the blocking time of each checkpoint call) and
+from the metrics Ray Train itself kept. Both are compared with an uninterrupted
+run of the same system.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class Run:
     steps: list[Step]
     points: Counter  # (step, name) -> points a reader of the metrics sees
     raw_points: Counter  # (step, name) -> points written
-    checkpoint_block_s: list[float]  # what each checkpoint blocked the training loop for
+    checkpoint_block_s: list[float]  # wall time the training loop spent in each checkpoint call (rank 0)
     killed_at: float | None = None
     restarts: int = 0
     extra: dict = field(default_factory=dict)
@@ -114,7 +116,9 @@ def _epoch(iso: str) -> float:
 # -- the peer -------------------------------------------------------------------------------------
 
 
-def peer_run(out: Path, world: int, killed_at: float | None) -> Run:
+def peer_run(out: Path, world: int, killed_at: float | None, reported: list[dict]) -> Run:
+    """The peer's run from its workers' logs (timing, ids, blocking) and ``reported``, the metrics
+    Ray Train itself kept (``Result.metrics_dataframe`` rows: one per checkpoint report)."""
     by_key: dict[tuple[int, int], Step] = {}
     block: list[float] = []
     starts = 0
@@ -130,7 +134,7 @@ def peer_run(out: Path, world: int, killed_at: float | None) -> Run:
                 block.append(rec["seconds"])
             elif rec["event"] == "start" and rank == 0:
                 starts += 1
-    points = Counter((p["step"], p["name"]) for p in read_jsonl(out / "metrics.jsonl"))
+    points = Counter((int(m["step"]), "loss") for m in reported)
     steps = sorted(by_key.values(), key=lambda s: (s.attempt, s.step))
     return Run(steps, points, points, block, killed_at, max(0, starts - 1))
 

@@ -121,13 +121,15 @@ class Section:
     seconds: float
     data: dict[str, Any]
 
+    measured: str  # when it started, on what, and the machine's load then (Stopwatch.measured)
+
     def markdown(self) -> str:
-        parts = [f"## {self.title}", "", self.intro.strip(), ""]
+        parts = [f"<!-- section: {self.name} -->", f"## {self.title}", "", self.intro.strip(), ""]
         for t in self.tables:
             parts += [t.markdown()]
         if self.verdicts:
             parts += ["Targets:", ""] + [f"- {v}" for v in self.verdicts] + [""]
-        parts.append(f"_This bench ran in {self.seconds:.0f} s._\n")
+        parts.append(f"_Measured {self.measured}; this bench ran in {self.seconds:.0f} s._\n")
         return "\n".join(parts)
 
     def emit(self, out: Path) -> None:
@@ -143,6 +145,16 @@ class Section:
             indent=1, default=str))
 
 
+def _now_and_machine() -> str:
+    """When, on what, and how loaded the machine was: each section of RESULTS.md carries its own."""
+    from bench.machine import describe
+
+    m = describe(BENCH)  # the disk the work folders are on
+    return (f"{m['date']} on {m['cpu']}, {m['cores']} cores, {m['memory']}, {m['disk']}; kernel {m['kernel']}, "
+            f"python {m['python']}, torch {m['torch']}, ray {m['ray']}; load average at start "
+            f"{m['load average at start']}")
+
+
 def cli(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="a tiny run that only checks the bench still works")
@@ -154,6 +166,7 @@ def cli(description: str, argv: Sequence[str] | None = None) -> argparse.Namespa
 class Stopwatch:
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
+        self.measured = _now_and_machine()
 
     @property
     def seconds(self) -> float:

@@ -66,6 +66,7 @@ def run_once(job: Job, every: int | None, root: Path, tag: str) -> dict:
         "step_s": {u: at[u] - at[u - 1] for u in range(job.warmup + 1, job.updates + 1)},
         "checkpoints_in_window": len(inside),
         "stall_s": median([e.stall_seconds for e in inside]),
+        "capture_s": median([e.capture_seconds for e in inside]),
         "write_s": median([e.write_seconds for e in inside]),
         "bundle_bytes": median([e.bytes for e in inside]),
     }
@@ -103,13 +104,13 @@ def checkpoint_cost(run: dict, baseline: dict, every: int) -> float:
 def tables(results: dict[str, dict]) -> tuple[list[Table], dict]:
     t = Table("Training throughput with checkpoints, relative to the same job without",
               ["job", "checkpoint every", "updates/s vs none", "cost per checkpoint (update-times)",
-               "throughput that cost implies", "stall per checkpoint (update-times)", "checkpoints timed",
-               "bundle"])
+               "throughput that cost implies", "stall per checkpoint (update-times)",
+               "of which capture (update-times)", "checkpoints timed", "bundle"])
     summary: dict = {}
     for label, r in results.items():
         baselines = [x["updates_per_s"] for x in r["runs"]["None"]]
         base = median(baselines)
-        t.add(label, "never", "100 %", "—", "—", "—", 0, "—")
+        t.add(label, "never", "100 %", "—", "—", "—", "—", 0, "—")
         for every, runs in r["runs"].items():
             if every == "None":
                 continue
@@ -117,8 +118,9 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], dict]:
             rel = median([ratio(x["updates_per_s"], b) for x, b in zip(runs, baselines, strict=True)])
             cost = median([checkpoint_cost(x, b, int(every)) for x, b in zip(runs, r["runs"]["None"], strict=True)])
             stall = median([x["stall_s"] for x in runs]) * base
+            capture = median([x["capture_s"] for x in runs]) * base
             nbytes = median([x["bundle_bytes"] for x in runs])
-            t.add("", every, pct(rel), fmt(cost), pct(1 / (1 + cost / int(every))), fmt(stall),
+            t.add("", every, pct(rel), fmt(cost), pct(1 / (1 + cost / int(every))), fmt(stall), fmt(capture),
                   int(median([x["checkpoints_in_window"] for x in runs])), f"{nbytes / 1e6:.2f} MB")
             summary.setdefault(label, {})[every] = {"relative_rate": rel, "cost_per_checkpoint_updates": cost}
         summary.setdefault(label, {})["baseline_updates_per_s"] = base
@@ -126,7 +128,9 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], dict]:
         "updates/s vs none: the mean rate over the timed window, so one burst of load from elsewhere moves it; "
         "cost per checkpoint: from the update intervals' medians (see checkpoint_cost), robust to such bursts. "
         "A checkpoint costing c update-times slows training to about 1 / (1 + c / k) at an interval of k",
-        "stall per checkpoint = the capture's median seconds × the baseline rate (in update-times)",
+        "stall per checkpoint = the median stall recorded with each bundle (all the loop waited for: the "
+        "previous write finishing, the capture, the manifest draft) × the baseline rate, in update-times; "
+        "of which capture: the host copy alone",
         "each repetition is a round of every variant; a ratio is the median over rounds of the variant's rate "
         "over the same round's no-checkpoint rate. The first updates (warm-up) and the job's final "
         "checkpoint are outside the timed window",
@@ -137,9 +141,9 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], dict]:
 INTRO = """Real jobs through `run_in_process` (supervisor, rank runner, background bundle writer,
 publisher with retention `keep_last: 3`) at checkpoint intervals of 1, 10 and 100 updates,
 against the same job with no checkpoint inside the timed window. A checkpoint's cost is the
-stall (the host copy) plus the background write competing with training for the two cores, plus
-the wait when the next checkpoint comes before the previous write finished (at most one write is
-in flight)."""
+stall (the wait when the next checkpoint comes before the previous write finished — at most one
+write is in flight —, the host copy, the manifest draft) plus the background write competing with
+training for the two cores."""
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -149,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         results = run(QUICK if args.quick else FULL, QUICK_EVERY if args.quick else EVERY, folder)
     tabs, summary = tables(results)
     Section("2-training-overhead", "2. Training overhead of checkpointing", INTRO, tabs, [], clock.seconds,
-            {"results": results, "summary": summary}).emit(args.out)
+            {"results": results, "summary": summary}, clock.measured).emit(args.out)
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def cmd_history(a: argparse.Namespace) -> int:
            ["attempt", "started_at", "world_size", "published", "last_update", "ended"])
     _table("restarts", doc["restarts"], ["attempt", "cause", "detected_at", "restored_from", "recovery_label",
                                         "world_size_before", "world_size_after", "lost_updates",
-                                        "downtime_seconds"])
+                                        "downtime_seconds", "time_lost_seconds"])
     return 0
 
 

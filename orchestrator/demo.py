@@ -1,13 +1,18 @@
-"""``make demo``: a real 2-rank job on an embedded local Ray, preempted twice, finishing exactly.
+"""``make demo``: a real 2-rank job on a local Ray, preempted twice, checked against an uninterrupted run.
 
-Runs ``configs/demo.yaml`` as ``spotrun run`` in a subprocess, SIGKILLs one rank's
-process (read from the ledger) at two random points, lets the supervisor restart
-from the newest published bundle each time, then prints the restart history and
-checks the final trace against the promise: every update 1..N once, in order.
+Starts one local Ray instance and runs ``configs/demo.yaml`` on it twice, each as
+``spotrun run --address`` in a subprocess: first uninterrupted (the reference), then
+again under another job id while this script SIGKILLs one rank's process (read from
+the ledger) at two random points; the supervisor restarts from the newest published
+bundle each time. It prints the restart history, then checks the interrupted run
+update by update against the reference: every update 1..N present, and for each the
+digest of the occurrences it trained on and of all parameters after it (the trace's
+``occurrences_sha256`` and ``params_sha256``) equal to the reference's.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -19,11 +24,13 @@ from pathlib import Path
 from rich.console import Console
 
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import latest_per_update, read_trace
+from spotrun.trainer.trace import UpdateRecord, latest_per_update, read_trace
 
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger
+from spotrun.orchestrator.specfile import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs/demo.yaml"
 console = Console()
 
 
@@ -38,18 +45,14 @@ def wait_until(predicate, proc: subprocess.Popen, what: str, timeout: float = 30
         time.sleep(0.05)
 
 
-def main() -> int:
-    runs = ROOT / "runs-demo"
-    job = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    trace = runs / f"{job}.trace.jsonl"
-    runs.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "spotrun", "run", str(ROOT / "configs/demo.yaml"), "--job-id", job,
-           "--trace", str(trace), "--set", f"storage=file://{runs}",
-           "--set", f"data.shards={ROOT / 'configs/data/tiny'}"]
-    rng = random.Random()
-    kills = sorted(rng.sample(range(12, 70), 2))
-    ledger = Ledger(open_storage(f"file://{runs}"), job)
-    console.rule(f"[bold]spotrun demo: job {job}, 2 ranks, 80 updates; SIGKILL a rank after updates {kills}")
+def run_cmd(runs: Path, job: str, trace: Path, address: str) -> list[str]:
+    return [sys.executable, "-m", "spotrun", "run", str(CONFIG), "--job-id", job,
+            "--trace", str(trace), "--address", address, "--set", f"storage=file://{runs}",
+            "--set", f"data.shards={ROOT / 'configs/data/tiny'}"]
+
+
+def kill_ranks(cmd: list[str], ledger: Ledger, trace: Path, kills: list[int], rng: random.Random) -> int:
+    """Run ``cmd``; SIGKILL a random rank's process once the trace holds each of ``kills`` updates."""
     proc = subprocess.Popen(cmd, cwd=ROOT)
     lines = lambda: len(trace.read_text().splitlines()) if trace.exists() else 0  # noqa: E731
     for n, at in enumerate(kills, start=1):
@@ -60,16 +63,57 @@ def main() -> int:
         os.kill(started.rank_pids[rank], signal.SIGKILL)
         console.print(f"[red]preempted[/]: SIGKILL rank {rank} (pid {started.rank_pids[rank]}) "
                       f"after ~{lines()} updates")
-    if proc.wait() != 0:
-        return proc.returncode
+    return proc.wait()
+
+
+def differences(reference: dict[int, UpdateRecord], final: dict[int, UpdateRecord], updates: int) -> list[str]:
+    """Every way the interrupted run's final updates differ from the reference's (empty: none)."""
+    out = [f"update {u} is missing" for u in range(1, updates + 1) if u not in final]
+    out += [f"update {u} is not in the reference" for u in sorted(set(final) - set(reference))]
+    for u in sorted(set(final) & set(reference)):
+        r, f = reference[u], final[u]
+        if (r.occurrences_sha256, r.n_occurrences) != (f.occurrences_sha256, f.n_occurrences):
+            out.append(f"update {u} trained on other occurrences")
+        elif r.params_sha256 != f.params_sha256:
+            out.append(f"update {u} left other parameters")
+    return out
+
+
+def main() -> int:
+    import ray
+
+    runs = ROOT / "runs-demo"
+    updates = load_spec(CONFIG, [], "demo").train.updates
+    job = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    trace, ref_trace = runs / f"{job}.trace.jsonl", runs / f"{job}-reference.trace.jsonl"
+    runs.mkdir(exist_ok=True)
+    rng = random.Random()
+    kills = sorted(rng.sample(range(12, 70), 2))
+    # one Ray instance for both runs: it starts once, and the ranks of each run are its workers
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        console.rule(f"[bold]spotrun demo: the reference {job}-reference, 2 ranks, {updates} updates, uninterrupted")
+        subprocess.run(run_cmd(runs, f"{job}-reference", ref_trace, address), cwd=ROOT, check=True)
+        console.rule(f"[bold]{job}: the same job; SIGKILL a rank after updates {kills}")
+        code = kill_ranks(run_cmd(runs, job, trace, address), Ledger(open_storage(f"file://{runs}"), job), trace,
+                          kills, rng)
+    finally:
+        ray.shutdown()
+    if code != 0:
+        return code
     subprocess.run([sys.executable, "-m", "spotrun", "history", job, "--storage", f"file://{runs}"],
                    cwd=ROOT, check=True)
-    final = latest_per_update(read_trace(trace))
-    replayed = len(read_trace(trace)) - len(final)
-    ok = sorted(final) == list(range(1, 81))
-    console.print(f"trace: {len(final)} distinct updates, {replayed} replayed after the kills; "
-                  f"{'every update 1..80 present once in the final run' if ok else 'UPDATES MISSING'}")
-    return 0 if ok else 1
+    written = read_trace(trace)
+    final = latest_per_update(written)
+    wrong = differences(latest_per_update(read_trace(ref_trace)), final, updates)
+    console.print(f"trace: {len(final)} distinct updates, {len(written) - len(final)} replayed after the kills")
+    if wrong:
+        console.print(f"[red]NOT EXACT[/]: {len(wrong)} difference(s) from the reference: " + "; ".join(wrong[:5]))
+        return 1
+    console.print(f"[green]EXACT[/]: all {updates} updates present once in the final run, each with the same "
+                  "occurrences and bitwise-equal parameters as the uninterrupted reference")
+    return 0
 
 
 if __name__ == "__main__":

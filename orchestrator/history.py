@@ -5,6 +5,7 @@ Both are plain dicts (what ``--json`` prints); the CLI renders them as tables.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from spotrun.trainer.bundle import BundleCorrupt, list_bundles, read_manifest
@@ -32,12 +33,20 @@ def history(storage: Storage, job_id: str) -> dict[str, Any]:
     """Attempts, and one row per restart with its cause and what it cost.
 
     A restart row joins the loss that ended an attempt (``worker_lost``; absent when
-    the driver itself died) with the restore that began the next one."""
+    the driver itself died) with the start of the next one: its restore, or, when no
+    bundle was published yet (or none verified), its start from nothing, which loses
+    everything the attempt before it did. ``time_lost_seconds`` is the wall time from
+    the moment the state the restart resumed from was current (the restored bundle's
+    publication, or the previous attempt's start when that is later or nothing was
+    restored) to this attempt's start: the work thrown away plus the downtime."""
     events = Ledger(storage, job_id).read()
     attempts: dict[int, dict[str, Any]] = {}
     restarts: list[dict[str, Any]] = []
     losses: dict[int, WorkerLost] = {}
     handled: dict[int, NoticeHandled] = {}
+    started: dict[int, AttemptStarted] = {}
+    published_at: dict[str, datetime] = {}
+    resumed: set[int] = set()  # attempts that restored a bundle or began a new lineage
     corrupt, topology, rejected = [], [], []
     state = "unknown"
     for e in events:
@@ -49,10 +58,12 @@ def history(storage: Storage, job_id: str) -> dict[str, Any]:
                                             "last_update": None, "ended": None})
         a["ended_at"] = e.at.isoformat()
         if isinstance(e, AttemptStarted):
+            started[e.attempt] = e
             a.update(started_at=e.at.isoformat(), world_size=e.world_size, node_ids=e.node_ids,
                      lineage_id=e.lineage_id)
             state = "running"
         elif isinstance(e, BundlePublished):
+            published_at[e.bundle] = e.at
             a["published"] += 1
             a["last_update"] = max(a["last_update"] or 0, e.update)
         elif isinstance(e, NoticeHandled):
@@ -63,28 +74,11 @@ def history(storage: Storage, job_id: str) -> dict[str, Any]:
         elif isinstance(e, Resizing):
             a.update(ended=f"scale-up to {e.world_size_target}")
         elif isinstance(e, Restored):
-            loss = losses.get(e.attempt - 1)
-            previous_ended = attempts.get(e.attempt - 1, {}).get("ended")
-            restarts.append({
-                "attempt": e.attempt,
-                # no loss recorded: the driver itself died (or a finished job was run again)
-                "cause": loss.cause if loss else ("scale-up" if e.cause == "scale-up" else
-                                                  "resumed" if previous_ended else "driver-exit"),
-                "detected_at": (loss.at if loss else e.at).isoformat(),
-                "restored_from": e.bundle,
-                "restored_update": e.update,
-                "recovery_label": e.recovery_label,
-                "policy": e.policy,
-                "restore_mode": e.restore_mode,
-                "world_size_before": e.world_size_before,
-                "world_size_after": e.world_size_after,
-                "lost_updates": e.lost_updates,
-                "restore_seconds": round(e.restore_seconds, 4),
-                "downtime_seconds": round((e.at - loss.at).total_seconds(), 3) if loss else None,
-                "notice_to_publish_seconds": (handled[e.attempt - 1].notice_to_publish_seconds
-                                              if e.attempt - 1 in handled else None),
-            })
+            resumed.add(e.attempt)
+            restarts.append(_restart(e.attempt, losses.get(e.attempt - 1), attempts.get(e.attempt - 1, {}),
+                                     started, handled, e, published_at.get(e.bundle)))
         elif isinstance(e, InitializedFrom):
+            resumed.add(e.attempt)
             a.update(initialized_from=e.bundle, recovery_label=e.recovery_label, reset=e.reset)
         elif isinstance(e, TopologyChanged):
             topology.append(e.model_dump(mode="json"))
@@ -97,8 +91,47 @@ def history(storage: Storage, job_id: str) -> dict[str, Any]:
         elif isinstance(e, JobFailed):
             a["ended"] = f"failed: {e.reason}"
             state = "failed"
+    for n in sorted(set(started) - resumed - {min(started, default=0)}):  # restarts from nothing
+        restarts.append(_restart(n, losses.get(n - 1), attempts.get(n - 1, {}), started, handled, None, None))
+    restarts.sort(key=lambda r: r["attempt"])
     return {"job_id": job_id, "state": state, "attempts": list(attempts.values()), "restarts": restarts,
             "topology_changes": topology, "rejected_bundles": rejected, "corrupt_events": corrupt}
+
+
+def _restart(attempt: int, loss: WorkerLost | None, previous: dict[str, Any], started: dict[int, AttemptStarted],
+             handled: dict[int, NoticeHandled], restored: Restored | None,
+             bundle_published_at: datetime | None) -> dict[str, Any]:
+    """One restart row: attempt ``attempt`` began after ``loss`` ended the attempt before it (None: the
+    driver died, or the job was run again), from ``restored`` (None: from nothing)."""
+    this, before = started.get(attempt), started.get(attempt - 1)
+    begun = restored.at if restored is not None else this.at
+    if restored is not None and restored.cause == "scale-up":
+        cause = "scale-up"
+    else:
+        # no loss recorded: the driver itself died (or an ended job was run again)
+        cause = loss.cause if loss else ("resumed" if previous.get("ended") else "driver-exit")
+    current_since = max(filter(None, [before.at if before else None, bundle_published_at]), default=None)
+    lost_seconds = 0.0 if previous.get("ended") == "finished" else (
+        round((begun - current_since).total_seconds(), 3) if current_since else None)
+    return {
+        "attempt": attempt,
+        "cause": cause,
+        "detected_at": (loss.at if loss else begun).isoformat(),
+        "restored_from": restored.bundle if restored else None,
+        "restored_update": restored.update if restored else 0,
+        "recovery_label": restored.recovery_label if restored else "fresh",
+        "policy": restored.policy if restored else None,
+        "restore_mode": restored.restore_mode if restored else None,
+        "world_size_before": restored.world_size_before if restored else (before.world_size if before else None),
+        "world_size_after": restored.world_size_after if restored else (this.world_size if this else None),
+        # from nothing, everything the lost attempt completed is redone
+        "lost_updates": restored.lost_updates if restored else (loss.last_update if loss else None),
+        "restore_seconds": round(restored.restore_seconds, 4) if restored else 0.0,
+        "downtime_seconds": round((begun - loss.at).total_seconds(), 3) if loss else None,
+        "time_lost_seconds": lost_seconds,
+        "notice_to_publish_seconds": (handled[attempt - 1].notice_to_publish_seconds
+                                      if attempt - 1 in handled else None),
+    }
 
 
 def bundles(storage: Storage, job_id: str) -> list[dict[str, Any]]:
@@ -109,7 +142,8 @@ def bundles(storage: Storage, job_id: str) -> list[dict[str, Any]]:
         if ref.published:
             try:
                 m = read_manifest(storage, ref.key)
-                row.update(bytes=m.total_bytes, stall_seconds=m.stall_seconds, write_seconds=m.write_seconds,
+                row.update(bytes=m.total_bytes, stall_seconds=m.stall_seconds, capture_seconds=m.capture_seconds,
+                           write_wait_seconds=m.write_wait_seconds, write_seconds=m.write_seconds,
                            cursor=m.data.cursor.model_dump(), recovery_label=m.recovery_label,
                            created_at=m.created_at.isoformat())
             except (ManifestError, BundleCorrupt, OSError) as e:  # e.g. retention removed it meanwhile

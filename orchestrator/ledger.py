@@ -147,8 +147,10 @@ class BundlePublished(_Event):
     bundle: str
     update: int
     bytes: int
-    stall_seconds: float
+    stall_seconds: float  # all rank 0's loop waited for at the boundary (see Manifest.stall_seconds)
     write_seconds: float
+    capture_seconds: float | None = None  # of the stall: the copy to host memory (None: not recorded)
+    write_wait_seconds: float | None = None  # of the stall: the previous write finishing
     storage_retries: int = 0  # transient storage errors retried by the job so far, all processes
 
 

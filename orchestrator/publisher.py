@@ -107,6 +107,7 @@ class Publisher:
         self.ledger.append(BundlePublished(
             attempt=manifest.attempt, bundle=bundle_key, update=update, bytes=manifest.total_bytes,
             stall_seconds=manifest.stall_seconds, write_seconds=manifest.write_seconds,
+            capture_seconds=manifest.capture_seconds, write_wait_seconds=manifest.write_wait_seconds,
             storage_retries=self.storage_retries))
         self.after_publish(update)
         self.commit_offsets(manifest, bundle_key, manifest.attempt)

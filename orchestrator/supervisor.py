@@ -33,7 +33,7 @@ from tenacity import RetryCallState, wait_exponential_jitter
 from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, first_that_loads, list_bundles, read_manifest
 from spotrun.trainer.counters import Counters
 from spotrun.trainer.data.listing import open_source
-from spotrun.trainer.faults import FaultInjector
+from spotrun.trainer.faults import FaultInjector, FaultLog
 from spotrun.trainer.manifest import Manifest, UnknownSchemaError
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.storage import open_storage
@@ -260,7 +260,8 @@ class Supervisor:
             self._capacity_event(st, size, "placed")
         self.attempts = self.ledger.next_attempt()
         self.publisher.begin_attempt(self.attempts, size)
-        self._faults = FaultInjector(self.spec.faults, self.attempts, rank=0)
+        self._faults = FaultInjector(self.spec.faults, self.attempts, rank=0,
+                                     log=FaultLog(self.storage, self.spec.job_id))
         candidates = self._candidates()
         resuming = bool(candidates)
         label = policy.recovery_label(self.spec, st.world_before, size) if resuming else (

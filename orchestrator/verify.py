@@ -6,13 +6,22 @@
    fault site: a rank's process SIGKILLed mid-accumulation, mid-microstep (after
    the forward pass) and during a background bundle write; a kill between
    manifest publish and offsets commit; a preemption notice (SIGTERM). A killed
-   driver is started again with the same command, as a user would.
-3. Compare update by update: occurrences (gaps, duplicates), parameters (bitwise,
-   or the policy's tolerance), metric points, counters; and collect the restore
-   oracle's findings (state categories that differed right after a restore).
+   driver is started again with the same command, as a user would. Each fault
+   records itself in the job's storage before its signal is sent; only those
+   records count as delivered.
+3. Compare update by update: the interrupted run must reach the reference's last
+   update; occurrences (gaps, duplicates), parameters (bitwise, or the policy's
+   tolerance), metric points per (update, name) in every sink's final view and in
+   the raw writes of every attempt, counters; and collect the restore oracle's
+   findings (state categories that differed right after a restore).
+
+Both runs also write the ``jsonl`` metric sink (added when the spec lacks it): its
+log keeps every point every attempt wrote, which is what the raw counts are read from.
 
 The verdict passes only when the contract that held is at least the declared one
-(strict: ``exact``; elastic: ``exact-data``; fresh-epoch: ``fresh-epoch``).
+(strict: ``exact``; elastic: ``exact-data``; fresh-epoch: ``fresh-epoch``), the run
+reached its end, every metric check is 0, the final counters are equal and every
+planned fault site was hit. ``failures`` says which did not hold.
 """
 
 from __future__ import annotations
@@ -20,21 +29,32 @@ from __future__ import annotations
 import bisect
 import json
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotrun.trainer.bundle import list_bundles, load_bundle
-from spotrun.trainer.metrics import metrics_dir, open_sinks
+from spotrun.trainer.faults import FaultLog
+from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_sinks
 from spotrun.trainer.spec import FaultSpec, JobSpec
-from spotrun.trainer.storage import open_storage
+from spotrun.trainer.storage import Storage, open_storage
 from spotrun.trainer.trace import UpdateRecord, latest_per_update, read_trace
 
+from spotrun.orchestrator.comparison import (
+    NODE_SITE,
+    MetricComparison,
+    compare_metrics,
+    fault_delivery,
+    final_bundle_diff,
+    first_differing_tensor,
+    locate,
+    reach,
+    span_balance,
+)
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored
 from spotrun.orchestrator.supervisor import JobFailedError
@@ -42,8 +62,9 @@ from spotrun.orchestrator.supervisor import JobFailedError
 CONTRACTS = ("exact", "exact-data", "fresh-epoch")  # strongest first
 DECLARED = {"strict": "exact", "elastic": "exact-data", "fresh-epoch": "fresh-epoch"}
 SITES = ("mid-accumulation", "mid-microstep", "bundle-write", "publish-to-offsets", "notice")
-NODE_SITE = "node-removed"  # only on a multi-node cluster (verify --nodes N)
-PARAM_TOLERANCE = 1e-3  # exact-data: max |param difference| after the run
+PARAM_TOLERANCE = 1e-3  # exact-data: max |param difference| after the run, and relative metric difference
+# the tolerance on metric values each contract promises (None: values are not promised equal)
+METRIC_TOLERANCE = {"exact": 0.0, "exact-data": PARAM_TOLERANCE, "fresh-epoch": None}
 
 
 @dataclass
@@ -56,19 +77,35 @@ class Divergence:
 @dataclass
 class Report:
     verdict: str
+    failures: list[str]  # one line per check that did not hold; empty on a pass
     declared_contract: str
     observed_contract: str
-    kills_injected: int
-    fault_sites: list[str]
+    faults_planned: int
+    faults_delivered: int  # recorded by the fault as it fired (or a node removal verify carried out)
+    kills_injected: int  # delivered SIGKILLs and node removals
+    notices_injected: int  # delivered SIGTERMs
+    fault_sites_planned: list[str]
+    fault_sites_hit: list[str]
     fault_sites_not_applicable: dict[str, str]
+    faults_not_delivered: list[dict[str, Any]]
     restarts: int
+    restores_from_bundle: int  # restarts that restored a bundle (the others started from nothing)
+    reference_updates: int
+    chaos_last_update: int
     occurrence_gaps: int
     occurrence_duplicates: int
     updates_compared: int
     params_bitwise_equal: bool
     params_max_abs_diff: float
-    metric_duplicates: int
+    metric_sinks: list[str]
+    metric_writes: int  # points written by every attempt of the interrupted run (the raw log)
+    metric_duplicates_written: int  # what a consumer that appends instead of upserting would hold twice
+    metric_duplicates: int  # in the sinks' final views: must be 0
+    metric_missing: int
+    metric_extra: int
     metric_mismatches: int
+    metric_stale: int
+    metric_problems: list[str]
     counters_equal: bool
     lost_updates: int
     restart_seconds: list[float]
@@ -99,7 +136,10 @@ def plan_faults(spec: JobSpec, kills: int, seed: int,
     sites = (*SITES, NODE_SITE) if nodes else SITES
     faults: list[FaultSpec] = []
     removals: list[NodeRemoval] = []
-    update = every  # from the first bundle on, so that every fault is followed by a real restore
+    # From one interval after the first bundle on: it is written in the background and published by
+    # the supervisor's next poll, and a fault an update after its boundary often came first (under
+    # load, every fault of a short plan did), so that no restart restored a bundle at all.
+    update = 2 * every
     for i in range(kills):
         site = sites[i % len(sites)]
         if site in ("bundle-write", "publish-to-offsets"):
@@ -129,14 +169,6 @@ def plan_faults(spec: JobSpec, kills: int, seed: int,
     return faults, removals
 
 
-def site_name(f: FaultSpec) -> str:
-    if f.signal == "SIGTERM":
-        return "notice"
-    return {"microstep": "mid-accumulation" if f.microstep else "microstep-start", "backward": "mid-microstep",
-            "bundle_write": "bundle-write", "after_publish": "publish-to-offsets",
-            "before_update": "before-update"}[f.site]
-
-
 class Verifier:
     def __init__(self, config: str, overrides: list[str], *, kills: int, seed: int, no_ray: bool,
                  workdir: Path, load, nodes: int = 0, mutate: tuple[str, ...] = ()) -> None:
@@ -145,9 +177,15 @@ class Verifier:
         self.kills, self.seed, self.no_ray = kills, seed, no_ray
         self.nodes = nodes  # > 0: run on a local multi-node cluster and remove nodes too
         self.cluster = None
+        self.removed = 0  # node removals carried out (each is a delivered fault)
         self.workdir = workdir
         self.load = load  # load_spec
-        self.spec: JobSpec = load(config, overrides)
+        spec: JobSpec = load(config, self.overrides)
+        if "jsonl" not in spec.metrics.sinks:
+            # the JSONL sink's log keeps every write of every attempt: the raw view of the metric points
+            self.overrides.append(f"metrics.sinks=[{', '.join([*spec.metrics.sinks, 'jsonl'])}]")
+            spec = load(config, self.overrides)
+        self.spec = spec
 
     def _cmd(self, job: str, trace: Path, extra: list[str], drop: tuple[str, ...] = ()) -> list[str]:
         build = ["spotrun.orchestrator.mutant", "--drop", ",".join(drop)] if drop else ["spotrun"]
@@ -165,6 +203,8 @@ class Verifier:
         Meanwhile remove the planned nodes (and add a fresh one each time: capacity comes back)."""
         storage = open_storage(self.spec.storage, self.spec.storage_endpoint_url)
         storage.delete_prefix(job)
+        # on non-file storage the local sinks live elsewhere: a previous verify's points must go too
+        shutil.rmtree(metrics_dir(self.spec.storage, job, self.spec.metrics.local_dir), ignore_errors=True)
         trace.unlink(missing_ok=True)
         pending = list(removals)
         for n in range(1, max_runs + 1):
@@ -195,6 +235,7 @@ class Verifier:
         node = next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
         if node is not None:
             self.cluster.remove_node(node)
+            self.removed += 1
             self.cluster.add_node(num_cpus=self.spec.world.cpus_per_rank)
         return True
 
@@ -229,18 +270,15 @@ class Verifier:
                 faults: list[FaultSpec], removals: list[NodeRemoval] = ()) -> Report:
         spec = self.spec
         storage = open_storage(spec.storage, spec.storage_endpoint_url)
-        ref = {r.update: r for r in read_trace(ref_trace)}
-        chaos = latest_per_update(read_trace(chaos_trace))
+        ref, chaos = _final_trace(ref_trace), _final_trace(chaos_trace)
+        short = reach(ref, chaos, spec.train.updates)
         gaps, dups = span_balance(ref, chaos)
         divergence = self._first_divergence(ref, chaos, storage, ref_job, chaos_job)
-        occurrences_equal = all(ref[u].occurrences_sha256 == chaos.get(u, ref[u]).occurrences_sha256 for u in ref) \
-            and set(chaos) == set(ref)
+        occurrences_equal = not short and all(ref[u].occurrences_sha256 == chaos[u].occurrences_sha256 for u in ref)
         bitwise = occurrences_equal and all(ref[u].params_sha256 == chaos[u].params_sha256 for u in ref)
         max_diff, counters_equal = final_bundle_diff(storage, ref_job, chaos_job)
-        metric_dups, metric_mismatches = self._metrics(ref_job, chaos_job, chaos)
         events = Ledger(storage, chaos_job).read()
-        restores = [e for e in events if isinstance(e, Restored)]
-        oracle = sorted({m for r in restores for m in r.roundtrip_mismatches})
+        oracle = sorted({m for e in events if isinstance(e, Restored) for m in e.roundtrip_mismatches})
         if bitwise and not gaps and not dups and not oracle:
             observed = "exact"
         elif occurrences_equal and not gaps and not dups and max_diff <= PARAM_TOLERANCE:
@@ -250,20 +288,28 @@ class Verifier:
         else:
             observed = "none"
         declared = DECLARED[spec.world.policy]
-        holds = observed in CONTRACTS and CONTRACTS.index(observed) <= CONTRACTS.index(declared)
-        passed = holds and metric_dups == 0 and counters_equal
+        metrics = self._metrics(storage, ref_job, chaos_job, METRIC_TOLERANCE[declared])
+        delivery = fault_delivery(faults, FaultLog(storage, chaos_job).read(), len(removals), self.removed)
+        failures = verdict_failures(declared, observed, short, metrics, counters_equal, delivery.sites_missed)
         rows = history(storage, chaos_job)["restarts"]
-        attempts = sum(1 for e in events if isinstance(e, AttemptStarted))
         return Report(
-            verdict="pass" if passed else "fail",
+            verdict="fail" if failures else "pass", failures=failures,
             declared_contract=declared, observed_contract=observed,
-            kills_injected=max(0, attempts - 1),
-            fault_sites=sorted({site_name(f) for f in faults} | ({NODE_SITE} if removals else set())),
+            faults_planned=delivery.planned, faults_delivered=delivery.delivered, kills_injected=delivery.kills,
+            notices_injected=delivery.notices, fault_sites_planned=delivery.sites_planned,
+            fault_sites_hit=delivery.sites_hit,
             fault_sites_not_applicable={} if removals else {
                 NODE_SITE: "the job runs on a single node; run verify --nodes N to exercise it"},
-            restarts=len(rows), occurrence_gaps=gaps, occurrence_duplicates=dups,
+            faults_not_delivered=delivery.not_delivered,
+            restarts=len(rows), restores_from_bundle=sum(r["restored_from"] is not None for r in rows),
+            reference_updates=len(ref), chaos_last_update=max(chaos, default=0),
+            occurrence_gaps=gaps, occurrence_duplicates=dups,
             updates_compared=len(set(ref) & set(chaos)), params_bitwise_equal=bitwise, params_max_abs_diff=max_diff,
-            metric_duplicates=metric_dups, metric_mismatches=metric_mismatches, counters_equal=counters_equal,
+            metric_sinks=metrics.sinks, metric_writes=metrics.writes,
+            metric_duplicates_written=metrics.duplicates_written, metric_duplicates=metrics.duplicates,
+            metric_missing=metrics.missing, metric_extra=metrics.extra, metric_mismatches=metrics.mismatches,
+            metric_stale=metrics.stale, metric_problems=metrics.problems,
+            counters_equal=counters_equal,
             lost_updates=sum(r["lost_updates"] or 0 for r in rows),
             restart_seconds=[r["downtime_seconds"] if r["downtime_seconds"] is not None else r["restore_seconds"]
                              for r in rows],
@@ -296,71 +342,50 @@ class Verifier:
                 return f"rank {rank}, microstep {micro}: expected occurrence {a}, got {b}"
         return f"expected {len(r.occurrences)} occurrence spans, got {len(c.occurrences)}"
 
-    def _metrics(self, ref_job: str, chaos_job: str, chaos: dict[int, UpdateRecord]) -> tuple[int, int]:
+    def _metrics(self, storage: Storage, ref_job: str, chaos_job: str, tolerance: float | None) -> MetricComparison:
+        """Every sink's final view of the interrupted run and the raw log of its writes, against the
+        reference's points (as its first sink reads them)."""
         spec = self.spec
-        ref_sink = open_sinks(spec.metrics.sinks, metrics_dir(spec.storage, ref_job, spec.metrics.local_dir))
-        chaos_sink = open_sinks(spec.metrics.sinks, metrics_dir(spec.storage, chaos_job, spec.metrics.local_dir))
-        try:
-            ref_points = {(p.update, p.name): p.value for p in ref_sink.read(ref_job)}
-            chaos_points = chaos_sink.read(chaos_job)
-        finally:
-            ref_sink.close()
-            chaos_sink.close()
-        counts = Counter((p.update, p.name) for p in chaos_points)
-        dups = sum(n - 1 for n in counts.values() if n > 1)
-        mismatches = sum(1 for p in chaos_points if ref_points.get((p.update, p.name)) != p.value)
-        return dups, mismatches
+        kinds = list(spec.metrics.sinks)
+        reference = read_sink(spec, storage, kinds[0], ref_job)
+        finals = {kind: read_sink(spec, storage, kind, chaos_job) for kind in kinds}
+        log = metrics_dir(spec.storage, chaos_job, spec.metrics.local_dir) / "metrics.jsonl"
+        return compare_metrics(reference, finals, JsonlSink(log).writes(chaos_job), tolerance)
 
 
-def locate(sequence: int, world_size: int, micro_batch: int) -> tuple[int, int]:
-    """(rank, microstep) that trains on the ``sequence``-th sequence of an update's global batch."""
-    block = sequence // micro_batch  # the inverse of trainer.data.planner.slice_for
-    return block % world_size, block // world_size
+def read_sink(spec: JobSpec, storage: Storage, kind: str, job_id: str) -> list[MetricPoint]:
+    """What the ``kind`` sink of ``job_id`` reads back (one point per key for an upserting sink)."""
+    sink = open_sinks([kind], metrics_dir(spec.storage, job_id, spec.metrics.local_dir), storage)
+    try:
+        return sink.read(job_id)
+    finally:
+        sink.close()
 
 
-def span_balance(ref: dict[int, UpdateRecord], chaos: dict[int, UpdateRecord]) -> tuple[int, int]:
-    """(gaps, duplicates): occurrence spans of the reference missing from, or extra in, the final run."""
-    want = Counter(s for r in ref.values() for s in (r.occurrences or []))
-    got = Counter(s for r in chaos.values() for s in (r.occurrences or []))
-    return sum((want - got).values()), sum((got - want).values())
+def verdict_failures(declared: str, observed: str, short: list[str], metrics: MetricComparison,
+                     counters_equal: bool, sites_missed: list[str]) -> list[str]:
+    """One line per check that did not hold (an empty list is a pass)."""
+    holds = observed in CONTRACTS and CONTRACTS.index(observed) <= CONTRACTS.index(declared)
+    failures = [] if holds else [f"the contract that held ({observed}) is weaker than the declared {declared}"]
+    failures += short
+    if not metrics.ok:
+        failures.append(f"metric points: {metrics.duplicates} duplicated, {metrics.missing} missing, "
+                        f"{metrics.extra} unexpected, {metrics.mismatches} differing from the reference, "
+                        f"{metrics.stale} older than their latest write ({'; '.join(metrics.problems)})")
+    if not counters_equal:
+        failures.append("the final bundles' counters differ (or a run published none)")
+    if sites_missed:
+        failures.append(f"planned fault sites never hit: {', '.join(sites_missed)} (no fault there fired)")
+    return failures
 
 
-def _final_model(storage, job: str):
-    newest = next((r for r in list_bundles(storage, job) if r.published), None)
-    if newest is None:
-        return None, None
-    bundle = load_bundle(storage, newest.key, None)
-    return bundle.payloads["rank-0/model.pt"], bundle.manifest.counters
-
-
-def final_bundle_diff(storage, ref_job: str, chaos_job: str) -> tuple[float, bool]:
-    (a, ca), (b, cb) = _final_model(storage, ref_job), _final_model(storage, chaos_job)
-    if a is None or b is None:
-        return float("inf"), False
-    diff = max(float((a["model"][k].float() - b["model"][k].float()).abs().max()) for k in a["model"])
-    return diff, ca == cb
-
-
-def first_differing_tensor(storage, ref_job: str, chaos_job: str, update: int) -> str:
-    """Name the first tensor that differs at the first boundary at or after ``update`` both runs kept."""
-    ref = {r.update: r.key for r in list_bundles(storage, ref_job) if r.published}
-    chaos = {r.update: r.key for r in list_bundles(storage, chaos_job) if r.published}
-    common = sorted(u for u in set(ref) & set(chaos) if u >= update)
-    if not common:
-        return "parameter digest differs (no common bundle to name the tensor)"
-    u = common[0]
-    a = load_bundle(storage, ref[u], None).payloads["rank-0/model.pt"]
-    b = load_bundle(storage, chaos[u], None).payloads["rank-0/model.pt"]
-    for part in ("model", "ema"):
-        for name in sorted(a[part]):
-            if not a[part][name].equal(b[part][name]):
-                diff = float((a[part][name].float() - b[part][name].float()).abs().max())
-                return f"tensor {part}.{name} differs by up to {diff:.3g} (compared at the bundle of update {u})"
-    return f"parameter digest differs at update {update}"
+def _final_trace(path: Path) -> dict[int, UpdateRecord]:
+    """Each update as the latest attempt did it; no file (the run never completed an update): none."""
+    return latest_per_update(read_trace(path)) if path.exists() else {}
 
 
 def render(report: Report, console) -> None:
-    """The human report: what was injected, what was compared, and the first divergence, if any."""
+    """The human report: what was injected, what was compared, what failed, and the first divergence."""
     from rich.table import Table
 
     ok = report.verdict == "pass"
@@ -370,17 +395,26 @@ def render(report: Report, console) -> None:
                       + ("verify caught it (the FAIL below is the expected outcome)" if not ok else
                          "[bold red]not caught[/]: losing it had no observable effect on this job's updates"))
     console.print(f"[bold]{'PASS' if ok else 'FAIL'}[/]: declared contract [bold]{report.declared_contract}[/], "
-                  f"observed [bold]{report.observed_contract}[/] ({report.kills_injected} faults injected, "
-                  f"{report.restarts} restarts, {report.updates_compared} updates compared)")
+                  f"observed [bold]{report.observed_contract}[/] ({report.faults_delivered} of "
+                  f"{report.faults_planned} planned faults delivered, {report.restarts} restarts, "
+                  f"{report.updates_compared} updates compared)")
     t = Table(title="comparison with the uninterrupted run")
     t.add_column("check")
     t.add_column("result")
     for name, value in (
-        ("fault sites hit", ", ".join(report.fault_sites)),
+        ("fault sites planned", ", ".join(report.fault_sites_planned)),
+        ("fault sites hit (recorded as they fired)", ", ".join(report.fault_sites_hit) or "none"),
+        ("kills / notices delivered", f"{report.kills_injected} / {report.notices_injected}"),
+        ("restarts / of which from a bundle", f"{report.restarts} / {report.restores_from_bundle}"),
+        ("updates: reference / reached", f"{report.reference_updates} / {report.chaos_last_update}"),
         ("occurrence gaps / duplicates", f"{report.occurrence_gaps} / {report.occurrence_duplicates}"),
         ("parameters bitwise equal", str(report.params_bitwise_equal)),
         ("max |param difference| at the end", f"{report.params_max_abs_diff:.3g}"),
-        ("metric duplicates / mismatches", f"{report.metric_duplicates} / {report.metric_mismatches}"),
+        (f"metric points in {', '.join(report.metric_sinks)}: duplicated / missing / unexpected / differing / "
+         "stale", f"{report.metric_duplicates} / {report.metric_missing} / {report.metric_extra} / "
+                  f"{report.metric_mismatches} / {report.metric_stale}"),
+        ("metric points written by every attempt / written again (an appending consumer's duplicates)",
+         f"{report.metric_writes} / {report.metric_duplicates_written}"),
         ("final counters equal", str(report.counters_equal)),
         ("updates lost to kills (replayed)", str(report.lost_updates)),
         ("restart seconds", ", ".join(f"{x:.2f}" for x in report.restart_seconds)),
@@ -388,6 +422,8 @@ def render(report: Report, console) -> None:
     ):
         t.add_row(name, value)
     console.print(t)
+    for line in report.failures:
+        console.print(f"[red]failed[/]: {line}", highlight=False)
     if report.first_divergence:
         d = report.first_divergence
         console.print(f"first divergence: update {d['update']} ({d['what']}): {d['detail']}")

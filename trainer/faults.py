@@ -4,6 +4,12 @@ A ``SIGKILL`` fault really kills the running process (no cleanup, no flush
 beyond what already reached the OS); a ``SIGTERM`` fault is a preemption
 notice the process must survive and act on. Each fault is scoped to one
 attempt and fires once, so the resumed job runs past the same place.
+
+Every fault that fires is recorded first: a create-only :class:`FaultFired`
+object under ``<job_id>/faults/`` in the job's storage, written (and, for a
+file, renamed into place) before the signal is sent, so it survives the
+SIGKILL it precedes. ``spotrun verify`` counts what was delivered from these
+records, never from the plan or from the number of restarts.
 """
 
 from __future__ import annotations
@@ -12,19 +18,82 @@ import os
 import signal
 import sys
 from collections.abc import Iterable
+from datetime import datetime, timezone
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spotrun.trainer.spec import FaultSite, FaultSpec
+from spotrun.trainer.storage import Storage
+
+
+class FaultFired(BaseModel):
+    """One delivered fault: the planned :class:`FaultSpec` fields, the process it hit and when."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    site: FaultSite
+    signal: str
+    update: int
+    microstep: int
+    attempt: int
+    rank: int
+    pid: int
+    at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+
+    def matches(self, f: FaultSpec) -> bool:
+        return (self.site, self.signal, self.update, self.microstep, self.attempt, self.rank) == (
+            f.site, f.signal, f.update, f.microstep, f.attempt, f.rank)
+
+
+def faults_prefix(job_id: str) -> str:
+    return f"{job_id}/faults/"
+
+
+class FaultLog:
+    """Where a job's delivered faults are recorded: create-only objects in its storage."""
+
+    def __init__(self, storage: Storage, job_id: str) -> None:
+        self.storage = storage
+        self.job_id = job_id
+
+    def record(self, fired: FaultFired) -> None:
+        key = (f"{faults_prefix(self.job_id)}a{fired.attempt}-r{fired.rank}-{fired.site}"
+               f"-u{fired.update}-m{fired.microstep}.json")
+        # create-only: a fault fires once per attempt; a second record of it would be a bug upstream
+        if not self.storage.put_new(key, fired.model_dump_json().encode()):
+            raise RuntimeError(f"fault {key} was already recorded as delivered")
+
+    def read(self) -> list[FaultFired]:
+        """Every delivered fault, in key order. A file that does not parse is an error: it can only
+        be a record torn by something other than the signal it precedes (it is written first)."""
+        out = []
+        for key in self.storage.list(faults_prefix(self.job_id)):
+            try:
+                out.append(FaultFired.model_validate_json(self.storage.get(key)))
+            except ValidationError as e:
+                raise ValueError(f"fault record {key} is not a FaultFired: {e}") from e
+        return out
 
 
 class FaultInjector:
-    def __init__(self, faults: Iterable[FaultSpec], attempt: int, rank: int) -> None:
+    def __init__(self, faults: Iterable[FaultSpec], attempt: int, rank: int, log: FaultLog | None = None) -> None:
+        self.attempt, self.rank = attempt, rank
         self.armed = {
             (f.site, f.update, f.microstep): f.signal for f in faults if f.attempt == attempt and f.rank == rank
         }
+        self.log = log
+
+    def record_to(self, log: FaultLog) -> None:
+        """Record every fault this injector fires in ``log`` (before its signal is sent)."""
+        self.log = log
 
     def hit(self, site: FaultSite, update: int, microstep: int = 0) -> None:
         sig = self.armed.pop((site, update, microstep), None)
-        if sig is not None:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.kill(os.getpid(), getattr(signal, sig))
+        if sig is None:
+            return
+        if self.log is not None:
+            self.log.record(FaultFired(site=site, signal=sig, update=update, microstep=microstep,
+                                       attempt=self.attempt, rank=self.rank, pid=os.getpid()))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), getattr(signal, sig))

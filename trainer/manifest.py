@@ -136,7 +136,13 @@ class ManifestDraft(_M):
     world: WorldInfo
     precision: Precision
     versions: Versions
+    # What rank 0's training loop waited for at this boundary, in seconds. The stall is all of it:
+    # the previous bundle's write finishing, the capture to host memory, the manifest draft, the
+    # hand-off to the background writer. (Manifests written before capture_seconds existed hold
+    # the capture alone here.)
     stall_seconds: float = 0.0
+    write_wait_seconds: float = 0.0  # of the stall: waiting for the previous write to finish
+    capture_seconds: float = 0.0  # of the stall: the copy to host memory
 
 
 class Manifest(ManifestDraft):

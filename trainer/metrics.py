@@ -135,9 +135,17 @@ class JsonlSink:
             f.write(text)
 
     def read(self, job_id: str) -> list[MetricPoint]:
+        latest: dict[str, MetricPoint] = {}
+        for p in self.writes(job_id):
+            latest[p.key] = p  # later lines win: the upsert
+        return sorted(latest.values(), key=lambda p: (p.update, p.name))
+
+    def writes(self, job_id: str) -> list[MetricPoint]:
+        """Every point ever written for ``job_id``, every attempt's, in the order written: what a
+        consumer that does not upsert would have seen."""
         if not self.path.exists():
             return []
-        latest: dict[str, MetricPoint] = {}
+        out = []
         for line in self.path.read_text().splitlines():
             if not line.strip():
                 continue
@@ -146,8 +154,8 @@ class JsonlSink:
             except ValueError:
                 continue  # a torn last line from a killed writer: the replay rewrites that point
             if p.job_id == job_id:
-                latest[p.key] = p  # later lines win: the upsert
-        return sorted(latest.values(), key=lambda p: (p.update, p.name))
+                out.append(p)
+        return out
 
     def close(self) -> None:
         return None

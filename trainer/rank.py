@@ -19,6 +19,7 @@ called from another (a Ray actor with ``max_concurrency`` > 1).
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from spotrun.trainer.bundle import BundleWriter, WriteResult, build_manifest, bu
 from spotrun.trainer.collective import Collective
 from spotrun.trainer.data.feed import TokenFeed
 from spotrun.trainer.data.growth import GrowthRecords
+from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.metrics import MetricSink, metrics_dir, open_sinks, points_of
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import JobSpec
@@ -79,6 +81,7 @@ class RankRunner:
                                     device=device)
         if isinstance(self.session.feed, TokenFeed):  # a growing source's rescans, agreed across ranks
             self.session.feed.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
+        self.session.faults.record_to(FaultLog(self.storage, spec.job_id))  # verify counts what fired
         self.writer = BundleWriter(self.storage, self.session.faults)
         # Rank 0 writes the metric points; each upserts by <job>/<update>/<name>.
         self.metrics: MetricSink = open_sinks(
@@ -173,20 +176,32 @@ class RankRunner:
         return state
 
     def _checkpoint(self, update: int) -> None:
+        """Capture the state at this boundary and hand it to the background writer.
+
+        The stall is everything the loop waits for here, from the first line to the hand-off:
+        the previous write finishing (the capture reuses the host buffers it reads), the capture,
+        rank 0's manifest draft. Rank 0's figures go into the manifest."""
         s = self.session
         key = bundle_dir(self.spec.job_id, update, self.attempt)
         prefetched = s.prefetched_ahead
-        self._collect(self.writer.wait())  # the capture reuses the host buffers the last write read
+        t0 = time.perf_counter()
+        self._collect(self.writer.wait())
+        waited = time.perf_counter() - t0
         capture = s.capture()
+        draft = None
         if self.rank == 0:
             shards = s.known_shards()
-            self._drafts[key] = build_manifest(
+            draft = build_manifest(
                 s.desc, s.state, bundle_key=key, lineage_id=self.lineage_id, attempt=self.attempt,
                 recovery_label=self.recovery_label, accum_steps=s.accum_steps,
-                prefetched_ahead=prefetched, stall_seconds=capture.stall_seconds, shards=shards,
+                prefetched_ahead=prefetched, stall_seconds=0.0, shards=shards,  # known once handed off
                 source_offsets=s.source_offsets(shards),
             ).model_dump(mode="json")
         self._collect(self.writer.submit(capture, key))
+        if draft is not None:
+            # read when this bundle's write is collected, always later and on this thread
+            self._drafts[key] = {**draft, "stall_seconds": time.perf_counter() - t0,
+                                 "write_wait_seconds": waited, "capture_seconds": capture.stall_seconds}
 
     def _collect(self, result: WriteResult | None) -> None:
         if result is None:

@@ -12,8 +12,10 @@ Definitions (seconds are wall-clock):
   (its last event or its last metric write, whichever is later);
 - **gap**: from the previous attempt's last sign of life to this attempt's start;
 - **replay**: from this attempt's start until it wrote the update the previous attempt
-  had reached (0 when nothing was lost);
-- **time lost** = gap + replay (0 when the previous attempt had finished the job).
+  had reached (0 when nothing was lost; from update 1 on when nothing was restored).
+
+The time a restart lost is the history's own ``time_lost_seconds`` (from the ledger
+alone), so every restart has it, the driver's death and a start from nothing included.
 """
 
 from __future__ import annotations
@@ -87,12 +89,5 @@ def restarts(hist: dict[str, Any], points: Points, attempt_spans: list[dict[str,
             "previous_last_seen_at": prev["end"] if prev else None,
             "gap_seconds": gap,
             "replay_seconds": replay,
-            "time_lost_seconds": _lost(prev, gap, replay),
         })
     return out
-
-
-def _lost(prev: dict[str, Any] | None, gap: float | None, replay: float | None) -> float | None:
-    if prev and prev["ended"] == "finished":
-        return 0.0  # the job had finished and was run again: nothing was lost
-    return round(gap + (replay or 0.0), 3) if gap is not None else None

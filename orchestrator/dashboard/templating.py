@@ -52,7 +52,7 @@ def short(value: str | None) -> str:
 def restart_cell(value: Any, field: str) -> Any:
     """A cell of the restart history table, by the name of its ``history --json`` field."""
     if value is None:
-        return "not recorded" if field == "lost_updates" else DASH
+        return {"lost_updates": "not recorded", "restored_from": "none: started afresh"}.get(field, DASH)
     if field.endswith("_seconds"):
         return secs(value)
     if field.endswith("_at"):

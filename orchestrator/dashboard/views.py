@@ -100,7 +100,8 @@ class Reader:
                 newest_published = newest_published or ref.update
                 try:
                     m = read_manifest(self.storage, ref.key)
-                    row.update(bytes=m.total_bytes, stall_seconds=m.stall_seconds, write_seconds=m.write_seconds,
+                    row.update(bytes=m.total_bytes, stall_seconds=m.stall_seconds, capture_seconds=m.capture_seconds,
+                               write_wait_seconds=m.write_wait_seconds, write_seconds=m.write_seconds,
                                cursor=m.data.cursor.model_dump(), recovery_label=m.recovery_label,
                                created_at=m.created_at.isoformat(), files=len(m.files))
                     if total is None:

@@ -32,13 +32,14 @@ def test_chaos_suite_twenty_faults_every_site_strict_exact(tmp_path):
     assert code == 0, err
     assert report["verdict"] == "pass" and report["declared_contract"] == "exact"
     assert report["observed_contract"] == "exact"
-    assert report["kills_injected"] >= 20
-    assert set(report["fault_sites"]) == {"mid-accumulation", "mid-microstep", "bundle-write",
-                                          "publish-to-offsets", "notice", "node-removed"}
+    assert report["faults_delivered"] >= 20 and report["faults_planned"] == 24
+    assert set(report["fault_sites_hit"]) == set(report["fault_sites_planned"]) == {
+        "mid-accumulation", "mid-microstep", "bundle-write", "publish-to-offsets", "notice", "node-removed"}
     assert report["fault_sites_not_applicable"] == {}
     assert report["occurrence_gaps"] == 0 and report["occurrence_duplicates"] == 0
     assert report["params_bitwise_equal"] is True and report["params_max_abs_diff"] == 0.0
-    assert report["metric_duplicates"] == 0 and report["metric_mismatches"] == 0
+    assert report["metric_duplicates"] == report["metric_mismatches"] == report["metric_missing"] == 0
+    assert report["metric_duplicates_written"] > 0  # the replays wrote points again; the sinks upserted them
     assert report["updates_compared"] == 80 and report["restore_oracle"] == []
     assert len(report["restart_seconds"]) == report["restarts"] > 0
 
@@ -48,8 +49,11 @@ def test_single_process_chaos(tmp_path):
     code, report, err = verify(tmp_path, "train.updates=40", "checkpoint.every_updates=3", kills=10)
     assert code == 0, err
     assert report["verdict"] == "pass" and report["params_bitwise_equal"] is True
-    assert report["kills_injected"] >= 10 and "node-removed" in report["fault_sites_not_applicable"]
+    assert report["faults_delivered"] == report["faults_planned"] == 10 and report["restores_from_bundle"] > 0
+    assert report["kills_injected"] + report["notices_injected"] == 10
+    assert "node-removed" in report["fault_sites_not_applicable"]
     assert report["occurrence_gaps"] == report["occurrence_duplicates"] == report["metric_duplicates"] == 0
+    assert report["metric_duplicates_written"] > 0 and report["failures"] == []
 
 
 @pytest.mark.parametrize("category,sets", [
@@ -60,8 +64,10 @@ def test_single_process_chaos(tmp_path):
 def test_verify_catches_a_build_that_drops_a_category(tmp_path, category, sets):
     code, report, err = verify(tmp_path, "train.updates=24", "checkpoint.every_updates=4", *sets, kills=3,
                                where=("--no-ray", "--mutate", category))
+    assert report["restores_from_bundle"] > 0, "no restart restored a bundle: the dropped category was never lost"
     assert code == 1, err
     assert report["verdict"] == "fail" and report["mutated"] == [category]
+    assert any("weaker than the declared exact" in f for f in report["failures"])
     assert any(m.endswith(category) for m in report["restore_oracle"]), report["restore_oracle"]
     divergence = report["first_divergence"]
     assert divergence is not None and divergence["update"] > 0

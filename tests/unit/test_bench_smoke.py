@@ -30,9 +30,11 @@ def test_bench_runs_in_quick_mode(tmp_path, module, extra):
     assert r.returncode == 0, r.stderr[-3000:]
     section = next(tmp_path.glob("*.json"))
     data = json.loads(section.read_text())
-    assert data["title"] and section.with_suffix(".md").read_text().startswith("## ")
-    assemble(tmp_path, tmp_path / "RESULTS.md", 1.0, [])
-    assert "| cores |" in (tmp_path / "RESULTS.md").read_text()
+    md = section.with_suffix(".md").read_text()
+    assert data["title"] and md.startswith(f"<!-- section: {section.stem} -->\n## ")
+    assert "_Measured " in md and " cores, " in md  # each section says when and on what it ran
+    assemble(tmp_path, tmp_path / "RESULTS.md", 1.0, [], ran=(section.stem,))
+    assert md in (tmp_path / "RESULTS.md").read_text()
 
 
 def _run(steps: list[tuple[int, int, float, list[str]]], killed_at=None, restarts=0, upsert=True) -> Run:
@@ -63,12 +65,82 @@ def test_side_by_side_figures_count_gaps_duplicates_and_lost_updates():
     assert c["extra_updates"] == pytest.approx(0.5) and c["wall_s"] == 6.0
 
 
-def test_side_by_side_verdicts_name_both_targets():
-    from bench.ray_train_side_by_side import ROWS, tables
+def test_side_by_side_tables_give_spread_ratios_and_where_ray_train_is_ahead():
+    from bench.ray_train_side_by_side import CHECKPOINT_ROWS, PEER, RESTART_ROWS, SPOTRUN, VARIANTS, tables
 
-    row = {k: 1.0 for k, _ in ROWS} | {"gaps": 0, "duplicates": 0, "metric_duplicates_read": 0}
-    peer = row | {"kill_to_next_update_s": 2.0, "gaps": 3}
-    tabs, verdicts = tables({"spotrun": row, "Ray Train (epoch-restart)": peer})
-    assert "MET" in verdicts[0] and "NOT MET" not in verdicts[0]
-    assert "MET" in verdicts[1] and "epoch-restart" in verdicts[1]
-    assert len(tabs[0].rows) == len(ROWS)
+    def figures(next_s: float, step_s: float) -> dict:
+        return {"kill_to_next_update_s": next_s, "kill_to_killed_update_s": next_s + 0.1, "resumed_from": 10,
+                "updates_lost": 6, "gaps": 0, "duplicates": 0, "metric_duplicates_read": 0,
+                "metric_duplicates_written": 18, "restarts": 1, "block_s": 0.001, "extra_updates": 0.5,
+                "step_s": step_s, "wall_s": 100 * step_s, "interval_s": 10 * step_s}
+
+    spot = [figures(t, 0.019) for t in (4.0, 3.5, 5.0)]
+    peer = [figures(t, 0.0115) for t in (7.0, 8.0, 7.5)]
+    results = {"shape": {"updates": 100, "kill_at": 77, "reps": 3}, "fast_poll_s": 0.2,
+               "fair": {"10": {SPOTRUN.label: spot, PEER.label: peer}},
+               "variants": {PEER.label: peer, **{v.label: peer for v in VARIANTS}}}
+    (main, settings), verdicts = tables(results)
+    rows = {r[0]: r[1:] for r in main.rows}
+    assert len(main.rows) == len(RESTART_ROWS) + len(CHECKPOINT_ROWS) and len(settings.rows) == len(RESTART_ROWS)
+    assert rows["kill → next completed update (s)"] == ["4.00 (3.50–5.00)", "7.50 (7.00–8.00)", "0.533×"]
+    assert rows["updates lost (done after that checkpoint, redone)"] == ["6", "6", ""]
+    assert "**MET**" in verdicts[0] and "spotrun 4.00 s, Ray Train 7.50 s" in verdicts[0]
+    assert "**MET**" in verdicts[1]
+    # Ray Train's uninterrupted updates are faster here: the verdicts say so
+    assert "median update (s), every 10: 0.0115 vs spotrun 0.0190" in verdicts[2]
+    assert "kill → next update" not in verdicts[2]
+
+
+SECTION = """<!-- section: {name} -->
+## {title}
+
+Some {what} text.
+
+Targets:
+
+- {what} target: **MET** (42 %)
+
+_Measured {when}; this bench ran in 9 s._
+"""
+
+
+def _section(name: str, what: str, when: str) -> str:
+    return SECTION.format(name=name, title=name, what=what, when=when)
+
+
+def test_a_partial_run_keeps_the_other_sections_as_they_were(tmp_path):
+    """`python -m bench --only 2-training-overhead`: section 2 is new, every other section keeps its text
+    and its own date; the targets at a glance come from every section; a failed bench keeps its last
+    complete section, saying so."""
+    from bench.report import SECTIONS, assemble, sections_of
+
+    target = tmp_path / "RESULTS.md"
+    assemble_old = tmp_path / "old"
+    assemble_old.mkdir()
+    for name in SECTIONS:
+        (assemble_old / f"{name}.md").write_text(_section(name, f"old {name}", "2026-11-29"))
+    assemble(assemble_old, target, 300.0, [])
+    before = sections_of(target.read_text())
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "2-training-overhead.md").write_text(_section("2-training-overhead", "new", "2026-12-01"))
+    text = assemble(new, target, None, ["3-restart-cost"], ran=("2-training-overhead", "3-restart-cost"))
+    after = sections_of(text)
+    assert after["1-checkpoint-stall"] == before["1-checkpoint-stall"]
+    assert after["4-ray-train-side-by-side"] == before["4-ray-train-side-by-side"]
+    assert "2026-12-01" in after["2-training-overhead"] and "2026-11-29" not in after["2-training-overhead"]
+    assert "did not complete in the latest run" in after["3-restart-cost"]
+    assert "2026-11-29" in after["3-restart-cost"]
+    assert "- new target: **MET** (42 %)" in text and "- old 1-checkpoint-stall target" in text
+    assert "The last full `make bench` took 5.0 min." in text  # from the full run, not this partial one
+
+
+def test_the_readme_quotes_only_what_results_holds():
+    """The README's block is what `make bench` writes from the committed bench/RESULTS.md, and no
+    percentage or ratio elsewhere in its Performance section is missing from RESULTS.md."""
+    from bench.readme import BEGIN, END, block, figures_missing
+
+    readme, results = (ROOT / "README.md").read_text(), (ROOT / "bench/RESULTS.md").read_text()
+    assert readme[readme.index(BEGIN):readme.index(END) + len(END)] == block(results)
+    assert figures_missing(readme, results) == []
+    assert figures_missing(readme.replace(END, END + "\nspotrun is 2,400× faster."), results) == ["2,400×"]

@@ -76,7 +76,8 @@ def test_bundles_published_orphaned_and_checksum_states(client):
     assert rows["u0000000012-a1"]["checksum"] == "unverified"  # verified on demand only
     assert rows["u0000000010-a1"]["checksum"] == "corrupt" and "error" in rows["u0000000010-a1"]
     good = rows["u0000000012-a1"]
-    assert good["bytes"] > 0 and good["stall_seconds"] >= 0 and good["write_seconds"] > 0
+    assert good["bytes"] > 0 and good["write_seconds"] > 0
+    assert good["stall_seconds"] >= good["capture_seconds"] + good["write_wait_seconds"] and good["capture_seconds"] > 0
     verified = {r["name"]: r for r in client.get(f"/api/jobs/{JOB}/bundles?verify=true").json()}
     assert verified["u0000000012-a1"]["checksum"] == "ok"
     assert verified["u0000000005-a1"]["checksum"] == "corrupt"
