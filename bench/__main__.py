@@ -1,6 +1,6 @@
 """``make bench``: run every bench in its own process, then assemble bench/RESULTS.md.
 
-    python -m bench                    # the full set (about 9 minutes on a quiet 2-core machine)
+    python -m bench                    # the full set (about 20 minutes on a quiet 2-core machine)
     python -m bench --only NAME...     # those benches; the other sections of RESULTS.md stay as they were
     python -m bench --quick            # tiny runs, results under bench/.work/quick/
 
@@ -20,7 +20,8 @@ from bench.report import SECTIONS, assemble
 from bench.tables import BENCH, DEFAULT_RESULTS, WORK
 
 MODULES = {"1-checkpoint-stall": "bench.checkpoint_stall", "2-training-overhead": "bench.training_overhead",
-           "3-restart-cost": "bench.restart_cost", "4-ray-train-side-by-side": "bench.ray_train_side_by_side"}
+           "3-restart-cost": "bench.restart_cost", "4-ray-train-side-by-side": "bench.ray_train_side_by_side",
+           "5-grad-sync": "bench.grad_sync"}
 
 
 def main() -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 
@@ -49,7 +49,7 @@ def describe(work_dir: Path) -> dict[str, str]:
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     return {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": _cpuinfo_model(),
         "cores": str(os.cpu_count()),
         "memory": f"{_mem_total_gib():.1f} GiB",

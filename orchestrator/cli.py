@@ -16,13 +16,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from spotrun.trainer.bundle import BundleError, load_bundle
-from spotrun.trainer.manifest import ManifestError
-from spotrun.trainer.storage import StorageError, UnsafeKeyError, open_storage
-
 from spotrun.orchestrator.groups import RankFailed
 from spotrun.orchestrator.specfile import SpecError, load_spec
 from spotrun.orchestrator.supervisor import JobFailedError
+from spotrun.trainer.bundle import BundleError, load_bundle
+from spotrun.trainer.manifest import ManifestError
+from spotrun.trainer.storage import StorageError, UnsafeKeyError, open_storage
 
 err = Console(stderr=True)
 

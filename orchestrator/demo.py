@@ -23,11 +23,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import UpdateRecord, latest_per_update, read_trace
-
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger
 from spotrun.orchestrator.specfile import load_spec
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import UpdateRecord, latest_per_update, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs/demo.yaml"

@@ -13,12 +13,11 @@ import os
 import threading
 from typing import Protocol
 
+from spotrun.orchestrator.notices import Notice
 from spotrun.trainer.collective import LocalCollective
 from spotrun.trainer.device import gpu_facts, rank_device
 from spotrun.trainer.rank import RankRunner, Report
 from spotrun.trainer.spec import JobSpec
-
-from spotrun.orchestrator.notices import Notice
 
 
 class RankLost(RuntimeError):

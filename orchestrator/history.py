@@ -8,10 +8,6 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from spotrun.trainer.bundle import BundleCorrupt, list_bundles, read_manifest
-from spotrun.trainer.manifest import ManifestError
-from spotrun.trainer.storage import Storage
-
 from spotrun.orchestrator.ledger import (
     AttemptStarted,
     BundlePublished,
@@ -27,6 +23,9 @@ from spotrun.orchestrator.ledger import (
     TopologyChanged,
     WorkerLost,
 )
+from spotrun.trainer.bundle import BundleCorrupt, list_bundles, read_manifest
+from spotrun.trainer.manifest import ManifestError
+from spotrun.trainer.storage import Storage
 
 
 def history(storage: Storage, job_id: str) -> dict[str, Any]:

@@ -17,11 +17,10 @@ import logging
 import os
 import sys
 
-from spotrun.trainer.job import entrypoint_of, load_entrypoint
-from spotrun.trainer.spec import JobSpec
-
 from spotrun.orchestrator.groups import InProcessGroup
 from spotrun.orchestrator.supervisor import Outcome, Supervisor
+from spotrun.trainer.job import entrypoint_of, load_entrypoint
+from spotrun.trainer.spec import JobSpec
 
 log = logging.getLogger("spotrun")
 

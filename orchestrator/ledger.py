@@ -8,7 +8,7 @@ loses the race for a sequence number takes the next one. A later process (the
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -18,7 +18,7 @@ from spotrun.trainer.storage import Storage
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class _Event(BaseModel):

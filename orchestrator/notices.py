@@ -23,7 +23,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,7 +33,7 @@ Source = Literal["sigterm", "sigint", "aws", "ray-drain"]
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class Notice(BaseModel):
@@ -69,7 +69,7 @@ def parse_instance_action(body: bytes) -> tuple[str, datetime]:
     except ValueError as e:
         raise ValueError(f"instance-action time {doc['time']!r} is not an ISO timestamp") from e
     if deadline.tzinfo is None:
-        deadline = deadline.replace(tzinfo=timezone.utc)
+        deadline = deadline.replace(tzinfo=UTC)
     return doc["action"], deadline
 
 

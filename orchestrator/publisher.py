@@ -19,13 +19,12 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable
 
+from spotrun.orchestrator.ledger import BundlePublished, Ledger, OffsetsCommitted
+from spotrun.orchestrator.offsets import OffsetsStore
 from spotrun.trainer.bundle import list_bundles, publish
 from spotrun.trainer.manifest import FileEntry, Manifest
 from spotrun.trainer.rank import BundleReport
 from spotrun.trainer.storage import Storage
-
-from spotrun.orchestrator.ledger import BundlePublished, Ledger, OffsetsCommitted
-from spotrun.orchestrator.offsets import OffsetsStore
 
 log = logging.getLogger("spotrun.publisher")
 

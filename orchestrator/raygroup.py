@@ -27,15 +27,14 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost
+from spotrun.orchestrator.notices import ImdsWatcher, Notice, install_signal_notices
 from spotrun.trainer.bundle import BundleError
 from spotrun.trainer.collective import LocalCollective, TorchCollective
 from spotrun.trainer.device import gpu_facts, rank_device
 from spotrun.trainer.manifest import ManifestError
 from spotrun.trainer.rank import RankRunner, Report
 from spotrun.trainer.spec import JobSpec
-
-from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost
-from spotrun.orchestrator.notices import ImdsWatcher, Notice, install_signal_notices
 
 # What a survivor's collective raises when a peer died or hung (gloo, NCCL, c10d).
 COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|c10d|Connection (closed|reset) by peer|[Tt]imed out")

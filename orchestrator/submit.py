@@ -70,12 +70,12 @@ import logging
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TextIO
-
-from spotrun.trainer.spec import JobSpec
+from typing import Any, TextIO
 
 from spotrun.orchestrator.specfile import load_spec
+from spotrun.trainer.spec import JobSpec
 
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 _AUTH_HELP = ("the cluster uses token authentication: make its token available to this command as "

@@ -26,10 +26,30 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from tenacity import RetryCallState, wait_exponential_jitter
 
+from spotrun.orchestrator import policy
+from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WorkerGroup
+from spotrun.orchestrator.ledger import (
+    AttemptStarted,
+    BundleRejected,
+    CapacityWait,
+    InitializedFrom,
+    JobFailed,
+    JobFinished,
+    Ledger,
+    NoticeHandled,
+    NoticeSeen,
+    Resizing,
+    Restored,
+    TopologyChanged,
+    WorkerLost,
+)
+from spotrun.orchestrator.notices import Notice, install_signal_notices
+from spotrun.orchestrator.offsets import OffsetsStore
+from spotrun.orchestrator.publisher import Publisher, PublishError
 from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, first_that_loads, list_bundles, read_manifest
 from spotrun.trainer.counters import Counters
 from spotrun.trainer.data.listing import open_source
@@ -38,27 +58,6 @@ from spotrun.trainer.manifest import Manifest, UnknownSchemaError
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import TraceWriter
-
-from spotrun.orchestrator import policy
-from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WorkerGroup
-from spotrun.orchestrator.notices import Notice, install_signal_notices
-from spotrun.orchestrator.ledger import (
-    AttemptStarted,
-    BundleRejected,
-    CapacityWait,
-    InitializedFrom,
-    JobFailed,
-    NoticeHandled,
-    NoticeSeen,
-    JobFinished,
-    Ledger,
-    Resizing,
-    Restored,
-    TopologyChanged,
-    WorkerLost,
-)
-from spotrun.orchestrator.offsets import OffsetsStore
-from spotrun.orchestrator.publisher import PublishError, Publisher
 
 log = logging.getLogger("spotrun.supervisor")
 POLL_S = 0.02
@@ -109,7 +108,7 @@ class Recovering:
     world_size: int
     last_update: int
     lost: RankLost
-    detected_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    detected_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
 @dataclass
@@ -436,7 +435,7 @@ class Supervisor:
             record("ignored", f"already draining for a {st.draining.source} notice")
             return None
         deadline = n.deadline or (n.received_at + timedelta(seconds=self.spec.preemption.grace_s))
-        remaining = (deadline - datetime.now(timezone.utc)).total_seconds()
+        remaining = (deadline - datetime.now(UTC)).total_seconds()
         needed = self._time_to_publish()
         if remaining <= needed:
             reason = (f"deadline in {remaining:.1f}s, finishing the update in flight and publishing needs "
@@ -461,7 +460,7 @@ class Supervisor:
         st.group.teardown()
         last = self.published[-1]
         key = f"{self.spec.job_id}/bundles/{last.bundle_id}"
-        seconds = (datetime.now(timezone.utc) - n.received_at).total_seconds()
+        seconds = (datetime.now(UTC) - n.received_at).total_seconds()
         self.ledger.append(NoticeHandled(attempt=st.attempt, source=n.source, bundle=key,
                                          update=last.counters.attempted_updates,
                                          notice_to_publish_seconds=round(seconds, 3)))

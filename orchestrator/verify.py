@@ -38,12 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotrun.trainer.faults import FaultLog
-from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_sinks
-from spotrun.trainer.spec import FaultSpec, JobSpec
-from spotrun.trainer.storage import Storage, open_storage
-from spotrun.trainer.trace import UpdateRecord, latest_per_update, read_trace
-
 from spotrun.orchestrator.comparison import (
     NODE_SITE,
     MetricComparison,
@@ -58,6 +52,11 @@ from spotrun.orchestrator.comparison import (
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored
 from spotrun.orchestrator.supervisor import JobFailedError
+from spotrun.trainer.faults import FaultLog
+from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_sinks
+from spotrun.trainer.spec import FaultSpec, JobSpec
+from spotrun.trainer.storage import Storage, open_storage
+from spotrun.trainer.trace import UpdateRecord, latest_per_update, read_trace
 
 CONTRACTS = ("exact", "exact-data", "fresh-epoch")  # strongest first
 DECLARED = {"strict": "exact", "elastic": "exact-data", "fresh-epoch": "fresh-epoch"}

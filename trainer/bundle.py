@@ -20,8 +20,8 @@ import json
 import platform
 import re
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -33,9 +33,10 @@ from spotrun.trainer import __version__ as spotrun_version
 from spotrun.trainer.counters import LOOP_CONVENTION
 from spotrun.trainer.data.feed import TokenFeed
 from spotrun.trainer.data.listing import ShardInfo, changed_shards, version_of
+from spotrun.trainer.data.planner import Cursor
 from spotrun.trainer.device import gpu_facts
-from spotrun.trainer.job import check_weights_only, code_fingerprint, entrypoint_of
 from spotrun.trainer.faults import FaultInjector
+from spotrun.trainer.job import check_weights_only, code_fingerprint, entrypoint_of
 from spotrun.trainer.manifest import (
     SCHEMA_VERSION,
     CodeInfo,
@@ -44,16 +45,15 @@ from spotrun.trainer.manifest import (
     Manifest,
     ManifestDraft,
     ManifestError,
-    UnknownSchemaError,
     ModelInfo,
     OptimizerInfo,
     Precision,
     TensorInfo,
+    UnknownSchemaError,
     Versions,
     WorldInfo,
     parse_manifest,
 )
-from spotrun.trainer.data.planner import Cursor
 from spotrun.trainer.state import Capture, TrainState
 from spotrun.trainer.storage import Storage
 

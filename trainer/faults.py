@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -38,7 +38,7 @@ class FaultFired(BaseModel):
     attempt: int
     rank: int
     pid: int
-    at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
     def matches(self, f: FaultSpec) -> bool:
         return (self.site, self.signal, self.update, self.microstep, self.attempt, self.rank) == (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -121,7 +121,7 @@ class ManifestDraft(_M):
     bundle_id: str
     lineage_id: str
     attempt: int
-    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     loop_convention: int
     counters: Counters
     recovery_label: RecoveryLabel  # how the attempt that wrote this bundle began

@@ -21,7 +21,7 @@ import sqlite3
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
 
@@ -39,7 +39,7 @@ class MetricPoint(BaseModel):
     value: float
     attempt: int
     lineage_id: str
-    at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
     @property
     def key(self) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+
 from spotrun.trainer.spec import TrainSpec
 
 

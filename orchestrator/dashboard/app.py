@@ -17,13 +17,12 @@ from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
-from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError
-
 from spotrun.orchestrator.dashboard import charts, labs
 from spotrun.orchestrator.dashboard.access import JobNotFound, open_readonly, redact
 from spotrun.orchestrator.dashboard.security import guard
 from spotrun.orchestrator.dashboard.templating import FILTERS
 from spotrun.orchestrator.dashboard.views import Reader
+from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError
 
 HERE = Path(__file__).resolve().parent
 REFRESH_MS = 2000

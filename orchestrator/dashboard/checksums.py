@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Literal, TypedDict
 
 from spotrun.trainer.bundle import BundleError, read_manifest
@@ -32,7 +32,7 @@ UNVERIFIED: Verdict = {"state": "unverified", "detail": "", "verified_at": None}
 
 def verify(storage: Storage, bundle_key: str) -> Verdict:
     """Check every file of a published bundle against its manifest; never raises for bad data."""
-    now = datetime.now(timezone.utc).isoformat()
+    now = datetime.now(UTC).isoformat()
     try:
         manifest = read_manifest(storage, bundle_key)
         for f in manifest.files:

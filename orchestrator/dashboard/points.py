@@ -18,10 +18,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
 from spotrun.trainer.metrics import MetricPoint, metrics_dir
 from spotrun.trainer.storage import Storage
-
-from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
 
 SQLITE, JSONL = "metrics.sqlite", "metrics.jsonl"
 

@@ -9,12 +9,8 @@ same fields ``spotrun history --json`` prints.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
-
-from spotrun.trainer.bundle import BundleError, list_bundles, read_manifest
-from spotrun.trainer.manifest import ManifestError
-from spotrun.trainer.storage import Storage
 
 from spotrun.orchestrator.dashboard import observed
 from spotrun.orchestrator.dashboard.access import job_ids, require_job
@@ -22,6 +18,9 @@ from spotrun.orchestrator.dashboard.checksums import ChecksumCache
 from spotrun.orchestrator.dashboard.points import LogCache, Points, read_points, replaced
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.ledger import CorruptEvent, Ledger
+from spotrun.trainer.bundle import BundleError, list_bundles, read_manifest
+from spotrun.trainer.manifest import ManifestError
+from spotrun.trainer.storage import Storage
 
 QUIET_AFTER_S = 300.0  # a "running" job silent this long is flagged: its driver may be gone
 
@@ -139,7 +138,7 @@ def _summary(hist: dict[str, Any], attempt_spans: list[dict[str, Any]], restarts
     """One jobs-page row: state, attempts, restarts, updates done of total, last bundle, time lost."""
     published = [r for r in rows if r["published"]]
     last_seen = max((s["end"] for s in attempt_spans if s["end"]), default=None)
-    quiet = (datetime.now(timezone.utc) - datetime.fromisoformat(last_seen)).total_seconds() if last_seen else None
+    quiet = (datetime.now(UTC) - datetime.fromisoformat(last_seen)).total_seconds() if last_seen else None
     done = max([0, *(p.update for p in points.final),
                 *(s["reached_update"] or 0 for s in attempt_spans), *(r["update"] for r in published)])
     lost = [r["time_lost_seconds"] for r in restarts if r["time_lost_seconds"] is not None]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from spotrun.orchestrator.launch import run_in_process
 from spotrun.trainer.bundle import list_bundles, load_bundle
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import UpdateRecord, read_trace
-
-from spotrun.orchestrator.launch import run_in_process
 
 
 def reference_run(spec: JobSpec, trace_path) -> tuple[list[UpdateRecord], list[str]]:

@@ -10,8 +10,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from tests.conftest import ROOT
 from spotrun.trainer.trace import UpdateRecord
+from tests.conftest import ROOT
 
 
 def run_cmd(storage: Path, job: str, trace: Path, *sets: str, config: str = "configs/tiny.yaml",

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
+from spotrun.trainer.storage import LocalStorage
 from tests.conftest import ROOT
 from tests.helpers.s3 import DUMMY_CREDENTIALS
-from spotrun.trainer.storage import LocalStorage
 
 pytestmark = pytest.mark.slow
 BASE = ("train.updates=6", "checkpoint.every_updates=3")

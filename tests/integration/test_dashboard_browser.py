@@ -15,15 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.helpers.runs import run_cmd, run_to_end
-from spotrun.trainer.metrics import SqliteSink, points_of
-from spotrun.trainer.storage import open_storage
-
 from spotrun.orchestrator.dashboard import create_app
 from spotrun.orchestrator.dashboard.server import BackgroundServer
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.ledger import AttemptStarted, JobFinished, Ledger
+from spotrun.trainer.metrics import SqliteSink, points_of
+from spotrun.trainer.storage import open_storage
+from tests.conftest import ROOT
+from tests.helpers.runs import run_cmd, run_to_end
 
 pytestmark = pytest.mark.slow
 

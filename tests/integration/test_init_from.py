@@ -6,10 +6,10 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import ROOT
-from tests.helpers.runs import run_cmd, run_to_end
 from spotrun.trainer.bundle import list_bundles, load_bundle, read_manifest
 from spotrun.trainer.storage import LocalStorage
+from tests.conftest import ROOT
+from tests.helpers.runs import run_cmd, run_to_end
 
 
 def test_new_experiment_from_a_bundle(tmp_path):

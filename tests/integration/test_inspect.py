@@ -6,13 +6,12 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import ROOT
-from tests.helpers.runs import run_cmd, run_to_end
+from spotrun.orchestrator.cli import main
 from spotrun.trainer.bundle import list_bundles
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import read_trace
-
-from spotrun.orchestrator.cli import main
+from tests.conftest import ROOT
+from tests.helpers.runs import run_cmd, run_to_end
 
 # init_scale 2^30 with growth every 2 updates: the scale keeps growing into overflow, so
 # some boundaries are followed by a skipped update and some by an applied one.

@@ -6,14 +6,13 @@ import random
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.helpers.runs import assert_exact_coverage, kill_after, run_cmd, run_to_end
+from spotrun.orchestrator.ledger import Ledger, Restored
 from spotrun.trainer.bundle import list_bundles
 from spotrun.trainer.data.listing import scan
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
-
-from spotrun.orchestrator.ledger import Ledger, Restored
+from tests.conftest import ROOT
+from tests.helpers.runs import assert_exact_coverage, kill_after, run_cmd, run_to_end
 
 pytestmark = pytest.mark.slow
 SETS = ("train.updates=45", "checkpoint.every_updates=5", "data.workers=2", "data.prefetch=2", "data.seq_len=48")

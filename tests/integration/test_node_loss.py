@@ -14,14 +14,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from tests.conftest import make_spec
-from spotrun.trainer.bundle import list_bundles, load_bundle
-from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
-
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import run_on_ray
-from spotrun.orchestrator.raygroup import available_rank_slots, room_for_more_ranks
 from spotrun.orchestrator.ledger import (
     AttemptStarted,
     CapacityWait,
@@ -33,7 +27,12 @@ from spotrun.orchestrator.ledger import (
     TopologyChanged,
     WorkerLost,
 )
+from spotrun.orchestrator.raygroup import available_rank_slots, room_for_more_ranks
 from spotrun.orchestrator.supervisor import JobFailedError
+from spotrun.trainer.bundle import list_bundles, load_bundle
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
+from tests.conftest import make_spec
 
 pytestmark = pytest.mark.slow
 # Dropout on: the global generators are seeded per micro-batch, which is the same sequences at

@@ -6,15 +6,14 @@ import random
 
 import pytest
 
-from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
-from tests.conftest import make_spec
-from spotrun.trainer.bundle import list_bundles
-from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
-
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import run_on_ray
 from spotrun.orchestrator.ledger import BundlePublished, BundleRejected, Ledger, Restored, WorkerLost
+from spotrun.trainer.bundle import list_bundles
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
+from tests.conftest import make_spec
+from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
 SETS = ("world.size=2", "train.updates=30", "checkpoint.every_updates=5", "data.workers=1", "model.dropout=0.1")

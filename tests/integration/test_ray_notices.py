@@ -10,20 +10,19 @@ import signal
 import subprocess
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
-
-from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
-from tests.conftest import ROOT, make_spec
-from tests.helpers.imds import Imds
-from tests.helpers.runs import lines, run_cmd, run_to_end
-from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import run_on_ray
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger, NoticeHandled, NoticeSeen, Restored
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
+from tests.conftest import ROOT, make_spec
+from tests.helpers.imds import Imds
+from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
+from tests.helpers.runs import lines, run_cmd, run_to_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
 # every_updates is large: the only bundles before the end are the ones notices ask for.
@@ -80,7 +79,7 @@ def test_aws_notice_gives_emergency_bundle_and_exact_finish(imds, reference, tmp
     imds.set(None)
     thread, result = run_in_background(spec, trace)
     wait_lines(trace, 9, thread)
-    when = datetime.now(timezone.utc) + timedelta(seconds=120)
+    when = datetime.now(UTC) + timedelta(seconds=120)
     imds.set(json.dumps({"action": "terminate", "time": when.isoformat().replace("+00:00", "Z")}).encode())
     thread.join(timeout=180)
     imds.set(None)

@@ -14,17 +14,16 @@ from datetime import datetime
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.conftest import make_spec
-from tests.helpers.groups import ScriptedGroup
-from tests.helpers.runs import run_cmd, run_to_end
-from spotrun.trainer.rank import Report
-from spotrun.trainer.storage import open_storage
-
 from spotrun.orchestrator.cli import main
 from spotrun.orchestrator.dashboard import create_app
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger
 from spotrun.orchestrator.supervisor import Supervisor
+from spotrun.trainer.rank import Report
+from spotrun.trainer.storage import open_storage
+from tests.conftest import make_spec
+from tests.helpers.groups import ScriptedGroup
+from tests.helpers.runs import run_cmd, run_to_end
 
 pytestmark = pytest.mark.slow
 JOB = "early"

@@ -7,18 +7,17 @@ import os
 
 import pytest
 
-from tests.helpers.ray_local import local_ray
-from tests.conftest import ROOT, make_spec
-from tests.helpers.runs import assert_exact_coverage
-from tests.helpers.s3 import DUMMY_CREDENTIALS, FaultProxy, MotoServer
+from spotrun.orchestrator.launch import run_on_ray
+from spotrun.orchestrator.ledger import BundlePublished, JobFinished, Ledger, Restored, WorkerLost
+from spotrun.orchestrator.offsets import OffsetsStore
 from spotrun.trainer.bundle import list_bundles, read_manifest
 from spotrun.trainer.metrics import S3Sink
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
-
-from spotrun.orchestrator.launch import run_on_ray
-from spotrun.orchestrator.ledger import BundlePublished, JobFinished, Ledger, Restored, WorkerLost
-from spotrun.orchestrator.offsets import OffsetsStore
+from tests.conftest import ROOT, make_spec
+from tests.helpers.ray_local import local_ray
+from tests.helpers.runs import assert_exact_coverage
+from tests.helpers.s3 import DUMMY_CREDENTIALS, FaultProxy, MotoServer
 
 pytestmark = pytest.mark.slow
 SETS = ("world.size=2", "train.updates=24", "checkpoint.every_updates=4", "data.workers=1",

@@ -16,11 +16,11 @@ import pytest
 from boto3.s3.transfer import TransferConfig
 
 from spotrun.orchestrator.launch import run_in_process
-from tests.conftest import make_spec
-from tests.helpers.s3 import FaultProxy, MotoServer, bucket, moto, s3_env  # noqa: F401 - fixtures
 from spotrun.trainer.metrics import S3Sink, open_sinks, points_of
 from spotrun.trainer.s3 import MiB, RetryPolicy, S3Storage
 from spotrun.trainer.storage import StorageError, UnsafeKeyError, open_storage
+from tests.conftest import make_spec
+from tests.helpers.s3 import FaultProxy, MotoServer, bucket, moto, s3_env  # noqa: F401 - fixtures
 
 FAST = RetryPolicy(max_attempts=8, initial_s=0.005, max_s=0.05, check_attempts=8)
 SMALL_PARTS = TransferConfig(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB, max_concurrency=4)

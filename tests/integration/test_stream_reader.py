@@ -11,15 +11,14 @@ from collections import defaultdict
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.helpers.runs import run_cmd, run_to_end
-from tests.helpers.s3 import DUMMY_CREDENTIALS, MotoServer
+from spotrun.orchestrator.ledger import Ledger, Restored
 from spotrun.trainer.bundle import list_bundles, read_manifest
 from spotrun.trainer.data.listing import scan
 from spotrun.trainer.storage import LocalStorage, open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
-
-from spotrun.orchestrator.ledger import Ledger, Restored
+from tests.conftest import ROOT
+from tests.helpers.runs import run_cmd, run_to_end
+from tests.helpers.s3 import DUMMY_CREDENTIALS, MotoServer
 
 pytestmark = pytest.mark.slow
 STREAM = ("data.order=sequential", "train.updates=30", "checkpoint.every_updates=4", "data.shuffle_buffer=16")

@@ -10,10 +10,10 @@ from __future__ import annotations
 import threading
 import time
 
-from tests.conftest import make_spec
 from spotrun.trainer.bundle import BundleWriter
 from spotrun.trainer.collective import LocalCollective
 from spotrun.trainer.rank import RankRunner
+from tests.conftest import make_spec
 
 HOLD_S = 0.3
 

@@ -10,14 +10,13 @@ import shutil
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.conftest import make_spec
-from spotrun.trainer.metrics import JsonlSink, SqliteSink, points_of
-from spotrun.trainer.storage import open_storage
-
 from spotrun.orchestrator.cli import main
 from spotrun.orchestrator.dashboard import create_app
 from spotrun.orchestrator.launch import run_in_process
 from spotrun.orchestrator.ledger import AttemptStarted, BundlePublished, Ledger, Restored
+from spotrun.trainer.metrics import JsonlSink, SqliteSink, points_of
+from spotrun.trainer.storage import open_storage
+from tests.conftest import make_spec
 
 JOB = "api"
 BASE = "http://127.0.0.1"  # without a token the app answers only requests addressed to the loopback

@@ -11,14 +11,13 @@ import urllib.request
 import pytest
 from fastapi.testclient import TestClient
 
-from spotrun.trainer.storage import open_storage
-
 from spotrun.orchestrator.cli import main
 from spotrun.orchestrator.dashboard import create_app
 from spotrun.orchestrator.dashboard.access import ReadOnlyError, open_readonly, redact
 from spotrun.orchestrator.dashboard.security import COOKIE, TOKEN_ENV, BindError, check_bind
 from spotrun.orchestrator.dashboard.server import BackgroundServer
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger
+from spotrun.trainer.storage import open_storage
 
 TOKEN = "0123456789abcdef-test-token"
 BASE = "http://127.0.0.1"

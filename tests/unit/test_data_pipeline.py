@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ROOT
-from spotrun.trainer.data.growth import GrowthRecords
-from spotrun.trainer.data.listing import DatasetError, scan, version_of
-from spotrun.trainer.storage import LocalStorage
 from spotrun.recipes.char_lm import masking
 from spotrun.trainer.data.feed import TokenWorker
+from spotrun.trainer.data.growth import GrowthRecords
+from spotrun.trainer.data.listing import DatasetError, scan, version_of
 from spotrun.trainer.data.loader import PlanDataset, PlanSampler, make_loader
 from spotrun.trainer.data.planner import Planner
 from spotrun.trainer.data.tokenizer import EOS, MASK, CharTokenizer
 from spotrun.trainer.data.transform import occurrence_generator
+from spotrun.trainer.storage import LocalStorage
+from tests.conftest import ROOT
 
 TINY = ROOT / "configs/data/tiny"
 

@@ -408,11 +408,10 @@ def test_drain_on_stop_moves_a_running_job_off_the_node(tmp_path):
     and the hook returns once no rank is left on its node."""
     from ray.cluster_utils import Cluster
 
-    from tests.conftest import make_spec
-    from spotrun.trainer.storage import open_storage
-
     from spotrun.orchestrator.launch import run_on_ray
     from spotrun.orchestrator.ledger import AttemptStarted, Ledger, NoticeHandled, Restored
+    from spotrun.trainer.storage import open_storage
+    from tests.conftest import make_spec
 
     spec = make_spec(tmp_path, "world.size=2", "world.policy=elastic", "world.min_size=1", "train.updates=40",
                      "checkpoint.every_updates=100", "data.workers=1", "world.placement=STRICT_SPREAD",

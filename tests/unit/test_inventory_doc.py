@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tests.conftest import ROOT
 from spotrun.trainer.inventory import CATEGORIES, markdown
+from tests.conftest import ROOT
 
 
 def test_state_doc_is_current():

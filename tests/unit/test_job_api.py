@@ -6,9 +6,9 @@ import pytest
 
 from spotrun.orchestrator.launch import run_in_process
 from spotrun.trainer.job import JobError
+from spotrun.trainer.trace import first_divergence
 from tests.conftest import make_spec
 from tests.helpers.oracle import reference_run, resume
-from spotrun.trainer.trace import first_divergence
 
 BASE = ("train.updates=12", "checkpoint.every_updates=4", "data.workers=1")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.runs import kill_after, run_cmd, run_to_end
 from spotrun.trainer.metrics import FanOut, JsonlSink, NullSink, SqliteSink, points_of
 from spotrun.trainer.trace import latest_per_update, read_trace
+from tests.helpers.runs import kill_after, run_cmd, run_to_end
 
 
 @pytest.mark.parametrize("kind", [SqliteSink, JsonlSink])

@@ -5,23 +5,22 @@ from __future__ import annotations
 import json
 import threading
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
-
-from tests.helpers.imds import Imds
-from tests.helpers.oracle import reference_run
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 
 from spotrun.orchestrator.launch import in_process_supervisor
 from spotrun.orchestrator.ledger import Ledger, NoticeHandled, NoticeSeen, Restored
 from spotrun.orchestrator.notices import ImdsWatcher, Notice, parse_instance_action
+from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
+from tests.helpers.imds import Imds
+from tests.helpers.oracle import reference_run
 
 SETS = ("train.updates=40", "checkpoint.every_updates=10", "data.workers=1", "model.dropout=0.1")
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +95,7 @@ def test_malformed_and_unknown_node_notices_are_ignored(spec_factory, tmp_path, 
 
 def test_parse_instance_action():
     action, deadline = parse_instance_action(b'{"action": "terminate", "time": "2026-11-29T10:22:00Z"}')
-    assert action == "terminate" and deadline == datetime(2026, 11, 29, 10, 22, tzinfo=timezone.utc)
+    assert action == "terminate" and deadline == datetime(2026, 11, 29, 10, 22, tzinfo=UTC)
     for bad in (b"not json", b"[]", b'{"action": "stop"}', b'{"action": "stop", "time": "soon"}'):
         with pytest.raises(ValueError):
             parse_instance_action(bad)

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.helpers.oracle import reference_run, resume
 from spotrun.trainer.bundle import load_bundle
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, read_trace
+from tests.conftest import ROOT
+from tests.helpers.oracle import reference_run, resume
 
 K = 5
 # Every difficult piece is live: a non-empty shuffle buffer at each boundary, a prefetching

@@ -11,10 +11,10 @@ import shutil
 
 import pytest
 
-from tests.conftest import ROOT, make_spec
-from tests.helpers.oracle import reference_run, resume
 from spotrun.trainer.inventory import CATEGORIES
 from spotrun.trainer.trace import first_divergence
+from tests.conftest import ROOT, make_spec
+from tests.helpers.oracle import reference_run, resume
 
 K = 6
 BASE = ("train.updates=20", "checkpoint.every_updates=10", "data.shuffle_buffer=16", "data.workers=1",

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from tests.conftest import make_spec
-
 from spotrun.orchestrator import policy
+from tests.conftest import make_spec
 
 
 def test_elastic_grows_to_the_largest_allowed_world_that_fits(tmp_path):

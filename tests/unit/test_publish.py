@@ -9,9 +9,9 @@ from spotrun.orchestrator.launch import run_in_process
 from spotrun.orchestrator.ledger import Ledger, OffsetsCommitted
 from spotrun.orchestrator.offsets import OffsetsStore
 from spotrun.orchestrator.publisher import Publisher
-from tests.helpers.runs import run_cmd, run_to_end
 from spotrun.trainer.bundle import list_bundles, read_manifest
 from spotrun.trainer.storage import LocalStorage
+from tests.helpers.runs import run_cmd, run_to_end
 
 
 def test_two_supervisors_racing_to_publish_one_bundle_exactly_one_wins(spec_factory, tmp_path):

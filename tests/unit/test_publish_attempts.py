@@ -11,7 +11,7 @@ import pytest
 
 from spotrun.orchestrator.launch import run_in_process
 from spotrun.orchestrator.ledger import BundlePublished, Ledger
-from spotrun.orchestrator.publisher import PublishError, Publisher
+from spotrun.orchestrator.publisher import Publisher, PublishError
 from spotrun.orchestrator.supervisor import Supervisor
 from spotrun.trainer.bundle import bundle_dir, list_bundles, read_manifest
 from spotrun.trainer.manifest import Manifest

@@ -19,7 +19,6 @@ import torch
 
 from spotrun.orchestrator.launch import run_in_process
 from spotrun.orchestrator.ledger import AttemptStarted, BundleRejected, Ledger, Restored
-from tests.conftest import ROOT, make_spec
 from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, list_bundles, load_bundle, load_latest
 from spotrun.trainer.data.listing import scan
 from spotrun.trainer.data.tokenizer import CharTokenizer
@@ -27,6 +26,7 @@ from spotrun.trainer.manifest import ManifestError, UnknownSchemaError
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import DEFAULT_VOCAB
 from spotrun.trainer.storage import LocalStorage
+from tests.conftest import ROOT, make_spec
 
 JOB = "job"
 REF = ("train.updates=10", "checkpoint.every_updates=5")

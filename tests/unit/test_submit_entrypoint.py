@@ -6,9 +6,8 @@ import shlex
 import subprocess
 import sys
 
-from tests.conftest import ROOT, make_spec
-
 from spotrun.orchestrator.submit import entrypoint
+from tests.conftest import ROOT, make_spec
 
 
 def test_the_entrypoint_carries_the_spec_inline(tmp_path):

@@ -16,17 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.helpers.runs import run_cmd, run_to_end
-from spotrun.trainer.faults import FaultLog
-from spotrun.trainer.metrics import MetricPoint
-from spotrun.trainer.spec import FaultSpec
-from spotrun.trainer.storage import open_storage
-
 from spotrun.orchestrator.comparison import compare_metrics
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.specfile import load_spec
 from spotrun.orchestrator.verify import Verifier
+from spotrun.trainer.faults import FaultLog
+from spotrun.trainer.metrics import MetricPoint
+from spotrun.trainer.spec import FaultSpec
+from spotrun.trainer.storage import open_storage
+from tests.conftest import ROOT
+from tests.helpers.runs import run_cmd, run_to_end
 
 pytestmark = pytest.mark.slow
 SETS = ("train.updates=8", "checkpoint.every_updates=4", "metrics.sinks=[sqlite, jsonl]")

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from tests.conftest import make_spec
-
 from spotrun.orchestrator.verify import plan_faults
+from tests.conftest import make_spec
 
 
 def test_faults_after_a_removal_or_a_notice_leave_room_for_the_bundle_it_causes(tmp_path):

@@ -20,8 +20,8 @@ import ctypes
 import signal
 import sys
 import warnings
-from dataclasses import dataclass, field
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch

@@ -9,8 +9,9 @@ many of its tokens were already packed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from spotrun.trainer.stateful import check_version
 
