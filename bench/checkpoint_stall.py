@@ -149,13 +149,29 @@ def write_parts(storage: Storage, capture: Capture) -> dict[str, float]:
     return {"serialise": t1 - t0, "sha256": t2 - t1, "put": t3 - t2}
 
 
+def raw_copy(state: TrainState, buffers: list[torch.Tensor]) -> float:
+    """The floor of any capture: copying the same tensors into warm buffers, nothing else."""
+    tensors = live_tensors(state)
+    t0 = time.perf_counter()
+    for buf, t in zip(buffers, tensors, strict=True):
+        buf.copy_(t)
+    return time.perf_counter() - t0
+
+
+def live_tensors(state: TrainState) -> list[torch.Tensor]:
+    return [*state.model.state_dict().values(), *state.ema.state_dict().values(),
+            *(t for s in state.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))]
+
+
 def measure_stall(state: TrainState, reps: int, scratch: Path) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"capture": [], "sync": []}
-    for i in range(reps):  # interleaved so that drift in the machine's load hits both alike
+    out: dict[str, list[float]] = {"capture": [], "sync": [], "raw_copy": []}
+    buffers = [torch.empty_like(t) for t in live_tensors(state)]
+    for i in range(reps):  # interleaved so that drift in the machine's load hits all alike
         seconds, cap = timed_capture(state)
         out["capture"].append(seconds)
         del cap
         out["sync"].append(sync_save(state, scratch / f"sync-{i}.pt"))
+        out["raw_copy"].append(raw_copy(state, buffers))
     return out
 
 
@@ -231,7 +247,8 @@ def run(sizes: Sequence[Size], scratch: Path) -> dict[str, dict]:
 
 def tables(results: dict[str, dict]) -> tuple[list[Table], list[str]]:
     stall = Table("Checkpoint capture: TrainState.capture() versus torch.save + fsync of the same state",
-                  ["state", "bytes", "reps", "capture s", "sync save s", "capture / sync"])
+                  ["state", "bytes", "reps", "capture s", "sync save s", "capture / sync", "raw copy s",
+                   "capture / raw copy"])
     local = Table("Background write (BundleWriter → LocalStorage) versus dd + fsync on the same disk",
                   ["state", "bundle bytes", "write MB/s", "dd direct MB/s", "write / dd direct",
                    "write / dd buffered", "serialise", "sha256", "put", "put only / dd direct"])
@@ -241,7 +258,8 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str]]:
     for label, r in results.items():
         st, sy = median(r["capture"]), median(r["sync"])
         stall_ratios[label] = ratio(st, sy)
-        stall.add(label, mib(r["state_bytes"]), r["reps"], st, sy, pct(stall_ratios[label]))
+        raw = median(r["raw_copy"])
+        stall.add(label, mib(r["state_bytes"]), r["reps"], st, sy, pct(stall_ratios[label]), raw, pct(ratio(st, raw)))
         lw = r["local"]
         w, d, db = median(lw["bundle_mb_s"]), median(lw["dd_mb_s"]), median(lw["dd_buffered_mb_s"])
         write_ratios[label] = ratio(w, d)
@@ -255,7 +273,8 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str]]:
             s3.add(label, b, raw, pct(ratio(b, raw)), pct(ratio(put, raw)))
     stall.notes.append("capture = the host copy (parameters, EMA, optimizer moments) the loop waits for, all of its "
                        "stall when no write is in flight; sync save = what a loop without a background writer "
-                       "waits for")
+                       "waits for; raw copy = copying the same tensors into warm buffers and nothing else (the "
+                       "floor of any capture: the machine's memory bandwidth, which varies between VMs and days)")
     local.notes += [f"dd direct: `dd if=/dev/zero bs=16M {' '.join(DD_DIRECT)}` (the physical limit); dd buffered: "
                     f"`{' '.join(DD_BUFFERED)}` (page cache, then flushed, like LocalStorage.put below 256 MB; larger files it writes with direct I/O); both write whole "
                     "16 MiB blocks covering the bundle's bytes, interleaved with the bundle writes",
