@@ -41,6 +41,13 @@ def _planner(spec: JobSpec, units: np.ndarray, seq_len: int, restore_mode: Resto
                    max_repeat=d.max_repeat if d.recovery == "bounded-repetition" else None, discover=discover)
 
 
+def identity_version(kind: str, source: object, *declared: object) -> str:
+    """A dataset version from what spotrun can see of a map dataset or stream: its class, and what the
+    job declares (a length, a ``version``). Declare a version to have changed contents refused."""
+    identity = "/".join([f"{type(source).__module__}.{type(source).__qualname__}", *map(str, declared)])
+    return f"{kind}-" + hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
 class MapFeed:
     kind = "map"
     units_per_sequence = 1
@@ -49,8 +56,7 @@ class MapFeed:
     def __init__(self, data: MapData, spec: JobSpec) -> None:
         self.data = data
         self.spec = spec
-        identity = f"{type(data.dataset).__module__}.{type(data.dataset).__qualname__}/{len(data)}/{data.version}"
-        self.dataset_version = "map-" + hashlib.sha256(identity.encode()).hexdigest()[:16]
+        self.dataset_version = identity_version("map", data.dataset, len(data), data.version)
 
     def planner(self, restore_mode: RestoreMode) -> Planner:
         return _planner(self.spec, np.ones(len(self.data), dtype=np.int64), 0, restore_mode)
@@ -180,8 +186,7 @@ class StreamFeed:
     def __init__(self, data: StreamData, spec: JobSpec) -> None:
         self.data = data
         self.spec = spec
-        identity = f"{type(data.stream).__module__}.{type(data.stream).__qualname__}/{data.version}"
-        self.dataset_version = "stream-" + hashlib.sha256(identity.encode()).hexdigest()[:16]
+        self.dataset_version = identity_version("stream", data.stream, data.version)
         self._planner: StreamPlanner | None = None
 
     def planner(self, restore_mode: RestoreMode) -> StreamPlanner:
