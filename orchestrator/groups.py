@@ -82,7 +82,10 @@ class InProcessGroup:
         self.world_size = 1
         self.node_ids = ["local"]
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        assigned = ["0"] if visible is None and spec.world.num_gpus_per_rank else [g for g in (visible or "").split(",") if g]
+        if visible is None and spec.world.num_gpus_per_rank:
+            assigned = ["0"]
+        else:
+            assigned = [g for g in (visible or "").split(",") if g]
         device = rank_device(spec.world.num_gpus_per_rank, assigned, "local")  # DeviceError: exit 2
         self.gpus = [gpu_facts(device)["gpu"]]
         self.runner = RankRunner(spec, rank=0, world_size=1, attempt=attempt, lineage_id=lineage_id,
