@@ -334,7 +334,7 @@ class Verifier:
     def _where_occurrences_differ(self, r: UpdateRecord, c: UpdateRecord) -> str:
         """The first differing occurrence, with the rank and microstep that trained on it."""
         spec = self.spec
-        for i, (a, b) in enumerate(zip(r.occurrences, c.occurrences)):
+        for i, (a, b) in enumerate(zip(r.occurrences, c.occurrences, strict=False)):
             if a != b:
                 seq = bisect.bisect_right(r.sequence_starts or [0], i) - 1
                 rank, micro = locate(seq, spec.world.size, spec.train.micro_batch)

@@ -68,7 +68,7 @@ class TorchCollective:
             n = p.grad.numel()
             p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
             offset += n
-        for name, buf in model.named_buffers():
+        for buf in model.buffers():
             if buf.is_floating_point() or buf.dtype in (torch.int64, torch.int32):
                 dist.broadcast(buf, src=0)
 

@@ -259,7 +259,7 @@ def _category_of(path: str, keys: tuple[str, ...]) -> str:
         return f"state:{keys[1]}"
     for file, prefix, category in LOCATIONS:
         if (file == path or (file.startswith("rank-*") and path.endswith(file[6:]))) and len(keys) >= len(prefix) \
-                and all(p in ("*", k) for p, k in zip(prefix, keys)):
+                and all(p in ("*", k) for p, k in zip(prefix, keys, strict=False)):
             return category
     return "unlisted:" + path + ":" + ".".join(keys)
 
@@ -276,7 +276,7 @@ def _differences(a, b, keys: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return [keys]
-        return [d for x, y in zip(a, b) for d in _differences(x, y, keys)]
+        return [d for x, y in zip(a, b, strict=True) for d in _differences(x, y, keys)]
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return [] if a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) else [keys]
     return [] if a == b else [keys]

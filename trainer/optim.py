@@ -59,7 +59,7 @@ def load_named_state(opt: torch.optim.Optimizer, group_names: list[list[str]], n
     i = 0
     for g in named["param_groups"]:
         idx = list(range(i, i + len(g["params"])))
-        name_to_index.update(zip(g["params"], idx))
+        name_to_index.update(zip(g["params"], idx, strict=True))
         groups.append({**g, "params": idx})
         i += len(idx)
     opt.load_state_dict({"state": {name_to_index[n]: s for n, s in named["state"].items()}, "param_groups": groups})
