@@ -153,7 +153,8 @@ def safe_endpoint(endpoint_url: str | None) -> str | None:
     p = urlparse(endpoint_url)
     if p.username is None and p.password is None:
         return endpoint_url
-    return p._replace(netloc=p.hostname + (f":{p.port}" if p.port else "")).geturl()
+    # user-info with no host (``http://user@:9000``): the netloc keeps only the port
+    return p._replace(netloc=(p.hostname or "") + (f":{p.port}" if p.port else "")).geturl()
 
 
 def multipart_etag(parts: Iterable[dict[str, Any]]) -> str:
