@@ -45,6 +45,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -370,7 +371,7 @@ class S3Storage:
         keys: list[str] = []
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "MaxKeys": self.LIST_PAGE}
         while True:
-            page = self._run(lambda kw=dict(kwargs): self._client.list_objects_v2(**kw))
+            page = self._run(partial(self._client.list_objects_v2, **kwargs))  # partial copies kwargs
             keys.extend(o["Key"] for o in page.get("Contents", []))
             if not page.get("IsTruncated"):
                 return keys
@@ -400,7 +401,7 @@ class S3Storage:
             n = self.DELETE_BATCH
             for i in range(0, len(full), n):
                 batch = {"Objects": [{"Key": k} for k in full[i:i + n]], "Quiet": True}
-                reply = self._run(lambda b=batch: self._client.delete_objects(Bucket=self.bucket, Delete=b))
+                reply = self._run(partial(self._client.delete_objects, Bucket=self.bucket, Delete=batch))
                 errors = [e for e in reply.get("Errors", []) if e.get("Code") not in ("NoSuchKey",)]
                 if errors:
                     first = errors[0]
