@@ -15,6 +15,7 @@ from typing import Protocol
 
 from spotrun.orchestrator.notices import Notice
 from spotrun.trainer.collective import LocalCollective
+from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.device import gpu_facts, rank_device
 from spotrun.trainer.rank import RankRunner, Report
 from spotrun.trainer.spec import JobSpec
@@ -77,7 +78,7 @@ class InProcessGroup:
     """World size 1, in this process, training on a background thread (``spotrun run --no-ray``)."""
 
     def __init__(self, spec: JobSpec, *, attempt: int, lineage_id: str, recovery_label: str,
-                 restore_mode: str | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,
+                 restore_mode: RestoreMode | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,
                  trace: bool = True) -> None:
         self.world_size = 1
         self.node_ids = ["local"]
