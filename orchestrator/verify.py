@@ -345,7 +345,7 @@ class Verifier:
         spec = self.spec
         ref_ids, chaos_ids = r.occurrences, c.occurrences
         if ref_ids is None or chaos_ids is None:  # verify's own runs always record them (--trace-ids)
-            return "the occurrence digests differ; a trace without --trace-ids cannot say where"
+            return "only one of the two traces records the occurrence ids (run both with --trace-ids)"
         for i, (a, b) in enumerate(zip(ref_ids, chaos_ids, strict=False)):
             if a != b:
                 seq = bisect.bisect_right(r.sequence_starts or [0], i) - 1
