@@ -14,7 +14,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,examples]'
 	touch $(STAMP)
 
+# Lint and type-check first (seconds), then the tests. mypy runs from the repo root so that
+# `spotrun` resolves to this checkout (spotrun/trainer and spotrun/orchestrator are links).
 test: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy spotrun/trainer spotrun/orchestrator
 	$(PY) -m pytest -q -ra tests
 
 demo: venv
@@ -29,4 +33,4 @@ docs: venv
 	$(VENV)/bin/spotrun inventory --markdown --write docs/STATE.md
 
 clean:
-	rm -rf $(VENV) runs-demo .pytest_cache
+	rm -rf $(VENV) runs-demo .pytest_cache .mypy_cache .ruff_cache

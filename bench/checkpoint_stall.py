@@ -276,8 +276,9 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str]]:
                        "waits for; raw copy = copying the same tensors into warm buffers and nothing else (the "
                        "floor of any capture: the machine's memory bandwidth, which varies between VMs and days)")
     local.notes += [f"dd direct: `dd if=/dev/zero bs=16M {' '.join(DD_DIRECT)}` (the physical limit); dd buffered: "
-                    f"`{' '.join(DD_BUFFERED)}` (page cache, then flushed, like LocalStorage.put below 256 MB; larger files it writes with direct I/O); both write whole "
-                    "16 MiB blocks covering the bundle's bytes, interleaved with the bundle writes",
+                    f"`{' '.join(DD_BUFFERED)}` (page cache, then flushed, like LocalStorage.put below 256 MB; "
+                    "larger files it writes with direct I/O); both write whole 16 MiB blocks covering the bundle's "
+                    "bytes, interleaved with the bundle writes",
                     "serialise / sha256 / put: shares of the writer's time (medians of one unthreaded pass per "
                     "repetition); put only = LocalStorage.put of the already serialised bytes versus dd direct"]
     s3.notes.append("S3Storage puts objects of 64 MiB and more as multipart uploads (16 MiB parts, 8 in flight); "

@@ -92,9 +92,10 @@ def main() -> int:
     rows.append(["pytest -m gpu", "pass" if code == 0 else "FAIL", out.strip().splitlines()[-1], f"{sec:.0f}"])
     ok &= code == 0
     with tempfile.TemporaryDirectory() as d:
-        code, out, sec = run([sys.executable, "-m", "spotrun", "verify", "configs/tiny.yaml", "--no-ray", "--kills", "4",
-                              "--json", "--set", f"storage=file://{d}", "--set", "world.num_gpus_per_rank=1",
-                              "--set", "train.updates=24", "--set", "checkpoint.every_updates=3"], 1200)
+        code, out, sec = run([sys.executable, "-m", "spotrun", "verify", "configs/tiny.yaml", "--no-ray",
+                              "--kills", "4", "--json", "--set", f"storage=file://{d}",
+                              "--set", "world.num_gpus_per_rank=1", "--set", "train.updates=24",
+                              "--set", "checkpoint.every_updates=3"], 1200)
     try:
         rep = json.loads(out[out.index("{"):out.rindex("}") + 1])
         detail = (f"{rep['verdict']}, {rep['observed_contract']}, {rep['faults_delivered']} of "

@@ -268,7 +268,8 @@ def intro(shape: Shape) -> str:
 asynchronous checkpoint upload, a {FAST_POLL_S} s controller poll, DataLoader workers that die with their rank,
 an exact resume of the data position), on one local Ray instance. Rank 1's process is SIGKILLed at
 the start of update {shape.kill_at} of {shape.updates} in each killed run, with checkpoints every
-{shape.intervals[0]} updates (inside Ray Train's {FAST_POLL_S} s poll) and every {shape.intervals[-1]} (several polls apart)."""
+{shape.intervals[0]} updates (inside Ray Train's {FAST_POLL_S} s poll) and every {shape.intervals[-1]} \
+(several polls apart)."""
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -175,7 +175,7 @@ def tables(cursor: dict[str, dict], ray: dict[str, dict]) -> tuple[list[Table], 
                   ["component", *(f"{v} s" for v in variants), *(f"{v} share" for v in variants)])
     for name in ray[variants[0]]["parts"] if variants else ():
         secs = [ray[v]["parts"][name] for v in variants]
-        parts.add(name, *secs, *(pct(ratio(s, ray[v]["total"])) for s, v in zip(secs, variants)))
+        parts.add(name, *secs, *(pct(ratio(s, ray[v]["total"])) for s, v in zip(secs, variants, strict=True)))
     if variants:
         parts.add("**kill → first completed update**", *(ray[v]["total"] for v in variants),
                   *["100 %"] * len(variants))
@@ -199,7 +199,7 @@ def tables(cursor: dict[str, dict], ray: dict[str, dict]) -> tuple[list[Table], 
     for pos in positions:
         secs = [cursor[m][pos]["seconds"] for m in MODES]
         rel = [ratio(cursor[m][pos]["seconds"], cursor[m][first]["seconds"]) for m in MODES]
-        growth[pos] = dict(zip(MODES, rel))
+        growth[pos] = dict(zip(MODES, rel, strict=True))
         restart = [ray[m]["total"] + cursor[m][pos]["seconds"] for m in MODES]  # with the prefetch worker
         cur.add(f"{cursor['snapshot'][pos]['cursor']:,}", *secs, fmt(ratio(secs[1], secs[0])) + "×",
                 *(fmt(r) + "×" for r in rel), *restart)
@@ -218,7 +218,8 @@ def tables(cursor: dict[str, dict], ray: dict[str, dict]) -> tuple[list[Table], 
                f"**{'MET' if grows <= FLAT_TARGET else 'NOT MET'}** (at most {grows:.2f}× the cost at "
                f"{positions[0]:,}; max/min over all positions {spread:.2f}×; replay grows "
                f"{growth[positions[-1]]['replay']:.0f}× over the same range)")
-    return ([parts, cur] if variants else [cur]), [verdict], {"snapshot_spread": spread, "snapshot_growth": grows, "growth": growth}
+    summary = {"snapshot_spread": spread, "snapshot_growth": grows, "growth": growth}
+    return ([parts, cur] if variants else [cur]), [verdict], summary
 
 
 INTRO = """One real 2-rank job per restore mode on local Ray (the `tiny` config, checkpoint every 5

@@ -66,6 +66,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         err.print(f"spotrun run: {escape(outcome.reason)}", highlight=False, soft_wrap=True)
         return 143
     c = outcome.counters
+    if c is None:  # a finished job always has its final counters (supervisor.Finished)
+        raise RuntimeError(f"job {spec.job_id} finished without counters")
     err.print(f"[bold]{spec.job_id}[/] finished after {outcome.attempts} attempt(s), {outcome.restarts} restart(s) "
               f"in this run: attempted {c.attempted_updates}, applied {c.applied_updates}, "
               f"{c.samples_consumed} samples, {c.tokens_consumed} tokens", highlight=False)

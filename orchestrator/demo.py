@@ -55,7 +55,8 @@ def kill_ranks(cmd: list[str], ledger: Ledger, trace: Path, kills: list[int], rn
     proc = subprocess.Popen(cmd, cwd=ROOT)
     lines = lambda: len(trace.read_text().splitlines()) if trace.exists() else 0  # noqa: E731
     for n, at in enumerate(kills, start=1):
-        wait_until(lambda: lines() >= at and sum(isinstance(e, AttemptStarted) for e in ledger.read()) == n,
+        # at=at, n=n: bind this iteration's values (wait_until returns before the next one anyway)
+        wait_until(lambda at=at, n=n: lines() >= at and sum(isinstance(e, AttemptStarted) for e in ledger.read()) == n,
                    proc, f"update {at} of attempt {n}")
         started = [e for e in ledger.read() if isinstance(e, AttemptStarted)][-1]
         rank = rng.randrange(started.world_size)

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from spotrun.orchestrator.notices import Notice
 from spotrun.trainer.collective import LocalCollective
+from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.device import gpu_facts, rank_device
 from spotrun.trainer.rank import RankRunner, Report
 from spotrun.trainer.spec import JobSpec
@@ -77,12 +78,15 @@ class InProcessGroup:
     """World size 1, in this process, training on a background thread (``spotrun run --no-ray``)."""
 
     def __init__(self, spec: JobSpec, *, attempt: int, lineage_id: str, recovery_label: str,
-                 restore_mode: str | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,
+                 restore_mode: RestoreMode | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,
                  trace: bool = True) -> None:
         self.world_size = 1
         self.node_ids = ["local"]
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        assigned = ["0"] if visible is None and spec.world.num_gpus_per_rank else [g for g in (visible or "").split(",") if g]
+        if visible is None and spec.world.num_gpus_per_rank:
+            assigned = ["0"]
+        else:
+            assigned = [g for g in (visible or "").split(",") if g]
         device = rank_device(spec.world.num_gpus_per_rank, assigned, "local")  # DeviceError: exit 2
         self.gpus = [gpu_facts(device)["gpu"]]
         self.runner = RankRunner(spec, rank=0, world_size=1, attempt=attempt, lineage_id=lineage_id,

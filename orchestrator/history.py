@@ -103,7 +103,12 @@ def _restart(attempt: int, loss: WorkerLost | None, previous: dict[str, Any], st
     """One restart row: attempt ``attempt`` began after ``loss`` ended the attempt before it (None: the
     driver died, or the job was run again), from ``restored`` (None: from nothing)."""
     this, before = started.get(attempt), started.get(attempt - 1)
-    begun = restored.at if restored is not None else this.at
+    if restored is not None:
+        begun = restored.at
+    elif this is not None:
+        begun = this.at
+    else:  # history() lists a restart from nothing only for an attempt that started
+        raise ValueError(f"attempt {attempt} neither restored a bundle nor started")
     if restored is not None and restored.cause == "scale-up":
         cause = "scale-up"
     else:

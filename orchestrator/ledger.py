@@ -185,7 +185,7 @@ class Ledger:
     def __init__(self, storage: Storage, job_id: str) -> None:
         self.storage = storage
         self.prefix = f"{job_id}/events/"
-        self._next = None
+        self._next: int | None = None  # the next sequence number to try (None: not looked up yet)
 
     def _keys(self) -> list[str]:
         return [k for k in self.storage.list(self.prefix) if k.endswith(".json")]

@@ -147,7 +147,8 @@ def draining_nodes(gcs_address: str) -> set[str]:
     import ray
     from ray.core.generated import gcs_pb2
 
-    draining = gcs_pb2.NodeSnapshot.State.Value("DRAINING")
-    client = ray._raylet.GcsClient(address=gcs_address)
+    # Ray's generated protobuf module and its compiled _raylet carry no type information for these
+    draining = gcs_pb2.NodeSnapshot.State.Value("DRAINING")  # type: ignore[attr-defined]
+    client = ray._raylet.GcsClient(address=gcs_address)  # type: ignore[attr-defined]
     return {node_id.hex() for node_id, info in client.get_all_node_info().items()
             if info.state_snapshot.state == draining}

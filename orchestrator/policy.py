@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.spec import JobSpec
 
 
@@ -65,7 +66,7 @@ def recovery_label(spec: JobSpec, size_before: int | None, size_after: int) -> s
     return world if spec.data.recovery == "exact" else f"{world}+{spec.data.recovery}"
 
 
-def restore_mode(spec: JobSpec) -> str:
+def restore_mode(spec: JobSpec) -> RestoreMode:
     """How the data planner restores: the data side of the contract decides."""
     if spec.world.policy == "fresh-epoch" or spec.data.recovery == "fresh-epoch":
         return "fresh-epoch"

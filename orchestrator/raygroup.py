@@ -19,6 +19,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Set
 from datetime import timedelta
 from typing import Any
 
@@ -30,7 +31,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost
 from spotrun.orchestrator.notices import ImdsWatcher, Notice, install_signal_notices
 from spotrun.trainer.bundle import BundleError
-from spotrun.trainer.collective import LocalCollective, TorchCollective
+from spotrun.trainer.collective import Collective, LocalCollective, TorchCollective
+from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.device import gpu_facts, rank_device
 from spotrun.trainer.manifest import ManifestError
 from spotrun.trainer.rank import RankRunner, Report
@@ -50,8 +52,8 @@ class RankActor:
     """The Ray actor around one rank (created through :func:`ray.remote` below)."""
 
     def __init__(self) -> None:
-        self.runner: RankRunner | None = None
-        self.collective = None
+        self.runner: RankRunner | None = None  # built by setup()
+        self.collective: Collective | None = None
         self.rank: int | None = None
         self.grace_s = 110.0
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -79,7 +81,7 @@ class RankActor:
             return s.getsockname()[1]
 
     def setup(self, spec_json: str, rank: int, world_size: int, init_method: str, attempt: int,
-              lineage_id: str, recovery_label: str, restore_mode: str | None, drop: tuple[str, ...],
+              lineage_id: str, recovery_label: str, restore_mode: RestoreMode | None, drop: tuple[str, ...],
               record_ids: bool, trace: bool) -> dict[str, Any]:
         """Pick the device (refusing a GPU this torch cannot see), form the process group, build the
         rank. Returns the device, its GPU model, and where the time went."""
@@ -91,38 +93,48 @@ class RankActor:
         if spec.preemption.imds_url:
             self._imds = ImdsWatcher(spec.preemption.imds_url, spec.preemption.imds_poll_s, self.node_id, rank,
                                      self._on_notice).start()
+        collective: Collective
         if world_size > 1:
             backend = "gloo" if device == "cpu" else "nccl"
-            self.collective = TorchCollective(init_method, rank, world_size, backend, spec.world.collective_timeout_s,
-                                              device)
+            collective = TorchCollective(init_method, rank, world_size, backend, spec.world.collective_timeout_s,
+                                         device)
         else:
-            self.collective = LocalCollective()
+            collective = LocalCollective()
+        self.collective = collective
         t1 = time.perf_counter()
         self.runner = RankRunner(spec, rank=rank, world_size=world_size, attempt=attempt, lineage_id=lineage_id,
-                                 recovery_label=recovery_label, collective=self.collective,
+                                 recovery_label=recovery_label, collective=collective,
                                  restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace,
                                  device=device)
         return {"process_group_seconds": t1 - t0, "rank_setup_seconds": time.perf_counter() - t1,
                 "device": device, "gpu": gpu_facts(device)["gpu"]}
 
+    def _runner(self) -> RankRunner:
+        if self.runner is None:
+            raise RuntimeError("the rank actor is not set up: setup() must succeed first")
+        return self.runner
+
     def restore(self, bundle_key: str, storage_uri: str | None, reset: tuple[str, ...]) -> tuple[float, list[str]]:
-        return self.runner.restore(bundle_key, storage_uri=storage_uri, reset=reset)
+        return self._runner().restore(bundle_key, storage_uri=storage_uri, reset=reset)
 
     def run(self) -> str:
+        runner = self._runner()
         try:
-            return self.runner.run()
+            return runner.run()
         finally:
             if self._imds is not None:
                 self._imds.stop()
-            self.collective.close()
+            if self.collective is not None:  # set with the runner
+                self.collective.close()
 
     def poll(self) -> tuple[Report, list[Notice]]:
+        runner = self._runner()
         with self._lock:
             notices, self._notices = self._notices, []
-        return self.runner.poll(), notices
+        return runner.poll(), notices
 
     def request(self, checkpoint: bool, stop: bool) -> None:
-        self.runner.request(checkpoint, stop)
+        self._runner().request(checkpoint, stop)
 
 
 def rank_bundle(spec: JobSpec) -> dict[str, float]:
@@ -130,7 +142,7 @@ def rank_bundle(spec: JobSpec) -> dict[str, float]:
     return {"CPU": w.cpus_per_rank, **({"GPU": w.num_gpus_per_rank} if w.num_gpus_per_rank else {})}
 
 
-def available_rank_slots(spec: JobSpec, exclude: set[str] = frozenset()) -> int:
+def available_rank_slots(spec: JobSpec, exclude: Set[str] = frozenset()) -> int:
     """How many ranks the alive nodes can hold (resources per rank from the spec; one per node under
     STRICT_SPREAD), not counting ``exclude`` (nodes that are draining: they take no new work and
     are about to go)."""
@@ -163,7 +175,7 @@ def room_for_more_ranks(spec: JobSpec, extra: int, timeout_s: float = 2.0) -> bo
 
 class RayGroup:
     def __init__(self, spec: JobSpec, world_size: int, *, attempt: int, lineage_id: str, recovery_label: str,
-                 restore_mode: str | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,
+                 restore_mode: RestoreMode | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,
                  trace: bool = True,
                  placement_timeout_s: float = 60.0) -> None:
         t0 = time.perf_counter()
@@ -188,14 +200,18 @@ class RayGroup:
             raise
 
     def _start(self, spec: JobSpec, world_size: int, attempt: int, lineage_id: str, recovery_label: str,
-               restore_mode: str | None, drop: tuple[str, ...], record_ids: bool, trace: bool, t0: float) -> None:
+               restore_mode: RestoreMode | None, drop: tuple[str, ...], record_ids: bool, trace: bool,
+               t0: float) -> None:
         """Create one actor per bundle of the placement group, form the process group, build the ranks."""
         w = spec.world
+        pg = self.pg
+        if pg is None:
+            raise RuntimeError("the attempt's placement group was removed before its ranks started")
         actor_cls = ray.remote(RankActor)
         self.actors = [
             actor_cls.options(
                 num_cpus=w.cpus_per_rank, num_gpus=w.num_gpus_per_rank, max_concurrency=4, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
             ).remote()
             for r in range(world_size)
         ]

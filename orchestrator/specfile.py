@@ -7,6 +7,7 @@ names its nearest valid spelling.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,7 @@ def absolute_paths(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def load_spec(path: str | Path | None, overrides: list[str] = (), job_id: str | None = None, *,
+def load_spec(path: str | Path | None, overrides: Sequence[str] = (), job_id: str | None = None, *,
               text: str | None = None) -> JobSpec:
     """Read, override, validate. ``job_id`` defaults to the file's stem; local paths become absolute.
 

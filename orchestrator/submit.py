@@ -70,7 +70,7 @@ import logging
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -175,7 +175,7 @@ def follow(client, submission_id: str, *, log_sink: TextIO, poll_s: float = 0.5,
         sleep(poll_s)
 
 
-def submit(spec_path: str | Path, overrides: list[str] = (), job_id: str | None = None, *, address: str,
+def submit(spec_path: str | Path, overrides: Sequence[str] = (), job_id: str | None = None, *, address: str,
            wait: bool = True, as_json: bool = False, out: TextIO | None = None,
            err: TextIO | None = None) -> int:
     """Validate, submit, and (with ``wait``) follow. Returns the exit status (see the module doc)."""

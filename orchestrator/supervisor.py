@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from tenacity import RetryCallState, wait_exponential_jitter
+from tenacity import RetryCallState, Retrying, wait_exponential_jitter
 
 from spotrun.orchestrator import policy
 from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WorkerGroup
@@ -53,6 +53,7 @@ from spotrun.orchestrator.publisher import Publisher, PublishError
 from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, first_that_loads, list_bundles, read_manifest
 from spotrun.trainer.counters import Counters
 from spotrun.trainer.data.listing import open_source
+from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.faults import FaultInjector, FaultLog
 from spotrun.trainer.manifest import Manifest, UnknownSchemaError
 from spotrun.trainer.spec import JobSpec
@@ -64,7 +65,7 @@ POLL_S = 0.02
 CAPACITY_POLL_S = 0.25
 
 # make_group(world_size, attempt, lineage_id, recovery_label, restore_mode) -> a started-to-be group
-GroupFactory = Callable[[int, int, str, str, str], WorkerGroup]
+GroupFactory = Callable[[int, int, str, str, RestoreMode], WorkerGroup]
 
 
 class JobFailedError(RuntimeError):
@@ -185,8 +186,13 @@ class Supervisor:
             source = OffsetsStore(open_source(spec.data.shards, spec.storage_endpoint_url), spec.job_id,
                                   under_source=True)
         self.publisher = Publisher(self.storage, self.ledger, spec.job_id, spec.checkpoint.keep_last,
-                                   after_publish=lambda u: self._faults and self._faults.hit("after_publish", u),
+                                   after_publish=self._after_publish,
                                    source_offsets=source)
+
+    def _after_publish(self, update: int) -> None:
+        """The after_publish fault site: the current attempt's injector, once there is one."""
+        if self._faults is not None:
+            self._faults.hit("after_publish", update)
 
     # -- driving --------------------------------------------------------------------------
 
@@ -224,15 +230,27 @@ class Supervisor:
             return lambda: None
         old = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         install_signal_notices(None, None, self.spec.preemption.grace_s, self.notify)
-        return lambda: [signal.signal(sig, h) for sig, h in old.items()]
+
+        def restore() -> None:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+
+        return restore
 
     def _keys(self) -> list[str]:
         return [f"{self.spec.job_id}/bundles/{m.bundle_id}" for m in self.published]
 
     def step(self, state: State) -> State:
-        handler = {Pending: self._pending, Placing: self._placing, Running: self._running,
-                   Recovering: self._recovering}[type(state)]
-        return handler(state)
+        """One transition; an end state (Finished, Stopped, Failed) has none (KeyError)."""
+        if type(state) is Pending:
+            return self._pending(state)
+        if type(state) is Placing:
+            return self._placing(state)
+        if type(state) is Running:
+            return self._running(state)
+        if type(state) is Recovering:
+            return self._recovering(state)
+        raise KeyError(type(state))
 
     # -- states -----------------------------------------------------------------------------
 
@@ -255,6 +273,8 @@ class Supervisor:
             self.sleep(CAPACITY_POLL_S)
             return Placing(st.cause, st.last_update, st.world_before, st.waited_s + self.clock() - t0)
         size = decision.world_size
+        if size is None:  # policy.decide gives a world size with every restart
+            raise RuntimeError(f"the placement policy restarts without a world size: {decision}")
         if st.waited_s:
             self._capacity_event(st, size, "placed")
         self.attempts = self.ledger.next_attempt()
@@ -313,18 +333,19 @@ class Supervisor:
                                               lineage_id=self.lineage_id, **getattr(group, "timings", {})))
 
         if not candidates and self.init_from:
-            uri, key = self.init_from
-            seconds, _ = group.restore(key, storage_uri=uri, reset=self.reset)
+            uri, init_key = self.init_from
+            seconds, _ = group.restore(init_key, storage_uri=uri, reset=self.reset)
             started()
-            self.ledger.append(InitializedFrom(attempt=self.attempts, bundle=f"{uri}/{key}", reset=list(self.reset)))
-            log.info("new lineage %s from %s in %.3fs", self.lineage_id, key, seconds)
+            self.ledger.append(InitializedFrom(attempt=self.attempts, bundle=f"{uri}/{init_key}",
+                                               reset=list(self.reset)))
+            log.info("new lineage %s from %s in %.3fs", self.lineage_id, init_key, seconds)
             return 0
         t0 = self.clock()
         key, result, _ = first_that_loads(candidates, group.restore, on_reject=lambda r: self.ledger.append(
             BundleRejected(attempt=self.attempts, bundle=r.bundle_key, reason=r.reason)))
         restore_wall = self.clock() - t0
         started()
-        if key is None:
+        if key is None or result is None:  # result is None only when key is: nothing to restore
             return 0
         seconds, mismatches = result
         if mismatches:
@@ -370,7 +391,7 @@ class Supervisor:
                 return nxt
         stopped = all(r.state in ("stopped", "finished") for r in reports)
         if st.draining is not None and stopped:
-            return self._drained(st)
+            return self._drained(st, st.draining)
         if st.growing is not None and stopped:
             st.group.teardown()
             return Placing(cause="scale-up", last_update=st.last_update, world_before=st.world_size)
@@ -389,15 +410,18 @@ class Supervisor:
         decision = policy.grow(self.spec, st.world_size, self.capacity(), self.spec.train.updates - st.last_update)
         if decision is None:
             return
-        if not self.room_for(decision.world_size - st.world_size):
+        target = decision.world_size
+        if target is None:  # policy.grow gives a world size with every restart
+            raise RuntimeError(f"the growth policy restarts without a world size: {decision}")
+        if not self.room_for(target - st.world_size):
             log.info("not growing: %s, but the scheduler cannot place %d more ranks now", decision.reason,
-                     decision.world_size - st.world_size)
+                     target - st.world_size)
             return
         log.info("growing: %s", decision.reason)
         self.ledger.append(Resizing(attempt=st.attempt, world_size_before=st.world_size,
-                                    world_size_target=decision.world_size, reason=decision.reason))
+                                    world_size_target=target, reason=decision.reason))
         st.group.request(checkpoint=True, stop=True)
-        st.growing = decision.world_size
+        st.growing = target
 
     # -- preemption notices ---------------------------------------------------------------
 
@@ -455,8 +479,8 @@ class Supervisor:
         save = max((m.stall_seconds + m.write_seconds for m in self.published[-3:]), default=1.0)
         return self.spec.preemption.safety_factor * (per_update + save) + POLL_S
 
-    def _drained(self, st: Running) -> State:
-        n = st.draining
+    def _drained(self, st: Running, n: Notice) -> State:
+        """The ranks stopped after the bundle ``n`` (the notice being drained for) asked for."""
         st.group.teardown()
         last = self.published[-1]
         key = f"{self.spec.job_id}/bundles/{last.bundle_id}"
@@ -508,7 +532,7 @@ class Supervisor:
         base = self.spec.world.restart_backoff_s
         if base <= 0:
             return 0.0
-        retry = RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # only its attempt number is read
+        retry = RetryCallState(retry_object=Retrying(), fn=None, args=(), kwargs={})  # only attempt_number is read
         retry.attempt_number = self.restarts
         return wait_exponential_jitter(multiplier=base, max=max(base, 30.0), jitter=base)(retry)
 

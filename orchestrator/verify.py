@@ -34,9 +34,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotrun.orchestrator.comparison import (
     NODE_SITE,
@@ -57,6 +58,9 @@ from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_si
 from spotrun.trainer.spec import FaultSpec, JobSpec
 from spotrun.trainer.storage import Storage, open_storage
 from spotrun.trainer.trace import UpdateRecord, latest_per_update, read_trace
+
+if TYPE_CHECKING:
+    from ray.cluster_utils import Cluster
 
 CONTRACTS = ("exact", "exact-data", "fresh-epoch")  # strongest first
 DECLARED = {"strict": "exact", "elastic": "exact-data", "fresh-epoch": "fresh-epoch"}
@@ -154,14 +158,15 @@ def plan_faults(spec: JobSpec, kills: int, seed: int,
             # next bundle first, and a fault planned before it would never be reached
             update = u + every
             continue
-        fault = {
+        by_site: dict[str, dict[str, object]] = {
             "mid-accumulation": dict(site="microstep", microstep=rng.randrange(1, accum) if accum > 1 else 0),
             "mid-microstep": dict(site="backward", microstep=rng.randrange(accum)),
             "bundle-write": dict(site="bundle_write"),
             "publish-to-offsets": dict(site="after_publish", rank=0),
             "notice": dict(site="microstep", microstep=rng.randrange(accum), signal="SIGTERM"),
-        }[site]
-        faults.append(FaultSpec(update=u, attempt=attempt, **{"rank": rank, **fault}))
+        }
+        fault = by_site[site]
+        faults.append(FaultSpec.model_validate({"update": u, "attempt": attempt, "rank": rank, **fault}))
         # a notice's emergency bundle is taken at the boundary the ranks reach when the request
         # arrives, which may be an update or two later: the next fault goes past it
         update = u + every if site == "notice" else u
@@ -175,7 +180,7 @@ class Verifier:
         self.mutate = mutate  # a deliberately broken chaos run: its restores lose these categories
         self.kills, self.seed, self.no_ray = kills, seed, no_ray
         self.nodes = nodes  # > 0: run on a local multi-node cluster and remove nodes too
-        self.cluster = None
+        self.cluster: Cluster | None = None
         self.removed = 0  # node removals carried out (each is a delivered fault)
         self.workdir = workdir
         self.load = load  # load_spec
@@ -197,7 +202,7 @@ class Verifier:
         return [*cmd, "--no-ray"] if self.no_ray else cmd
 
     def _run(self, job: str, trace: Path, extra: list[str], max_runs: int,
-             removals: list[NodeRemoval] = (), drop: tuple[str, ...] = ()) -> int:
+             removals: Sequence[NodeRemoval] = (), drop: tuple[str, ...] = ()) -> int:
         """Run (and rerun after a driver death) until the job ends; returns how many runs it took.
         Meanwhile remove the planned nodes (and add a fresh one each time: capacity comes back)."""
         storage = open_storage(self.spec.storage, self.spec.storage_endpoint_url)
@@ -230,12 +235,15 @@ class Verifier:
         done = [json.loads(line)["update"] for line in trace.read_text().splitlines() if line.strip()]
         if not done or done[-1] < removal.update:
             return False
+        cluster = self.cluster
+        if cluster is None:
+            raise RuntimeError("a node removal needs the multi-node cluster (verify --nodes N)")
         node_id = started[-1].node_ids[removal.rank]
-        node = next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
+        node = next((n for n in cluster.worker_nodes if n.node_id == node_id), None)
         if node is not None:
-            self.cluster.remove_node(node)
+            cluster.remove_node(node)
             self.removed += 1
-            self.cluster.add_node(num_cpus=self.spec.world.cpus_per_rank)
+            cluster.add_node(num_cpus=self.spec.world.cpus_per_rank)
         return True
 
     def run(self) -> Report:
@@ -259,14 +267,15 @@ class Verifier:
         with one rank's resources each, so every rank has a node of its own to lose."""
         from ray.cluster_utils import Cluster
 
-        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        self.cluster = cluster
         for _ in range(self.nodes):
-            self.cluster.add_node(num_cpus=self.spec.world.cpus_per_rank)
+            cluster.add_node(num_cpus=self.spec.world.cpus_per_rank)
 
     # -- comparison -------------------------------------------------------------------------
 
     def compare(self, ref_job: str, chaos_job: str, ref_trace: Path, chaos_trace: Path,
-                faults: list[FaultSpec], removals: list[NodeRemoval] = ()) -> Report:
+                faults: list[FaultSpec], removals: Sequence[NodeRemoval] = ()) -> Report:
         spec = self.spec
         storage = open_storage(spec.storage, spec.storage_endpoint_url)
         ref, chaos = _final_trace(ref_trace), _final_trace(chaos_trace)
@@ -334,12 +343,15 @@ class Verifier:
     def _where_occurrences_differ(self, r: UpdateRecord, c: UpdateRecord) -> str:
         """The first differing occurrence, with the rank and microstep that trained on it."""
         spec = self.spec
-        for i, (a, b) in enumerate(zip(r.occurrences, c.occurrences)):
+        ref_ids, chaos_ids = r.occurrences, c.occurrences
+        if ref_ids is None or chaos_ids is None:  # verify's own runs always record them (--trace-ids)
+            return "only one of the two traces records the occurrence ids (run both with --trace-ids)"
+        for i, (a, b) in enumerate(zip(ref_ids, chaos_ids, strict=False)):
             if a != b:
                 seq = bisect.bisect_right(r.sequence_starts or [0], i) - 1
                 rank, micro = locate(seq, spec.world.size, spec.train.micro_batch)
                 return f"rank {rank}, microstep {micro}: expected occurrence {a}, got {b}"
-        return f"expected {len(r.occurrences)} occurrence spans, got {len(c.occurrences)}"
+        return f"expected {len(ref_ids)} occurrence spans, got {len(chaos_ids)}"
 
     def _metrics(self, storage: Storage, ref_job: str, chaos_job: str, tolerance: float | None) -> MetricComparison:
         """Every sink's final view of the interrupted run and the raw log of its writes, against the
@@ -347,7 +359,7 @@ class Verifier:
         spec = self.spec
         kinds = list(spec.metrics.sinks)
         reference = read_sink(spec, storage, kinds[0], ref_job)
-        finals = {kind: read_sink(spec, storage, kind, chaos_job) for kind in kinds}
+        finals: dict[str, list[MetricPoint]] = {kind: read_sink(spec, storage, kind, chaos_job) for kind in kinds}
         log = metrics_dir(spec.storage, chaos_job, spec.metrics.local_dir) / "metrics.jsonl"
         return compare_metrics(reference, finals, JsonlSink(log).writes(chaos_job), tolerance)
 

@@ -93,15 +93,15 @@ class BundleRef:
 def list_bundles(storage: Storage, job_id: str) -> list[BundleRef]:
     """Every bundle directory of the job, newest first (by update, then attempt)."""
     prefix = bundles_prefix(job_id)
-    dirs: dict[str, bool] = {}
+    dirs: dict[str, tuple[int, int, bool]] = {}  # name -> (update, attempt, published)
     for key in storage.list(prefix):
         name, _, rest = key[len(prefix):].partition("/")
-        if BUNDLE_DIR.match(name):
-            dirs[name] = dirs.get(name, False) or rest == "manifest.json"
-    refs = []
-    for name, published in dirs.items():
         m = BUNDLE_DIR.match(name)
-        refs.append(BundleRef(prefix + name, int(m.group(1)), int(m.group(2)), published))
+        if m:
+            published = (name in dirs and dirs[name][2]) or rest == "manifest.json"
+            dirs[name] = (int(m.group(1)), int(m.group(2)), published)
+    refs = [BundleRef(prefix + name, update, attempt, published)
+            for name, (update, attempt, published) in dirs.items()]
     return sorted(refs, key=lambda r: (r.update, r.attempt), reverse=True)
 
 
@@ -227,7 +227,8 @@ def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_
                         "(the shards changed; restore against the data it was trained on)")
     if manifest.data.tokenizer_version != desc.tokenizer_version:
         problems.append(f"tokenizer: bundle {manifest.data.tokenizer_version}, job {desc.tokenizer_version} "
-                        "(another vocabulary or tokenizer file; restore with the tokenizer the bundle was trained with)")
+                        "(another vocabulary or tokenizer file; restore with the tokenizer the bundle was trained "
+                        "with)")
     if manifest.model.config_hash != desc.model.config_hash:
         problems.append(f"model config: bundle {manifest.spec_compat.get('model')}, "
                         f"job {desc.spec_compat.get('model')}")
@@ -378,7 +379,8 @@ def load_bundle(storage: Storage, bundle_key: str, desc: Description | None, *,
         try:
             blob = storage.get(key)
         except FileNotFoundError as e:
-            raise BundleCorrupt(f"bundle {bundle_key}: file {f.path} is missing (manifest lists {f.bytes} bytes)") from e
+            raise BundleCorrupt(f"bundle {bundle_key}: file {f.path} is missing "
+                                f"(manifest lists {f.bytes} bytes)") from e
         if len(blob) != f.bytes:
             raise BundleCorrupt(f"bundle {bundle_key}: file {f.path} has {len(blob)} bytes, manifest says "
                                 f"{f.bytes} (truncated or overwritten)")
@@ -405,15 +407,15 @@ class Rejected:
 T = TypeVar("T")
 
 
-def first_that_loads(keys: list[str], load: Callable[[str], T],
-                     on_reject: Callable[[Rejected], None] = lambda r: None) -> tuple[str | None, T | None, list[Rejected]]:
+def first_that_loads(keys: list[str], load: Callable[[str], T], on_reject: Callable[[Rejected], object] = lambda r: None
+                     ) -> tuple[str | None, T | None, list[Rejected]]:
     """Try ``load`` on each key in turn (newest first); the first that loads, and why newer ones did not.
 
     A corrupt bundle is skipped for the previous one. An unknown manifest schema stops
     the search (older bundles will not help), and so does an incompatible bundle, which
     ``load`` raises as :class:`BundleIncompatible`. If every key was rejected, raises
     :class:`BundleCorrupt`: silently starting over would lose the run."""
-    rejected = []
+    rejected: list[Rejected] = []
     for key in keys:
         try:
             return key, load(key), rejected

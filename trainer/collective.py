@@ -59,16 +59,16 @@ class TorchCollective:
                                 timeout=timedelta(seconds=timeout_s))
 
     def sync_gradients(self, model: nn.Module) -> None:
-        params = [p for p in model.parameters() if p.grad is not None]
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)
         flat /= self.world_size
         offset = 0
-        for p in params:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
-        for name, buf in model.named_buffers():
+        for buf in model.buffers():
             if buf.is_floating_point() or buf.dtype in (torch.int64, torch.int32):
                 dist.broadcast(buf, src=0)
 

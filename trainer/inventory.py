@@ -11,12 +11,16 @@ registry (``spotrun inventory --markdown``), so the document cannot drift.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
 
+from spotrun.trainer.data.feed import TokenFeed
 from spotrun.trainer.data.listing import scan
+from spotrun.trainer.data.planner import Planner
+from spotrun.trainer.data.stream import StreamPlanner
+from spotrun.trainer.ema import EMA
 from spotrun.trainer.state import TrainState
 
 ORACLE_TRACE = "per-update occurrence digest and parameter digest equal the uninterrupted run"
@@ -40,6 +44,34 @@ class Category:
     skip: str = ""  # a registered state object whose restore a drop skips
 
 
+# A drop runs only on a job its category ``applies`` to; these name the part it changes, and refuse
+# a job without it (a drop called on the wrong job is a bug of the caller, not a silent no-op).
+
+
+def _ema(st: TrainState) -> EMA:
+    if st.ema is None:
+        raise ValueError("the ema category applies to a job with spotrun.Job(ema_decay=...) only")
+    return st.ema
+
+
+def _planner(st: TrainState) -> Planner:
+    if not isinstance(st.planner, Planner):
+        raise ValueError(f"this category applies to map and token data only, not to a {st.feed.kind} job")
+    return st.planner
+
+
+def _stream_planner(st: TrainState) -> StreamPlanner:
+    if not isinstance(st.planner, StreamPlanner):
+        raise ValueError(f"the stream_state category applies to stream data only, not to a {st.feed.kind} job")
+    return st.planner
+
+
+def _token_feed(st: TrainState) -> TokenFeed:
+    if not isinstance(st.feed, TokenFeed):
+        raise ValueError(f"the source_listing category applies to token data only, not to a {st.feed.kind} job")
+    return st.feed
+
+
 def _reinit_params(st: TrainState) -> None:
     with torch.no_grad():
         for p in st.model.parameters():
@@ -47,7 +79,7 @@ def _reinit_params(st: TrainState) -> None:
 
 
 def _reset_ema(st: TrainState) -> None:
-    st.ema.load_state_dict({n: p.detach().float() for n, p in st.model.named_parameters()})
+    _ema(st).load_state_dict({n: p.detach().float() for n, p in st.model.named_parameters()})
 
 
 def _zero_moments(st: TrainState) -> None:
@@ -66,6 +98,8 @@ def _reset_steps(st: TrainState) -> None:
 
 
 def _reset_scheduler(st: TrainState) -> None:
+    if st.scheduler is None or st.scheduler_initial is None:
+        raise ValueError("the scheduler category applies to a job with spotrun.Job(scheduler=...) only")
     st.scheduler.load_state_dict(st.scheduler_initial)
     for g, lr in zip(st.optimizer.param_groups, st.scheduler_initial["_last_lr"], strict=True):
         g["lr"] = lr
@@ -79,18 +113,18 @@ def _reset_scaler(st: TrainState) -> None:
 
 
 def _empty_shuffle_buffer(st: TrainState) -> None:
-    st.planner.stream.buffer.clear()
+    _planner(st).stream.buffer.clear()
 
 
 def _list_by_name(st: TrainState) -> None:
     # a build that lists the source afresh (every shard, by name) instead of the bundle's shards
-    listing = st.feed.listing
+    listing = _token_feed(st).listing
     vars(listing).update(vars(scan(listing.root, listing.endpoint_url, listing.measure)))
-    st.planner.tokens = listing.units_of
+    _planner(st).tokens = listing.units_of
 
 
 def _drop_remainder(st: TrainState) -> None:
-    st.planner.packer.current = None
+    _planner(st).packer.current = None
 
 
 def _cursor_from_prefetch(st: TrainState) -> None:
@@ -103,8 +137,9 @@ def _cursor_from_prefetch(st: TrainState) -> None:
 
 def _restart_stream(st: TrainState) -> None:
     # a build that forgot the stream's own state: it reads on from where the stream was built
-    st.planner.stream.load_state_dict(st.planner.initial)
-    st.planner.load_state_dict({**st.planner.state_dict(), "stream": st.planner.initial})
+    planner = _stream_planner(st)
+    planner.stream.load_state_dict(planner.initial)
+    planner.load_state_dict({**planner.state_dict(), "stream": planner.initial})
 
 
 def _reset_counters(st: TrainState) -> None:
@@ -259,7 +294,7 @@ def _category_of(path: str, keys: tuple[str, ...]) -> str:
         return f"state:{keys[1]}"
     for file, prefix, category in LOCATIONS:
         if (file == path or (file.startswith("rank-*") and path.endswith(file[6:]))) and len(keys) >= len(prefix) \
-                and all(p in ("*", k) for p, k in zip(prefix, keys)):
+                and all(p in ("*", k) for p, k in zip(prefix, keys, strict=False)):
             return category
     return "unlisted:" + path + ":" + ".".join(keys)
 
@@ -276,7 +311,7 @@ def _differences(a, b, keys: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return [keys]
-        return [d for x, y in zip(a, b) for d in _differences(x, y, keys)]
+        return [d for x, y in zip(a, b, strict=True) for d in _differences(x, y, keys)]
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return [] if a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) else [keys]
     return [] if a == b else [keys]
@@ -285,7 +320,7 @@ def _differences(a, b, keys: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
 DATA_CATEGORIES = frozenset({"data_cursor", "shuffle_buffer", "packer_remainder", "source_listing", "stream_state"})
 
 
-def roundtrip_mismatches(saved: dict[str, object], restored: dict[str, object]) -> list[str]:
+def roundtrip_mismatches(saved: Mapping[str, object], restored: Mapping[str, object]) -> list[str]:
     """Categories whose state right after a restore differs from the bundle it was restored from.
 
     A faithful restore followed by a capture gives back exactly what was saved; a category

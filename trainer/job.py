@@ -126,7 +126,8 @@ def entrypoint_of(spec: JobSpec) -> str:
 def code_fingerprint(spec: JobSpec) -> str:
     """sha256 of the entrypoint module's source: a bundle restores only into the code that wrote it."""
     module = sys.modules[entrypoint_of(spec).partition(":")[0]]
-    source = Path(module.__file__).read_bytes() if getattr(module, "__file__", None) else b""
+    file = getattr(module, "__file__", None)
+    source = Path(file).read_bytes() if file else b""
     return hashlib.sha256(source).hexdigest()[:16]
 
 

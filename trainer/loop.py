@@ -99,7 +99,8 @@ class TrainLoop:
     def run_update(self) -> UpdateRecord:
         st = self.state
         update = st.counters.value.attempted_updates + 1
-        st.pending_user_copy = _wait_on_gpu(st.pending_user_copy)  # the step may change registered state
+        _wait_on_gpu(st.pending_user_copy)  # the step may change registered state
+        st.pending_user_copy = None
         losses: list[torch.Tensor] = []
         sums: dict[str, float] = {}
         plan = first = None
@@ -113,8 +114,11 @@ class TrainLoop:
             # the step's draws (dropout, ...) depend on which micro-batch this is, never on the rank
             seed_all(microbatch_seed(st.spec.seed, update, m * st.world_size + st.rank))
             # with DDP, only the last microstep's backward averages the gradients across ranks
-            deferred = m < self.accum_steps - 1 and isinstance(st.trained, DistributedDataParallel)
-            with st.trained.no_sync() if deferred else contextlib.nullcontext():
+            trained = st.trained
+            sync: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+            if m < self.accum_steps - 1 and isinstance(trained, DistributedDataParallel):
+                sync = trained.no_sync()
+            with sync:
                 loss, metrics = forward(st, batch)
                 self.faults.hit("backward", update, m)
                 st.scaler.scale(loss / self.accum_steps).backward()
@@ -122,6 +126,8 @@ class TrainLoop:
             losses.append(loss.detach())
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
+        if plan is None or first is None:
+            raise ValueError(f"an update needs at least one microstep (accum_steps={self.accum_steps})")
         self.faults.hit("before_update", update)
         lr = st.optimizer.param_groups[0]["lr"]
         applied = self._step()
@@ -159,7 +165,8 @@ class TrainLoop:
         st, spec = self.state, self.state.spec
         if self.grad_sync is not None:
             self.grad_sync(st.model)
-        st.pending_copy = _wait_on_gpu(st.pending_copy)  # the step overwrites what the capture copies
+        _wait_on_gpu(st.pending_copy)  # the step overwrites what the capture copies
+        st.pending_copy = None
         st.scaler.unscale_(st.optimizer)
         if spec.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(st.model.parameters(), spec.train.grad_clip, foreach=False)

@@ -41,7 +41,7 @@ def build_scaler(spec: TrainSpec, device: str) -> torch.amp.GradScaler:
 def named_state(opt: torch.optim.Optimizer, group_names: list[list[str]]) -> dict[str, Any]:
     """``opt.state_dict()`` with positions replaced by parameter names."""
     sd = opt.state_dict()
-    index_to_name = {}
+    index_to_name: dict[int, str] = {}
     groups = []
     for g, names in zip(sd["param_groups"], group_names, strict=True):
         index_to_name.update(zip(g["params"], names, strict=True))
@@ -54,12 +54,12 @@ def load_named_state(opt: torch.optim.Optimizer, group_names: list[list[str]], n
     saved = [g["params"] for g in named["param_groups"]]
     if saved != group_names:
         raise ValueError(f"optimizer groups differ: bundle has {saved}, this model has {group_names}")
-    name_to_index = {}
+    name_to_index: dict[str, int] = {}
     groups = []
     i = 0
     for g in named["param_groups"]:
         idx = list(range(i, i + len(g["params"])))
-        name_to_index.update(zip(g["params"], idx))
+        name_to_index.update(zip(g["params"], idx, strict=True))
         groups.append({**g, "params": idx})
         i += len(idx)
     opt.load_state_dict({"state": {name_to_index[n]: s for n, s in named["state"].items()}, "param_groups": groups})

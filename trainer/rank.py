@@ -27,6 +27,7 @@ from spotrun.trainer.bundle import BundleWriter, WriteResult, build_manifest, bu
 from spotrun.trainer.collective import Collective
 from spotrun.trainer.data.feed import TokenFeed
 from spotrun.trainer.data.growth import GrowthRecords
+from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.metrics import MetricSink, metrics_dir, open_sinks, points_of
 from spotrun.trainer.session import TrainSession
@@ -62,7 +63,7 @@ class Report:
 
 class RankRunner:
     def __init__(self, spec: JobSpec, *, rank: int, world_size: int, attempt: int, lineage_id: str,
-                 recovery_label: str, collective: Collective, restore_mode: str | None = None,
+                 recovery_label: str, collective: Collective, restore_mode: RestoreMode | None = None,
                  drop: tuple[str, ...] = (), record_ids: bool = False, trace: bool = True,
                  device: str = "cpu") -> None:
         self.spec = spec

@@ -53,7 +53,10 @@ class RngState:
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
-        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state = np.random.get_state(legacy=True)
+        if not isinstance(state, tuple):  # a dict only for a bit generator other than the global MT19937
+            raise TypeError(f"numpy's global generator is not the legacy MT19937: {type(state).__name__} state")
+        name, keys, pos, has_gauss, cached = state
         return {
             "version": self.VERSION,
             "python": {"version": version, "internal": list(internal), "gauss": gauss},

@@ -45,6 +45,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -153,7 +154,8 @@ def safe_endpoint(endpoint_url: str | None) -> str | None:
     p = urlparse(endpoint_url)
     if p.username is None and p.password is None:
         return endpoint_url
-    return p._replace(netloc=p.hostname + (f":{p.port}" if p.port else "")).geturl()
+    # user-info with no host (``http://user@:9000``): the netloc keeps only the port
+    return p._replace(netloc=(p.hostname or "") + (f":{p.port}" if p.port else "")).geturl()
 
 
 def multipart_etag(parts: Iterable[dict[str, Any]]) -> str:
@@ -369,7 +371,7 @@ class S3Storage:
         keys: list[str] = []
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "MaxKeys": self.LIST_PAGE}
         while True:
-            page = self._run(lambda kw=dict(kwargs): self._client.list_objects_v2(**kw))
+            page = self._run(partial(self._client.list_objects_v2, **kwargs))  # partial copies kwargs
             keys.extend(o["Key"] for o in page.get("Contents", []))
             if not page.get("IsTruncated"):
                 return keys
@@ -399,7 +401,7 @@ class S3Storage:
             n = self.DELETE_BATCH
             for i in range(0, len(full), n):
                 batch = {"Objects": [{"Key": k} for k in full[i:i + n]], "Quiet": True}
-                reply = self._run(lambda b=batch: self._client.delete_objects(Bucket=self.bucket, Delete=b))
+                reply = self._run(partial(self._client.delete_objects, Bucket=self.bucket, Delete=batch))
                 errors = [e for e in reply.get("Errors", []) if e.get("Code") not in ("NoSuchKey",)]
                 if errors:
                     first = errors[0]

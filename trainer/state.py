@@ -198,7 +198,8 @@ class TrainState:
             with self.host.copies():
                 files.update(self._replicated())
                 if stream is not None:
-                    files["rank-0/stream.pt"] = {"version": STATE_VERSION, "stream": self.host.copy_tree("stream", stream)}
+                    files["rank-0/stream.pt"] = {"version": STATE_VERSION,
+                                                 "stream": self.host.copy_tree("stream", stream)}
             json_files["rank-0/state.json"] = copy.deepcopy({
                 "version": STATE_VERSION,
                 "counters": self.counters.state_dict(),

@@ -44,7 +44,7 @@ class _RefusesWrites:
 class ReadOnlyLocalStorage(_RefusesWrites, LocalStorage):
     """A local root for reading only: no mkdir, no write-permission check, no path outside the root."""
 
-    def __init__(self, root: str | Path) -> None:  # noqa: super().__init__ would create the root
+    def __init__(self, root: str | Path) -> None:  # no super().__init__(): it would create the root
         self.root = Path(root).resolve()
         self.uri = f"file://{self.root}"
         if not self.root.is_dir():

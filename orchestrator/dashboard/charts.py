@@ -57,7 +57,7 @@ def timeline(spans: list[dict[str, Any]], width: int = 900) -> str:
         tx = left + plot * k * step / span
         out.append(f'<line class="grid" x1="{tx:.1f}" y1="{top - 6}" x2="{tx:.1f}" y2="{height - 8}"/>'
                    f'<text class="tick" x="{tx:.1f}" y="{top - 10}">{_duration(k * step)}</text>')
-    for i, (s, start, end) in enumerate(zip(spans, starts, ends)):
+    for i, (s, start, end) in enumerate(zip(spans, starts, ends, strict=True)):
         y = top + i * row
         x0, x1 = x(start), x(end)
         world = s["world_size"] if s["world_size"] is not None else "?"

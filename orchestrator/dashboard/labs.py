@@ -8,6 +8,7 @@ The labs page draws them; ``/api/labs/...`` answers with the same dicts.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 MAX_STEPS = 1000
@@ -30,7 +31,7 @@ def _steps(steps: int) -> int:
     return steps
 
 
-def _prediction(history: list[float], at: int | None, value: float | None) -> dict[str, Any] | None:
+def _prediction(history: Sequence[float], at: int | None, value: float | None) -> dict[str, Any] | None:
     """Compare a predicted value at step ``at`` with the history, once the history reaches it."""
     if at is None or value is None:
         return None

@@ -69,7 +69,8 @@ def restarts(hist: dict[str, Any], points: Points, attempt_spans: list[dict[str,
     out = []
     for r in hist["restarts"]:
         prev, this = by_attempt.get(r["attempt"] - 1), by_attempt.get(r["attempt"])
-        lost, source = r["lost_updates"], "ledger"
+        lost = r["lost_updates"]
+        source: str | None = "ledger"
         if lost is None and points.log is not None and prev and prev["reached_update"] is not None:
             lost, source = max(0, prev["reached_update"] - r["restored_update"]), "metrics log"
         elif lost is None:

@@ -27,7 +27,7 @@ def secs(value: float | None) -> str:
     return f"{value / 3600:.1f} h"
 
 
-def size(value: int | None) -> str:
+def size(value: float | None) -> str:
     if not isinstance(value, (int, float)):
         return DASH
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -100,7 +100,7 @@ def test_job_with_two_restarts(page, restarted_job):
     assert restored == RESTORED
     attempts = reached_by_attempt(restarted_job / JOB / "metrics.jsonl")
     reached = (attempts[1], attempts[2])
-    lost = [n - r for n, r in zip(reached, restored)]
+    lost = [n - r for n, r in zip(reached, restored, strict=True)]
     # a write of several files takes milliseconds, an update about as long: updates are replayed
     assert sum(lost) > 0, (reached, restored)
     ARTIFACTS.mkdir(exist_ok=True)
@@ -120,7 +120,7 @@ def test_job_with_two_restarts(page, restarted_job):
         assert field("restored_update") == [str(r) for r in restored]
         assert field("lost_updates") == ["not recorded", "not recorded"]  # nobody lived to count them
         assert [t.split()[0] for t in field("lost_updates_seen")] == [str(n) for n in lost]  # the metric log did
-        assert field("replayed") == [f"{r + 1}–{n}" if n > r else "–" for r, n in zip(restored, reached)]
+        assert field("replayed") == [f"{r + 1}–{n}" if n > r else "–" for r, n in zip(restored, reached, strict=True)]
 
         assert page.locator("svg.timeline rect.attempt").count() == 3
         assert page.locator("svg.timeline text.cause").all_text_contents() == [
@@ -131,7 +131,7 @@ def test_job_with_two_restarts(page, restarted_job):
         assert sorted(updates) == list(range(1, UPDATES + 1))  # one point per update: none doubled
         replaced = page.locator("svg.loss circle.replaced")
         assert sorted(int(u) for u in replaced.evaluate_all("els => els.map(e => e.dataset.update)")) == [
-            u for r, n in zip(restored, reached) for u in range(r + 1, n + 1)]
+            u for r, n in zip(restored, reached, strict=True) for u in range(r + 1, n + 1)]
         assert page.locator("svg.loss line.restart-mark").count() == 2
 
         page.get_by_role("button", name="Verify checksums").click()

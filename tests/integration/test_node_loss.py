@@ -1,8 +1,9 @@
 """Node loss on a real multi-node local cluster (ray.cluster_utils.Cluster), one rank per node.
 
 elastic: the job restarts on the node that remains (world size 1), same occurrences per update,
-parameters within tolerance, label exact-data; it grows back to 2 ranks when a node joins. strict: the job waits for capacity and resumes
-bitwise-exact when a node comes back, or fails clearly when none does in time.
+parameters within tolerance, label exact-data; it grows back to 2 ranks when a node joins. strict: the
+job waits for capacity and resumes bitwise-exact when a node comes back, or fails clearly when none
+does in time.
 """
 
 from __future__ import annotations

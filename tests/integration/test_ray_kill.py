@@ -89,7 +89,8 @@ def test_a_rank_killed_while_its_peers_are_in_an_all_reduce_is_a_restart(tmp_pat
     ranks 0 and 1 are inside it when it dies. Their collective then fails with 'Connection reset by
     peer', often before Ray reports rank 2 dead: that error is the loss's consequence, not a bug of
     theirs, and the job must restart, not fail."""
-    faults = "faults=[{site: before_update, update: 6, rank: 2}, {site: before_update, update: 10, rank: 2, attempt: 2}]"
+    faults = ("faults=[{site: before_update, update: 6, rank: 2}, "
+              "{site: before_update, update: 10, rank: 2, attempt: 2}]")
     spec = make_spec(tmp_path, "world.size=3", "train.updates=12", "checkpoint.every_updates=4", "data.workers=1",
                      "train.micro_batch=2", "train.accum_steps=2", faults, job_id="allreduce-kill")
     outcome = run_on_ray(spec, trace_path=str(tmp_path / "t.jsonl"))

@@ -72,7 +72,8 @@ def check_like_reference(spec, trace, reference, endpoint):
     assert {(p.update, p.name): p.value for p in points} == ref_points
     newest = next(r for r in list_bundles(storage, spec.job_id) if r.published)
     committed = OffsetsStore(storage, spec.job_id).latest()
-    assert committed["update"] == 24 and committed["cursor"] == read_manifest(storage, newest.key).data.cursor.model_dump()
+    assert committed["update"] == 24
+    assert committed["cursor"] == read_manifest(storage, newest.key).data.cursor.model_dump()
     return storage
 
 

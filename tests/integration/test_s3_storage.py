@@ -125,16 +125,16 @@ def test_multipart_put_and_put_new(moto, bucket):
 def test_put_new_race_has_exactly_one_winner(moto, bucket):
     """8 writers with distinct bytes race for one key, 5 times: one True, its bytes stored."""
     writers = [storage(moto, bucket) for _ in range(8)]
+
+    def race(i: int, key: str, barrier: threading.Barrier, results: dict[int, bool]) -> None:
+        barrier.wait()
+        results[i] = writers[i].put_new(key, f"writer {i}".encode())
+
     for trial in range(5):
         key = f"job/bundles/u{trial}/manifest.json"
         barrier = threading.Barrier(len(writers))
         results: dict[int, bool] = {}
-
-        def race(i: int) -> None:
-            barrier.wait()
-            results[i] = writers[i].put_new(key, f"writer {i}".encode())
-
-        threads = [threading.Thread(target=race, args=(i,)) for i in range(len(writers))]
+        threads = [threading.Thread(target=race, args=(i, key, barrier, results)) for i in range(len(writers))]
         for t in threads:
             t.start()
         for t in threads:

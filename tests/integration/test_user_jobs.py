@@ -100,9 +100,9 @@ def test_an_entrypoint_that_cannot_be_imported_is_refused_before_placement(tmp_p
 
 def test_a_changed_entrypoint_refuses_the_restore_and_says_how_to_start_a_new_lineage(tmp_path):
     shutil.copy(ROOT / "tests/helpers/jobs.py", tmp_path / "myjob.py")
-    run = ("run", str(ROOT / "configs/tiny.yaml"), "--no-ray", "--job-id", "fp", "--set", "job.entrypoint=myjob:stream_job",
-           "--set", f"storage=file://{tmp_path / 'runs'}", "--set", "train.updates=6", "--set",
-           "checkpoint.every_updates=3")
+    run = ("run", str(ROOT / "configs/tiny.yaml"), "--no-ray", "--job-id", "fp",
+           "--set", "job.entrypoint=myjob:stream_job", "--set", f"storage=file://{tmp_path / 'runs'}",
+           "--set", "train.updates=6", "--set", "checkpoint.every_updates=3")
     first = spotrun(*run, "--set", "train.updates=3", cwd=tmp_path, timeout=120)
     assert first.returncode == 0, first.stderr
     with open(tmp_path / "myjob.py", "a") as f:

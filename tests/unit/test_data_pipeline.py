@@ -246,5 +246,5 @@ def test_loader_output_does_not_depend_on_worker_count():
         outs.append([(b["inputs"], b["targets"], plan.update, plan.microstep) for plan, b in loader])
     for other in outs[1:]:
         assert len(other) == len(outs[0]) == 12
-        for x, y in zip(outs[0], other):
+        for x, y in zip(outs[0], other, strict=True):
             assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2:] == y[2:]

@@ -55,6 +55,7 @@ def test_a_scale_up_is_a_chosen_restart_not_a_loss(tmp_path):
     doc = history(storage, "g")
     assert doc["attempts"][0]["ended"] == "scale-up to 2"
     assert [(r["cause"], r["lost_updates"]) for r in doc["restarts"]] == [("scale-up", 0)]
-    svg = timeline([{"attempt": a["attempt"], "start": a["started_at"], "end": a["ended_at"], "world_size":
-                     a["world_size"], "ended": a["ended"] or "finished", "reached_update": 10} for a in doc["attempts"]])
+    svg = timeline([{"attempt": a["attempt"], "start": a["started_at"], "end": a["ended_at"],
+                     "world_size": a["world_size"], "ended": a["ended"] or "finished", "reached_update": 10}
+                    for a in doc["attempts"]])
     assert "↗ scale-up to 2" in svg and "✕" not in svg

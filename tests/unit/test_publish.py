@@ -20,16 +20,16 @@ def test_two_supervisors_racing_to_publish_one_bundle_exactly_one_wins(spec_fact
     storage = LocalStorage(tmp_path / "runs")
     key = list_bundles(storage, "race")[0].key
     manifest = read_manifest(storage, key)
+
+    def publish(p: Publisher, barrier: threading.Barrier, wins: list[bool]) -> None:
+        barrier.wait()
+        wins.append(p.publish(manifest, key))
+
     for trial in range(20):
         storage.delete_prefix(f"{key}/manifest.json")  # unpublish, so both race to create it
         publishers = [Publisher(storage, Ledger(storage, "race"), "race", keep_last=3) for _ in range(2)]
         barrier, wins = threading.Barrier(2), []
-
-        def publish(p: Publisher) -> None:
-            barrier.wait()
-            wins.append(p.publish(manifest, key))
-
-        threads = [threading.Thread(target=publish, args=(p,)) for p in publishers]
+        threads = [threading.Thread(target=publish, args=(p, barrier, wins)) for p in publishers]
         for t in threads:
             t.start()
         for t in threads:

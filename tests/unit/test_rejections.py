@@ -148,7 +148,8 @@ def test_renamed_parameter_with_other_factory_is_refused_naming_both_names(tmp_p
 
 
 def test_renamed_parameter_in_same_factory_is_refused_naming_both_names(tmp_path, monkeypatch):
-    """(d') The factory's code changed under the same name (``build_a`` now builds ``out.*``): names differ, both named."""
+    """(d') The factory's code changed under the same name (``build_a`` now builds ``out.*``): names differ,
+    both named."""
     from tests.helpers import factory_models
 
     spec = spec_for(tmp_path, *FACTORY, "model.factory=tests.helpers.factory_models:build_a")

@@ -144,16 +144,16 @@ def test_put_new_race_has_exactly_one_winner(tmp_path):
     """8 threads released together on one key, 20 times: one True, and its bytes are what remain."""
     storage = LocalStorage(tmp_path)
     n = 8
+
+    def contender(i: int, key: str, barrier: threading.Barrier, results: list[bool | None]) -> None:
+        barrier.wait()
+        results[i] = storage.put_new(key, f"writer {i}".encode())
+
     for round_ in range(20):
         key = f"job/events/{round_:012d}.json"
         barrier = threading.Barrier(n)
         results: list[bool | None] = [None] * n
-
-        def contender(i: int) -> None:
-            barrier.wait()
-            results[i] = storage.put_new(key, f"writer {i}".encode())
-
-        threads = [threading.Thread(target=contender, args=(i,)) for i in range(n)]
+        threads = [threading.Thread(target=contender, args=(i, key, barrier, results)) for i in range(n)]
         for t in threads:
             t.start()
         for t in threads:

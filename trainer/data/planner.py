@@ -92,6 +92,8 @@ class Planner:
     def _more(self) -> int:
         """The stream pulled every known record: how many there are now (streams get this hook
         only when there is a ``discover``)."""
+        if self.discover is None:
+            raise RuntimeError("the stream asked for more records, but this planner has no discover")
         new = self.discover(self.stream.epoch, len(self.tokens))
         if len(new):
             self.tokens = np.concatenate([self.tokens, new])

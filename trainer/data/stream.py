@@ -39,7 +39,7 @@ class StreamPlanner:
     def next_update(self) -> list[tuple[Span, ...]]:
         """The next update's elements, one per sequence, in global order."""
         self._elements = {}
-        out = []
+        out: list[tuple[Span, ...]] = []
         for _ in range(self.global_sequences):
             self._elements[self.consumed] = self._next()
             out.append((Span(0, self.consumed, 0, 1),))
