@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy spotrun/trainer spotrun/orchestrator
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=15 tests
 
 demo: venv
 	$(PY) -m spotrun.orchestrator.demo

@@ -46,11 +46,11 @@ def test_chaos_suite_twenty_faults_every_site_strict_exact(tmp_path):
 
 def test_single_process_chaos(tmp_path):
     """The same harness without Ray: every kill takes the driver with it and verify runs it again."""
-    code, report, err = verify(tmp_path, "train.updates=40", "checkpoint.every_updates=3", kills=10)
+    code, report, err = verify(tmp_path, "train.updates=30", "checkpoint.every_updates=3", kills=6)
     assert code == 0, err
     assert report["verdict"] == "pass" and report["params_bitwise_equal"] is True
-    assert report["faults_delivered"] == report["faults_planned"] == 10 and report["restores_from_bundle"] > 0
-    assert report["kills_injected"] + report["notices_injected"] == 10
+    assert report["faults_delivered"] == report["faults_planned"] == 6 and report["restores_from_bundle"] > 0
+    assert report["kills_injected"] + report["notices_injected"] == 6
     assert "node-removed" in report["fault_sites_not_applicable"]
     assert report["occurrence_gaps"] == report["occurrence_duplicates"] == report["metric_duplicates"] == 0
     assert report["metric_duplicates_written"] > 0 and report["failures"] == []
