@@ -11,6 +11,7 @@ import errno
 import mmap
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 from urllib.parse import urlparse
@@ -42,6 +43,10 @@ class Storage(Protocol):
         """Create ``key`` only if it does not exist; True if this call created it."""
 
     def get(self, key: str) -> bytes: ...
+
+    def read_chunks(self, key: str, chunk_bytes: int) -> Iterator[bytes]:
+        """The object's bytes in order, at most ``chunk_bytes`` at a time: for hashing a file of any
+        size in bounded memory. ``FileNotFoundError`` if there is no such key (on the first chunk)."""
 
     def exists(self, key: str) -> bool: ...
 
@@ -146,6 +151,11 @@ class LocalStorage:
 
     def get(self, key: str) -> bytes:
         return self._path(key).read_bytes()
+
+    def read_chunks(self, key: str, chunk_bytes: int) -> Iterator[bytes]:
+        with self._path(key).open("rb") as f:
+            while chunk := f.read(chunk_bytes):
+                yield chunk
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
