@@ -220,9 +220,12 @@ def cmd_inventory(a: argparse.Namespace) -> int:
 def cmd_dashboard(a: argparse.Namespace) -> int:
     from spotrun.orchestrator.dashboard.server import resolve_token, serve
 
-    serve(a.storage, a.host, a.port, token=resolve_token(a.token), allow_remote=a.allow_remote,
-          endpoint_url=a.endpoint_url,
-          announce=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
+    def say(line: str) -> None:
+        err.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    serve(a.storage, a.host, a.port, token=resolve_token(a.token_file, a.token, warn=say),
+          allow_remote=a.allow_remote, endpoint_url=a.endpoint_url, tls_cert=a.tls_cert, tls_key=a.tls_key,
+          announce=say)
     return 0
 
 
@@ -298,7 +301,12 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     d.add_argument("--port", type=int, default=8263)
     d.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (needs a token)")
-    d.add_argument("--token", help="required on every request (default: $SPOTRUN_DASHBOARD_TOKEN)")
+    d.add_argument("--token-file", metavar="PATH",
+                   help="a file whose first line is the token required on every request "
+                        "(default: $SPOTRUN_DASHBOARD_TOKEN)")
+    d.add_argument("--token", help="deprecated: visible to every user in ps; use --token-file")
+    d.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate (with --tls-key)")
+    d.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     d.set_defaults(func=cmd_dashboard)
     return p
 
