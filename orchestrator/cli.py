@@ -168,6 +168,8 @@ def cmd_history(a: argparse.Namespace) -> int:
     _table("restarts", doc["restarts"], ["attempt", "cause", "detected_at", "restored_from", "recovery_label",
                                         "world_size_before", "world_size_after", "lost_updates",
                                         "downtime_seconds", "time_lost_seconds"])
+    if doc["notices"]:
+        _table("preemption notices", doc["notices"], ["attempt", "at", "source", "node_id", "action", "reason"])
     return 0
 
 

@@ -18,6 +18,7 @@ import os
 import sys
 
 from spotrun.orchestrator.groups import InProcessGroup
+from spotrun.orchestrator.notices import ImdsWatcher
 from spotrun.orchestrator.supervisor import Outcome, Supervisor
 from spotrun.trainer.job import entrypoint_of, load_entrypoint
 from spotrun.trainer.spec import JobSpec
@@ -37,9 +38,17 @@ def check_entrypoint(spec: JobSpec) -> None:
 def run_in_process(spec: JobSpec, *, trace_path: str | None = None, record_ids: bool = False,
                    init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = (),
                    drop: tuple[str, ...] = ()) -> Outcome:
-    """World size 1 without Ray: the rank trains on a thread of this process."""
-    return in_process_supervisor(spec, trace_path=trace_path, record_ids=record_ids, init_from=init_from,
-                                 reset=reset, drop=drop).run()
+    """World size 1 without Ray: the rank trains on a thread of this process. ``preemption.imds_url``
+    is watched here as on a Ray node: a spot notice for this machine drains the job like SIGTERM."""
+    sup = in_process_supervisor(spec, trace_path=trace_path, record_ids=record_ids, init_from=init_from,
+                                reset=reset, drop=drop)
+    p = spec.preemption
+    watcher = ImdsWatcher(p.imds_url, p.imds_poll_s, None, None, sup.notify).start() if p.imds_url else None
+    try:
+        return sup.run()
+    finally:
+        if watcher is not None:
+            watcher.stop()
 
 
 def in_process_supervisor(spec: JobSpec, *, trace_path: str | None = None, record_ids: bool = False,

@@ -10,8 +10,8 @@
   autoscaler on spot preemption or by ``ray drain-node``).
 
 A watcher never raises into its caller: a malformed or unreachable source is
-logged and reported as an ignorable notice, so the supervisor records it and
-carries on.
+logged and reported as an ignorable notice, so the supervisor records it (an
+unreachable IMDS once per watcher, not once per poll) and carries on.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import logging
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -45,6 +46,7 @@ class Notice(BaseModel):
     deadline: datetime | None  # when the machine goes away; None if the source does not say
     received_at: datetime = Field(default_factory=_now)
     malformed: str | None = None  # why the notice could not be understood (then it is ignored)
+    unreachable: str | None = None  # the source could not be asked at all (recorded, then ignored)
     detail: str = ""
 
     @property
@@ -74,17 +76,29 @@ def parse_instance_action(body: bytes) -> tuple[str, datetime]:
 
 
 class ImdsWatcher:
-    """Polls the spot interruption notice of this node every ``poll_s`` seconds, on a daemon thread."""
+    """Polls the spot interruption notice of this node every ``poll_s`` seconds, on a daemon thread.
+
+    The IMDSv2 session token is asked for once and reused until ``TOKEN_RENEW_S`` before it
+    expires (or until the service refuses it), not fetched again on every poll. The first time
+    the service cannot be reached the watcher reports a notice with ``unreachable`` set (and
+    logs a warning); later failures are logged at DEBUG only, so a machine without an IMDS
+    (a laptop, another cloud) leaves one line in the ledger, not one per poll.
+    ``node_id=None``: the watcher watches the driver's own machine (``--no-ray``)."""
 
     TOKEN_TTL_S = 300
+    TOKEN_RENEW_S = 30  # a token this close to its expiry is renewed before use
 
-    def __init__(self, base_url: str, poll_s: float, node_id: str, rank: int | None,
-                 on_notice: NoticeCallback) -> None:
+    def __init__(self, base_url: str, poll_s: float, node_id: str | None, rank: int | None,
+                 on_notice: NoticeCallback, clock: Callable[[], float] = time.monotonic) -> None:
         self.base_url = base_url.rstrip("/")
         self.poll_s = poll_s
         self.node_id = node_id
         self.rank = rank
         self.on_notice = on_notice
+        self.clock = clock
+        self._token: str | None = None
+        self._token_expires = 0.0
+        self._reported_unreachable = False
         self._stop = threading.Event()
         self._seen: set[bytes] = set()
         self._thread = threading.Thread(target=self._loop, name="imds-watcher", daemon=True)
@@ -96,20 +110,51 @@ class ImdsWatcher:
     def stop(self) -> None:
         self._stop.set()
 
-    def poll_once(self) -> None:
-        token_req = urllib.request.Request(f"{self.base_url}/latest/api/token", method="PUT",
-                                           headers={"X-aws-ec2-metadata-token-ttl-seconds": str(self.TOKEN_TTL_S)})
-        with urllib.request.urlopen(token_req, timeout=2) as r:
-            token = r.read().decode()
-        req = urllib.request.Request(f"{self.base_url}/latest/meta-data/spot/instance-action",
-                                     headers={"X-aws-ec2-metadata-token": token})
-        try:
+    def _session_token(self) -> str:
+        if self._token is None or self.clock() >= self._token_expires - self.TOKEN_RENEW_S:
+            asked_at = self.clock()
+            req = urllib.request.Request(f"{self.base_url}/latest/api/token", method="PUT",
+                                         headers={"X-aws-ec2-metadata-token-ttl-seconds": str(self.TOKEN_TTL_S)})
             with urllib.request.urlopen(req, timeout=2) as r:
-                body = r.read()
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                return  # no interruption scheduled
-            raise
+                self._token = r.read().decode()
+            self._token_expires = asked_at + self.TOKEN_TTL_S
+        return self._token
+
+    def _instance_action(self) -> bytes | None:
+        """The notice's body; None when none is scheduled (404). A refused token (401) is renewed once."""
+        for retry in (False, True):
+            req = urllib.request.Request(f"{self.base_url}/latest/meta-data/spot/instance-action",
+                                         headers={"X-aws-ec2-metadata-token": self._session_token()})
+            try:
+                with urllib.request.urlopen(req, timeout=2) as r:
+                    return r.read()
+            except urllib.error.HTTPError as e:
+                if e.code == 404:
+                    return None  # no interruption scheduled
+                if e.code != 401 or retry:
+                    raise
+                self._token = None  # expired or revoked early: ask for a new one
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def poll(self) -> None:
+        """:meth:`poll_once`, with an unreachable service reported (the first time) instead of raised."""
+        try:
+            self.poll_once()
+        except (OSError, urllib.error.URLError) as e:  # URLError and HTTPError are OSErrors; timeouts too
+            if self._reported_unreachable:
+                log.debug("instance metadata service still unreachable: %s", e)
+                return
+            self._reported_unreachable = True
+            reason = f"instance metadata service {self.base_url} unreachable: {e}"
+            log.warning("%s; spot interruption notices will not be seen from it (still polling)", reason)
+            self.on_notice(Notice(source="aws", node_id=self.node_id, rank=self.rank, deadline=None,
+                                  unreachable=reason))
+
+    def poll_once(self) -> None:
+        """One poll; raises ``OSError`` when the service cannot be asked."""
+        body = self._instance_action()
+        if body is None:
+            return
         if body in self._seen:
             return  # the same notice polled again
         self._seen.add(body)
@@ -122,10 +167,7 @@ class ImdsWatcher:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.poll_once()
-            except (OSError, urllib.error.URLError) as e:  # unreachable IMDS: log, keep polling
-                log.debug("instance metadata service unreachable: %s", e)
+            self.poll()
             self._stop.wait(self.poll_s)
 
 

@@ -447,6 +447,11 @@ class Supervisor:
             log.warning("ignoring a malformed %s notice: %s", n.source, n.malformed)
             record("ignored", f"malformed: {n.malformed}")
             return None
+        if n.unreachable:  # each rank's watcher may say so: one record per node
+            if ("unreachable", n.source, n.node_id) not in self._seen_notices:
+                self._seen_notices.add(("unreachable", n.source, n.node_id))
+                record("ignored", f"unreachable: {n.unreachable}")
+            return None
         identity = n.identity if n.source != "ray-drain" else (n.source, n.node_id)
         if identity in self._seen_notices:
             log.info("ignoring a duplicate %s notice for node %s", n.source, n.node_id)
