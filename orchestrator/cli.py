@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from spotrun.orchestrator.groups import RankFailed
+from spotrun.orchestrator.ray_internals import RayInternalsChanged
 from spotrun.orchestrator.specfile import SpecError, load_spec
 from spotrun.orchestrator.supervisor import JobFailedError
 from spotrun.trainer.bundle import BundleError, load_bundle
@@ -322,7 +323,7 @@ def run_parsed(a: argparse.Namespace) -> int:
     try:
         return a.func(a)
     except (SpecError, BundleError, ManifestError, StorageError, UnsafeKeyError, JobFailedError, RankFailed,
-            ValueError) as e:
+            RayInternalsChanged, ValueError) as e:
         err.print(f"[red]spotrun {a.command}: {escape(str(e))}[/]", highlight=False, soft_wrap=True)
         return 2
 

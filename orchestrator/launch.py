@@ -19,6 +19,7 @@ import sys
 
 from spotrun.orchestrator.groups import InProcessGroup
 from spotrun.orchestrator.notices import ImdsWatcher
+from spotrun.orchestrator.ray_internals import quiet_auth_notice
 from spotrun.orchestrator.supervisor import Outcome, Supervisor
 from spotrun.trainer.job import entrypoint_of, load_entrypoint
 from spotrun.trainer.spec import JobSpec
@@ -70,8 +71,7 @@ def ensure_ray(spec: JobSpec, address: str | None) -> None:
     """Connect to ``address``, or start an embedded local Ray sized for the job."""
     import ray
 
-    # Token authentication stays on (Ray's secure default); its start-up notice is not news.
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    quiet_auth_notice()  # token authentication stays on (Ray's secure default)
     if ray.is_initialized():
         return
     if address:
@@ -99,10 +99,9 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | N
     if spec.preemption.watch_ray_drain:
         import ray
 
-        from spotrun.orchestrator.notices import draining_nodes
+        from spotrun.orchestrator.ray_internals import drain_reader
 
-        gcs = ray.get_runtime_context().gcs_address
-        drain_source = lambda: draining_nodes(gcs)  # noqa: E731
+        drain_source = drain_reader(ray.get_runtime_context().gcs_address)
     def capacity() -> int:
         return available_rank_slots(spec, exclude=drain_source() if drain_source else set())
 

@@ -182,15 +182,3 @@ def install_signal_notices(node_id: str | None, rank: int | None, grace_s: float
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-
-
-def draining_nodes(gcs_address: str) -> set[str]:
-    """Node ids (hex) the Ray GCS reports as DRAINING (``NodeSnapshot.State.DRAINING``)."""
-    import ray
-    from ray.core.generated import gcs_pb2
-
-    # Ray's generated protobuf module and its compiled _raylet carry no type information for these
-    draining = gcs_pb2.NodeSnapshot.State.Value("DRAINING")  # type: ignore[attr-defined]
-    client = ray._raylet.GcsClient(address=gcs_address)  # type: ignore[attr-defined]
-    return {node_id.hex() for node_id, info in client.get_all_node_info().items()
-            if info.state_snapshot.state == draining}
