@@ -13,13 +13,17 @@ categories; only ``spotrun verify --mutate`` asks for one (through
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from spotrun.orchestrator.groups import InProcessGroup
 from spotrun.orchestrator.notices import ImdsWatcher
-from spotrun.orchestrator.ray_internals import quiet_auth_notice
+from spotrun.orchestrator.ray_internals import quiet_auth_notice, shutdown_without_grace
 from spotrun.orchestrator.supervisor import Outcome, Supervisor
 from spotrun.trainer.job import entrypoint_of, load_entrypoint
 from spotrun.trainer.spec import JobSpec
@@ -78,8 +82,29 @@ def ensure_ray(spec: JobSpec, address: str | None) -> None:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         return
     cpus = max(spec.max_world, spec.world.size) * spec.world.cpus_per_rank
-    ray.init(address="local", num_cpus=int(max(1, cpus)), include_dashboard=False, log_to_driver=False,
-             logging_level=logging.WARNING)
+    with group_signals_spare_ray():
+        ray.init(address="local", num_cpus=int(max(1, cpus)), include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING)
+    atexit.register(shutdown_without_grace)  # before Ray's own exit handler (registered earlier, run later)
+
+
+@contextmanager
+def group_signals_spare_ray() -> Iterator[None]:
+    """Start the embedded Ray's processes with SIGTERM blocked, so a stop sent to the whole process
+    group (``systemctl stop``, ``tini -g``, ``kill -TERM -PGID``) leaves the GCS and raylet up
+    while the driver, which gets it too, drains the ranks and publishes the emergency bundle.
+
+    A blocked signal stays blocked across ``fork`` and ``exec``, so every process Ray starts
+    (and the workers its raylet starts) inherits it; Ray already starts them with SIGINT
+    blocked for the same reason. They still end with the driver: ``ray.shutdown`` kills what
+    ignores its SIGTERM, and Ray's fate-sharing (parent-death SIGKILL) covers a killed driver.
+    The rank actors unblock SIGTERM for themselves (:func:`~spotrun.orchestrator.notices.
+    install_signal_notices`), so SIGTERM to one worker is still that rank's notice."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | None = None,

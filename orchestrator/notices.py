@@ -173,7 +173,10 @@ class ImdsWatcher:
 
 def install_signal_notices(node_id: str | None, rank: int | None, grace_s: float,
                            on_notice: NoticeCallback) -> None:
-    """Turn SIGTERM and SIGINT to this process into notices (call on the main thread)."""
+    """Turn SIGTERM and SIGINT to this process into notices (call on the main thread). SIGTERM is
+    unblocked here: a Ray worker inherits it blocked from the embedded Ray (see
+    :func:`~spotrun.orchestrator.launch.group_signals_spare_ray`). SIGINT stays as the process
+    has it (Ray blocks it in every process it starts)."""
 
     def handler(signum: int, _frame) -> None:
         source: Source = "sigterm" if signum == signal.SIGTERM else "sigint"
@@ -182,3 +185,4 @@ def install_signal_notices(node_id: str | None, rank: int | None, grace_s: float
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})

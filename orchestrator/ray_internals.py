@@ -6,7 +6,9 @@ secured cluster (Ray 2.60's default) wants from a Jobs client, so spotrun uses:
 - ``ray._raylet.GcsClient(...).get_all_node_info()`` and
   ``ray.core.generated.gcs_pb2.NodeSnapshot.State`` (``DRAINING``): Ray drain notices;
 - ``ray._private.authentication.authentication_token_setup.maybe_enable_token_auth_if_token_available``:
-  ``spotrun submit`` authenticating to a token-secured cluster.
+  ``spotrun submit`` authenticating to a token-secured cluster;
+- ``ray._private.worker._global_node.kill_all_processes``: ending an embedded Ray whose
+  processes block SIGTERM without the futile graceful SIGTERM (:func:`shutdown_without_grace`).
 
 A Ray release may rename or reshape any of them. Each is resolved here when the feature
 starts, so a change surfaces at once as :class:`RayInternalsChanged` naming the API, the
@@ -105,3 +107,29 @@ def enable_token_auth() -> None:
                        "a tested Ray.") from e
     quiet_auth_notice()
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def shutdown_without_grace() -> None:
+    """``ray.shutdown()`` for the embedded Ray started with SIGTERM blocked (see
+    :func:`~spotrun.orchestrator.launch.group_signals_spare_ray`): Ray's shutdown sends each of
+    its processes SIGTERM and waits a second before SIGKILL; blocked, that SIGTERM only costs the
+    wait (about 4 s in all), so its processes get SIGKILL at once, as fate-sharing would give
+    them. If Ray changed the API, the ordinary (slower) shutdown runs and says so once."""
+    import ray
+
+    try:
+        node = ray._private.worker._global_node  # type: ignore[attr-defined]
+        if node is not None:
+            kill = node.kill_all_processes
+
+            def without_grace(check_alive: bool = True, allow_graceful: bool = False, wait: bool = False) -> None:
+                kill(check_alive=check_alive, allow_graceful=False, wait=wait)
+
+            node.kill_all_processes = without_grace  # this node object only; Ray's shutdown calls it
+    except AttributeError as e:
+        text = str(_changed("ray._private.worker._global_node.kill_all_processes", e,
+                            "Shutting down the ordinary way (a few seconds slower)."))
+        if text not in _warned:
+            _warned.add(text)
+            log.warning(text)
+    ray.shutdown()

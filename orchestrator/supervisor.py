@@ -461,6 +461,12 @@ class Supervisor:
             record("ignored", f"node {n.node_id} hosts no rank of this attempt")
             return None
         if st.draining is not None:
+            if n.node_id is None and st.draining.node_id is not None:
+                # a stop to the whole process group reaches a rank and the driver, in either order: the
+                # driver's wins, or the job would restart after the bundle instead of stopping
+                st.draining = n
+                record("emergency-checkpoint", "the driver is stopping too: stop after the bundle already asked for")
+                return None
             record("ignored", f"already draining for a {st.draining.source} notice")
             return None
         deadline = n.deadline or (n.received_at + timedelta(seconds=self.spec.preemption.grace_s))

@@ -201,3 +201,23 @@ def spec_storage(spec):
     from spotrun.trainer.storage import open_storage
 
     return open_storage(spec.storage)
+
+
+def test_signal_notices_unblock_sigterm_inherited_blocked():
+    """A Ray worker of the embedded Ray inherits SIGTERM blocked (launch.group_signals_spare_ray);
+    installing the notices must unblock it, or SIGTERM to one worker would never become a notice."""
+    import signal
+    import subprocess
+    import sys
+
+    code = """
+import os, signal
+from spotrun.orchestrator.notices import install_signal_notices
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+got = []
+install_signal_notices("n1", 0, 30.0, got.append)
+os.kill(os.getpid(), signal.SIGTERM)
+print(got[0].source if got else "none")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "sigterm", (done.stdout, done.stderr, signal.SIGTERM)
