@@ -221,3 +221,15 @@ print(got[0].source if got else "none")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "sigterm", (done.stdout, done.stderr, signal.SIGTERM)
+
+
+def test_the_drivers_stop_wins_over_a_ranks_drain(spec_factory, tmp_path):
+    """A stop to the whole process group reaches a rank and the driver, in either order. Rank first:
+    the job must still stop (exit 143) after the bundle, not restart and train on."""
+    spec = spec_factory(*SETS, "checkpoint.every_updates=100", job_id="both")
+    rank = Notice(source="sigterm", node_id="local", rank=0, deadline=_now() + timedelta(seconds=120))
+    driver = Notice(source="sigterm", node_id=None, deadline=_now() + timedelta(seconds=120))
+    outcome, events = run_with_notices(spec, tmp_path / "t.jsonl", 5, [rank, driver])
+    assert outcome.state == "stopped" and outcome.restarts == 0, outcome
+    assert [e.action for e in events if isinstance(e, NoticeSeen)] == ["emergency-checkpoint"] * 2
+    assert len([e for e in events if isinstance(e, NoticeHandled)]) == 1
