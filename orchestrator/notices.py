@@ -121,20 +121,26 @@ class ImdsWatcher:
         return self._token
 
     def _instance_action(self) -> bytes | None:
-        """The notice's body; None when none is scheduled (404). A refused token (401) is renewed once."""
-        for retry in (False, True):
-            req = urllib.request.Request(f"{self.base_url}/latest/meta-data/spot/instance-action",
-                                         headers={"X-aws-ec2-metadata-token": self._session_token()})
-            try:
-                with urllib.request.urlopen(req, timeout=2) as r:
-                    return r.read()
-            except urllib.error.HTTPError as e:
-                if e.code == 404:
-                    return None  # no interruption scheduled
-                if e.code != 401 or retry:
-                    raise
-                self._token = None  # expired or revoked early: ask for a new one
-        raise AssertionError("unreachable")  # the loop returns or raises
+        """The notice's body; None when none is scheduled (404). A refused token (401: it expired or
+        the service restarted) is replaced once."""
+        try:
+            return self._ask_instance_action()
+        except urllib.error.HTTPError as e:
+            if e.code != 401:
+                raise
+        self._token = None
+        return self._ask_instance_action()
+
+    def _ask_instance_action(self) -> bytes | None:
+        req = urllib.request.Request(f"{self.base_url}/latest/meta-data/spot/instance-action",
+                                     headers={"X-aws-ec2-metadata-token": self._session_token()})
+        try:
+            with urllib.request.urlopen(req, timeout=2) as r:
+                return r.read()
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None  # no interruption scheduled
+            raise
 
     def poll(self) -> None:
         """:meth:`poll_once`, with an unreachable service reported (the first time) instead of raised."""
