@@ -21,8 +21,8 @@ from spotrun.orchestrator.ray_internals import RayInternalsChanged
 from spotrun.orchestrator.specfile import SpecError, load_spec
 from spotrun.orchestrator.supervisor import JobFailedError
 from spotrun.trainer.bundle import BundleError, load_bundle
-from spotrun.trainer.manifest import ManifestError
-from spotrun.trainer.storage import StorageError, UnsafeKeyError, open_storage
+from spotrun.trainer.manifest import Manifest, ManifestError
+from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError, open_storage
 
 err = Console(stderr=True)
 
@@ -101,7 +101,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     from spotrun.trainer.explain import read_next
 
     root, key = _split_bundle_uri(a.bundle)
-    storage = open_storage(root)
+    storage = open_storage(root, check=False)  # read only: no write probe
     bundle = load_bundle(storage, key, None)  # checksums, JSON and weights-only tensors: no code runs
     m = bundle.manifest
     doc: dict[str, Any] = {"bundle": key, "manifest": json.loads(m.model_dump_json()), "next": read_next(bundle)}
@@ -116,7 +116,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
-def _explain(a: argparse.Namespace, storage, key: str, job_id: str, world_size: int) -> dict[str, Any]:
+def _explain(a: argparse.Namespace, storage: Storage, key: str, job_id: str, world_size: int) -> dict[str, Any]:
     from spotrun.trainer.explain import explain_next
     from spotrun.trainer.session import TrainSession
 
@@ -126,7 +126,7 @@ def _explain(a: argparse.Namespace, storage, key: str, job_id: str, world_size: 
     return explain_next(session, load_bundle(storage, key, session.desc))
 
 
-def _print_inspect(key: str, m, nxt: dict[str, Any]) -> None:
+def _print_inspect(key: str, m: Manifest, nxt: dict[str, Any]) -> None:
     c, d = m.counters, m.data
     console = Console()
     console.print(f"[bold]{key}[/]  job {m.job_id}  lineage {m.lineage_id}  attempt {m.attempt}  "
