@@ -17,11 +17,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from spotrun.orchestrator.groups import RankFailed
+from spotrun.orchestrator.ray_internals import RayInternalsChanged
 from spotrun.orchestrator.specfile import SpecError, load_spec
 from spotrun.orchestrator.supervisor import JobFailedError
 from spotrun.trainer.bundle import BundleError, load_bundle
-from spotrun.trainer.manifest import ManifestError
-from spotrun.trainer.storage import StorageError, UnsafeKeyError, open_storage
+from spotrun.trainer.manifest import Manifest, ManifestError
+from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError, open_storage
 
 err = Console(stderr=True)
 
@@ -94,23 +95,38 @@ def _split_bundle_uri(uri: str) -> tuple[str, str]:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from spotrun.trainer.explain import explain_next
-    from spotrun.trainer.session import TrainSession
-    from spotrun.trainer.spec import JobSpec
+    """A bundle is data: without ``--explain`` nothing the bundle names is imported, called or
+    contacted. ``--explain CONFIG`` builds the job from the user's LOCAL spec (never the bundle's),
+    checks the bundle fits it as a restore would, and computes the next occurrences and scaler skip."""
+    from spotrun.trainer.explain import read_next
 
     root, key = _split_bundle_uri(a.bundle)
-    storage = open_storage(root)
-    bundle = load_bundle(storage, key, None)
+    storage = open_storage(root, check=False)  # read only: no write probe
+    bundle = load_bundle(storage, key, None)  # checksums, JSON and weights-only tensors: no code runs
     m = bundle.manifest
-    doc: dict[str, Any] = {"bundle": key, "manifest": json.loads(m.model_dump_json())}
-    try:
-        spec = JobSpec.model_validate(m.spec)
-        doc["next"] = explain_next(TrainSession(spec, world_size=m.world.size), bundle)
-    except (OSError, ValueError) as e:
-        doc["next"] = {"unavailable": f"cannot rebuild the job to explain its next step: {e}"}
+    doc: dict[str, Any] = {"bundle": key, "manifest": json.loads(m.model_dump_json()), "next": read_next(bundle)}
+    if a.explain:
+        doc["next"] = _explain(a, storage, key, m.job_id, m.world.size)
+    elif a.set or a.job_id:
+        raise SpecError("--set and --job-id apply to --explain CONFIG only")
     if a.json:
         _out(doc)
         return 0
+    _print_inspect(key, m, doc["next"])
+    return 0
+
+
+def _explain(a: argparse.Namespace, storage: Storage, key: str, job_id: str, world_size: int) -> dict[str, Any]:
+    from spotrun.trainer.explain import explain_next
+    from spotrun.trainer.session import TrainSession
+
+    spec = load_spec(a.explain, a.set, a.job_id or job_id)
+    session = TrainSession(spec, world_size=world_size)
+    # the local job must fit the bundle exactly as a restore requires, or its explanation is not the bundle's
+    return explain_next(session, load_bundle(storage, key, session.desc))
+
+
+def _print_inspect(key: str, m: Manifest, nxt: dict[str, Any]) -> None:
     c, d = m.counters, m.data
     console = Console()
     console.print(f"[bold]{key}[/]  job {m.job_id}  lineage {m.lineage_id}  attempt {m.attempt}  "
@@ -123,18 +139,18 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     shards = f" ({d.records} records in {len(d.shards)} shards, the last read: {d.shards[-1].name})" if d.shards else ""
     console.print(f"data {d.dataset_version}{shards}, tokenizer {d.tokenizer_version}, model {m.model.kind} "
                   f"{m.model.config_hash}, {len(m.files)} files, {m.total_bytes} bytes")
-    nxt = doc["next"]
-    if "unavailable" in nxt:
-        console.print(nxt["unavailable"])
-    else:
-        sc = nxt["scaler"]
-        console.print(f"next: update {nxt['next_update']} at lr {nxt['next_lr']:.6g} (scheduler follows "
-                      f"{nxt['scheduler_counts']} updates); scaler "
-                      + (f"scale {sc['scale']:g}, will {'SKIP' if sc['will_skip'] else 'apply'}"
-                         if sc["enabled"] else "off"))
+    sc = nxt["scaler"]
+    scaler = f"scale {sc['scale']:g}" if sc["enabled"] else "off"
+    if "will_skip" in sc and sc["enabled"]:
+        scaler += f", will {'SKIP' if sc['will_skip'] else 'apply'}"
+    console.print(f"next: update {nxt['next_update']} at lr {nxt['next_lr']:.6g} (scheduler follows "
+                  f"{nxt['scheduler_counts']} updates); scaler {scaler}")
+    if "next_occurrences" in nxt:
         console.print(f"next occurrences ({nxt['next_update_occurrences']} in the update): "
                       + ", ".join(nxt["next_occurrences"]))
-    return 0
+    else:
+        console.print("next occurrences and the scaler's skip need the job's code and data: add "
+                      "--explain CONFIG (your local spec; the bundle's own code is never run)")
 
 
 def _storage_for(a: argparse.Namespace):
@@ -153,6 +169,8 @@ def cmd_history(a: argparse.Namespace) -> int:
     _table("restarts", doc["restarts"], ["attempt", "cause", "detected_at", "restored_from", "recovery_label",
                                         "world_size_before", "world_size_after", "lost_updates",
                                         "downtime_seconds", "time_lost_seconds"])
+    if doc["notices"]:
+        _table("preemption notices", doc["notices"], ["attempt", "at", "source", "node_id", "action", "reason"])
     return 0
 
 
@@ -205,9 +223,12 @@ def cmd_inventory(a: argparse.Namespace) -> int:
 def cmd_dashboard(a: argparse.Namespace) -> int:
     from spotrun.orchestrator.dashboard.server import resolve_token, serve
 
-    serve(a.storage, a.host, a.port, token=resolve_token(a.token), allow_remote=a.allow_remote,
-          endpoint_url=a.endpoint_url,
-          announce=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
+    def say(line: str) -> None:
+        err.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    serve(a.storage, a.host, a.port, token=resolve_token(a.token_file, a.token, warn=say),
+          allow_remote=a.allow_remote, endpoint_url=a.endpoint_url, tls_cert=a.tls_cert, tls_key=a.tls_key,
+          announce=say)
     return 0
 
 
@@ -243,6 +264,11 @@ def parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="a bundle's manifest and what it will do next")
     i.add_argument("bundle", metavar="BUNDLE_URI")
+    i.add_argument("--explain", metavar="CONFIG",
+                   help="also compute the next occurrences and scaler skip by building the job from this LOCAL "
+                        "spec (runs your code; the bundle's own factory/entrypoint is never imported)")
+    i.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --explain: override a key")
+    i.add_argument("--job-id", help="with --explain: the job id (default: the bundle's)")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_inspect)
 
@@ -278,7 +304,12 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     d.add_argument("--port", type=int, default=8263)
     d.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (needs a token)")
-    d.add_argument("--token", help="required on every request (default: $SPOTRUN_DASHBOARD_TOKEN)")
+    d.add_argument("--token-file", metavar="PATH",
+                   help="a file whose first line is the token required on every request "
+                        "(default: $SPOTRUN_DASHBOARD_TOKEN)")
+    d.add_argument("--token", help="deprecated: visible to every user in ps; use --token-file")
+    d.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate (with --tls-key)")
+    d.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     d.set_defaults(func=cmd_dashboard)
     return p
 
@@ -292,7 +323,7 @@ def run_parsed(a: argparse.Namespace) -> int:
     try:
         return a.func(a)
     except (SpecError, BundleError, ManifestError, StorageError, UnsafeKeyError, JobFailedError, RankFailed,
-            ValueError) as e:
+            RayInternalsChanged, ValueError) as e:
         err.print(f"[red]spotrun {a.command}: {escape(str(e))}[/]", highlight=False, soft_wrap=True)
         return 2
 

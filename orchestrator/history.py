@@ -18,6 +18,7 @@ from spotrun.orchestrator.ledger import (
     JobFinished,
     Ledger,
     NoticeHandled,
+    NoticeSeen,
     Resizing,
     Restored,
     TopologyChanged,
@@ -46,7 +47,7 @@ def history(storage: Storage, job_id: str) -> dict[str, Any]:
     started: dict[int, AttemptStarted] = {}
     published_at: dict[str, datetime] = {}
     resumed: set[int] = set()  # attempts that restored a bundle or began a new lineage
-    corrupt, topology, rejected = [], [], []
+    corrupt, topology, rejected, notices = [], [], [], []
     state = "unknown"
     for e in events:
         if isinstance(e, CorruptEvent):
@@ -67,6 +68,9 @@ def history(storage: Storage, job_id: str) -> dict[str, Any]:
             a["last_update"] = max(a["last_update"] or 0, e.update)
         elif isinstance(e, NoticeHandled):
             handled[e.attempt] = e
+        elif isinstance(e, NoticeSeen):  # acted on or ignored (malformed, an unreachable source): both shown
+            notices.append(e.model_dump(mode="json", include={"attempt", "at", "source", "node_id", "rank",
+                                                               "action", "reason"}))
         elif isinstance(e, WorkerLost):
             losses[e.attempt] = e
             a.update(ended=f"lost: {e.cause}", last_update=e.last_update)
@@ -94,7 +98,8 @@ def history(storage: Storage, job_id: str) -> dict[str, Any]:
         restarts.append(_restart(n, losses.get(n - 1), attempts.get(n - 1, {}), started, handled, None, None))
     restarts.sort(key=lambda r: r["attempt"])
     return {"job_id": job_id, "state": state, "attempts": list(attempts.values()), "restarts": restarts,
-            "topology_changes": topology, "rejected_bundles": rejected, "corrupt_events": corrupt}
+            "topology_changes": topology, "rejected_bundles": rejected, "corrupt_events": corrupt,
+            "notices": notices}
 
 
 def _restart(attempt: int, loss: WorkerLost | None, previous: dict[str, Any], started: dict[int, AttemptStarted],

@@ -13,11 +13,17 @@ categories; only ``spotrun verify --mutate`` asks for one (through
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from spotrun.orchestrator.groups import InProcessGroup
+from spotrun.orchestrator.notices import ImdsWatcher
+from spotrun.orchestrator.ray_internals import quiet_auth_notice, shutdown_without_grace
 from spotrun.orchestrator.supervisor import Outcome, Supervisor
 from spotrun.trainer.job import entrypoint_of, load_entrypoint
 from spotrun.trainer.spec import JobSpec
@@ -37,9 +43,17 @@ def check_entrypoint(spec: JobSpec) -> None:
 def run_in_process(spec: JobSpec, *, trace_path: str | None = None, record_ids: bool = False,
                    init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = (),
                    drop: tuple[str, ...] = ()) -> Outcome:
-    """World size 1 without Ray: the rank trains on a thread of this process."""
-    return in_process_supervisor(spec, trace_path=trace_path, record_ids=record_ids, init_from=init_from,
-                                 reset=reset, drop=drop).run()
+    """World size 1 without Ray: the rank trains on a thread of this process. ``preemption.imds_url``
+    is watched here as on a Ray node: a spot notice for this machine drains the job like SIGTERM."""
+    sup = in_process_supervisor(spec, trace_path=trace_path, record_ids=record_ids, init_from=init_from,
+                                reset=reset, drop=drop)
+    p = spec.preemption
+    watcher = ImdsWatcher(p.imds_url, p.imds_poll_s, None, None, sup.notify).start() if p.imds_url else None
+    try:
+        return sup.run()
+    finally:
+        if watcher is not None:
+            watcher.stop()
 
 
 def in_process_supervisor(spec: JobSpec, *, trace_path: str | None = None, record_ids: bool = False,
@@ -61,16 +75,36 @@ def ensure_ray(spec: JobSpec, address: str | None) -> None:
     """Connect to ``address``, or start an embedded local Ray sized for the job."""
     import ray
 
-    # Token authentication stays on (Ray's secure default); its start-up notice is not news.
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    quiet_auth_notice()  # token authentication stays on (Ray's secure default)
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         return
     cpus = max(spec.max_world, spec.world.size) * spec.world.cpus_per_rank
-    ray.init(address="local", num_cpus=int(max(1, cpus)), include_dashboard=False, log_to_driver=False,
-             logging_level=logging.WARNING)
+    with group_signals_spare_ray():
+        ray.init(address="local", num_cpus=int(max(1, cpus)), include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING)
+    atexit.register(shutdown_without_grace)  # before Ray's own exit handler (registered earlier, run later)
+
+
+@contextmanager
+def group_signals_spare_ray() -> Iterator[None]:
+    """Start the embedded Ray's processes with SIGTERM blocked, so a stop sent to the whole process
+    group (``systemctl stop``, ``tini -g``, ``kill -TERM -PGID``) leaves the GCS and raylet up
+    while the driver, which gets it too, drains the ranks and publishes the emergency bundle.
+
+    A blocked signal stays blocked across ``fork`` and ``exec``, so every process Ray starts
+    (and the workers its raylet starts) inherits it; Ray already starts them with SIGINT
+    blocked for the same reason. They still end with the driver: ``ray.shutdown`` kills what
+    ignores its SIGTERM, and Ray's fate-sharing (parent-death SIGKILL) covers a killed driver.
+    The rank actors unblock SIGTERM for themselves (:func:`~spotrun.orchestrator.notices.
+    install_signal_notices`), so SIGTERM to one worker is still that rank's notice."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | None = None,
@@ -90,10 +124,9 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | N
     if spec.preemption.watch_ray_drain:
         import ray
 
-        from spotrun.orchestrator.notices import draining_nodes
+        from spotrun.orchestrator.ray_internals import drain_reader
 
-        gcs = ray.get_runtime_context().gcs_address
-        drain_source = lambda: draining_nodes(gcs)  # noqa: E731
+        drain_source = drain_reader(ray.get_runtime_context().gcs_address)
     def capacity() -> int:
         return available_rank_slots(spec, exclude=drain_source() if drain_source else set())
 

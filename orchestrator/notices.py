@@ -10,8 +10,8 @@
   autoscaler on spot preemption or by ``ray drain-node``).
 
 A watcher never raises into its caller: a malformed or unreachable source is
-logged and reported as an ignorable notice, so the supervisor records it and
-carries on.
+logged and reported as an ignorable notice, so the supervisor records it (an
+unreachable IMDS once per watcher, not once per poll) and carries on.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import logging
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -45,6 +46,7 @@ class Notice(BaseModel):
     deadline: datetime | None  # when the machine goes away; None if the source does not say
     received_at: datetime = Field(default_factory=_now)
     malformed: str | None = None  # why the notice could not be understood (then it is ignored)
+    unreachable: str | None = None  # the source could not be asked at all (recorded, then ignored)
     detail: str = ""
 
     @property
@@ -74,17 +76,29 @@ def parse_instance_action(body: bytes) -> tuple[str, datetime]:
 
 
 class ImdsWatcher:
-    """Polls the spot interruption notice of this node every ``poll_s`` seconds, on a daemon thread."""
+    """Polls the spot interruption notice of this node every ``poll_s`` seconds, on a daemon thread.
+
+    The IMDSv2 session token is asked for once and reused until ``TOKEN_RENEW_S`` before it
+    expires (or until the service refuses it), not fetched again on every poll. The first time
+    the service cannot be reached the watcher reports a notice with ``unreachable`` set (and
+    logs a warning); later failures are logged at DEBUG only, so a machine without an IMDS
+    (a laptop, another cloud) leaves one line in the ledger, not one per poll.
+    ``node_id=None``: the watcher watches the driver's own machine (``--no-ray``)."""
 
     TOKEN_TTL_S = 300
+    TOKEN_RENEW_S = 30  # a token this close to its expiry is renewed before use
 
-    def __init__(self, base_url: str, poll_s: float, node_id: str, rank: int | None,
-                 on_notice: NoticeCallback) -> None:
+    def __init__(self, base_url: str, poll_s: float, node_id: str | None, rank: int | None,
+                 on_notice: NoticeCallback, clock: Callable[[], float] = time.monotonic) -> None:
         self.base_url = base_url.rstrip("/")
         self.poll_s = poll_s
         self.node_id = node_id
         self.rank = rank
         self.on_notice = on_notice
+        self.clock = clock
+        self._token: str | None = None
+        self._token_expires = 0.0
+        self._reported_unreachable = False
         self._stop = threading.Event()
         self._seen: set[bytes] = set()
         self._thread = threading.Thread(target=self._loop, name="imds-watcher", daemon=True)
@@ -96,20 +110,57 @@ class ImdsWatcher:
     def stop(self) -> None:
         self._stop.set()
 
-    def poll_once(self) -> None:
-        token_req = urllib.request.Request(f"{self.base_url}/latest/api/token", method="PUT",
-                                           headers={"X-aws-ec2-metadata-token-ttl-seconds": str(self.TOKEN_TTL_S)})
-        with urllib.request.urlopen(token_req, timeout=2) as r:
-            token = r.read().decode()
+    def _session_token(self) -> str:
+        if self._token is None or self.clock() >= self._token_expires - self.TOKEN_RENEW_S:
+            asked_at = self.clock()
+            req = urllib.request.Request(f"{self.base_url}/latest/api/token", method="PUT",
+                                         headers={"X-aws-ec2-metadata-token-ttl-seconds": str(self.TOKEN_TTL_S)})
+            with urllib.request.urlopen(req, timeout=2) as r:
+                self._token = r.read().decode()
+            self._token_expires = asked_at + self.TOKEN_TTL_S
+        return self._token
+
+    def _instance_action(self) -> bytes | None:
+        """The notice's body; None when none is scheduled (404). A refused token (401: it expired or
+        the service restarted) is replaced once."""
+        try:
+            return self._ask_instance_action()
+        except urllib.error.HTTPError as e:
+            if e.code != 401:
+                raise
+        self._token = None
+        return self._ask_instance_action()
+
+    def _ask_instance_action(self) -> bytes | None:
         req = urllib.request.Request(f"{self.base_url}/latest/meta-data/spot/instance-action",
-                                     headers={"X-aws-ec2-metadata-token": token})
+                                     headers={"X-aws-ec2-metadata-token": self._session_token()})
         try:
             with urllib.request.urlopen(req, timeout=2) as r:
-                body = r.read()
+                return r.read()
         except urllib.error.HTTPError as e:
             if e.code == 404:
-                return  # no interruption scheduled
+                return None  # no interruption scheduled
             raise
+
+    def poll(self) -> None:
+        """:meth:`poll_once`, with an unreachable service reported (the first time) instead of raised."""
+        try:
+            self.poll_once()
+        except (OSError, urllib.error.URLError) as e:  # URLError and HTTPError are OSErrors; timeouts too
+            if self._reported_unreachable:
+                log.debug("instance metadata service still unreachable: %s", e)
+                return
+            self._reported_unreachable = True
+            reason = f"instance metadata service {self.base_url} unreachable: {e}"
+            log.warning("%s; spot interruption notices will not be seen from it (still polling)", reason)
+            self.on_notice(Notice(source="aws", node_id=self.node_id, rank=self.rank, deadline=None,
+                                  unreachable=reason))
+
+    def poll_once(self) -> None:
+        """One poll; raises ``OSError`` when the service cannot be asked."""
+        body = self._instance_action()
+        if body is None:
+            return
         if body in self._seen:
             return  # the same notice polled again
         self._seen.add(body)
@@ -122,16 +173,16 @@ class ImdsWatcher:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.poll_once()
-            except (OSError, urllib.error.URLError) as e:  # unreachable IMDS: log, keep polling
-                log.debug("instance metadata service unreachable: %s", e)
+            self.poll()
             self._stop.wait(self.poll_s)
 
 
 def install_signal_notices(node_id: str | None, rank: int | None, grace_s: float,
                            on_notice: NoticeCallback) -> None:
-    """Turn SIGTERM and SIGINT to this process into notices (call on the main thread)."""
+    """Turn SIGTERM and SIGINT to this process into notices (call on the main thread). SIGTERM is
+    unblocked here: a Ray worker inherits it blocked from the embedded Ray (see
+    :func:`~spotrun.orchestrator.launch.group_signals_spare_ray`). SIGINT stays as the process
+    has it (Ray blocks it in every process it starts)."""
 
     def handler(signum: int, _frame) -> None:
         source: Source = "sigterm" if signum == signal.SIGTERM else "sigint"
@@ -140,15 +191,4 @@ def install_signal_notices(node_id: str | None, rank: int | None, grace_s: float
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-
-
-def draining_nodes(gcs_address: str) -> set[str]:
-    """Node ids (hex) the Ray GCS reports as DRAINING (``NodeSnapshot.State.DRAINING``)."""
-    import ray
-    from ray.core.generated import gcs_pb2
-
-    # Ray's generated protobuf module and its compiled _raylet carry no type information for these
-    draining = gcs_pb2.NodeSnapshot.State.Value("DRAINING")  # type: ignore[attr-defined]
-    client = ray._raylet.GcsClient(address=gcs_address)  # type: ignore[attr-defined]
-    return {node_id.hex() for node_id, info in client.get_all_node_info().items()
-            if info.state_snapshot.state == draining}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})

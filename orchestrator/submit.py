@@ -115,14 +115,12 @@ def entrypoint(spec: JobSpec) -> str:
 
 def _enable_token_auth_if_available() -> None:
     """Token mode for this process when RAY_AUTH_MODE is unset and a token exists (see module doc)."""
-    from ray._private.authentication.authentication_token_setup import (
-        maybe_enable_token_auth_if_token_available,
-    )
+    from spotrun.orchestrator.ray_internals import RayInternalsChanged, enable_token_auth
 
-    # Its notice ("token authentication is enabled...") is Ray's secure default, not news.
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     try:
-        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        enable_token_auth()
+    except RayInternalsChanged:
+        raise
     except Exception as e:  # e.g. RAY_AUTH_TOKEN_PATH names a missing file; Ray's message has no token
         raise SubmitError(f"cannot load the Ray authentication token: {e}") from e
 

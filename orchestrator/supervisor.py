@@ -447,6 +447,11 @@ class Supervisor:
             log.warning("ignoring a malformed %s notice: %s", n.source, n.malformed)
             record("ignored", f"malformed: {n.malformed}")
             return None
+        if n.unreachable:  # each rank's watcher may say so: one record per node
+            if ("unreachable", n.source, n.node_id) not in self._seen_notices:
+                self._seen_notices.add(("unreachable", n.source, n.node_id))
+                record("ignored", f"unreachable: {n.unreachable}")
+            return None
         identity = n.identity if n.source != "ray-drain" else (n.source, n.node_id)
         if identity in self._seen_notices:
             log.info("ignoring a duplicate %s notice for node %s", n.source, n.node_id)
@@ -456,6 +461,12 @@ class Supervisor:
             record("ignored", f"node {n.node_id} hosts no rank of this attempt")
             return None
         if st.draining is not None:
+            if n.node_id is None and st.draining.node_id is not None:
+                # a stop to the whole process group reaches a rank and the driver, in either order: the
+                # driver's wins, or the job would restart after the bundle instead of stopping
+                st.draining = n
+                record("emergency-checkpoint", "the driver is stopping too: stop after the bundle already asked for")
+                return None
             record("ignored", f"already draining for a {st.draining.source} notice")
             return None
         deadline = n.deadline or (n.received_at + timedelta(seconds=self.spec.preemption.grace_s))

@@ -1,8 +1,13 @@
 """What a restored bundle will do next: the next LR, the next occurrences, whether the scaler skips.
 
-Used by ``spotrun inspect``. It restores into a throw-away session and computes the next
-update's gradients (every rank's micro-batches, in this one process) without stepping; the
-bundle is not modified.
+Used by ``spotrun inspect``. A bundle is data, never code: :func:`read_next` answers from the
+bundle's own files alone (its manifest, ``state.json`` and the weights-only optimizer file) and
+never imports or calls what the bundle names (``model.factory``, ``job.entrypoint``) nor contacts
+a data source or endpoint it names. What needs the job's code and data (the next occurrences,
+whether the scaler skips) is :func:`explain_next`, which restores into a throw-away session the
+*caller* built from a spec it trusts (the user's local one) and computes the next update's
+gradients (every rank's micro-batches, in this one process) without stepping; the bundle is not
+modified.
 """
 
 from __future__ import annotations
@@ -18,6 +23,22 @@ from spotrun.trainer.loop import forward
 from spotrun.trainer.rng import microbatch_seed, seed_all
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.trace import span_ids
+
+
+def read_next(bundle: LoadedBundle) -> dict[str, Any]:
+    """The next update's number, LR and grad-scaler scale, read from the bundle as data.
+
+    The saved optimizer's LR is the next update's (the scheduler stepped before the boundary);
+    the scaler's state is its saved ``state_dict`` (empty when the scaler is off)."""
+    m = bundle.manifest
+    opt = bundle.payloads["rank-0/optimizer.pt"]
+    scaler = bundle.payloads["rank-0/state.json"].get("scaler") or {}
+    return {
+        "next_update": m.counters.attempted_updates + 1,
+        "next_lr": float(opt["param_groups"][0]["lr"]),
+        "scheduler_counts": m.spec.get("train", {}).get("scheduler_counts"),
+        "scaler": {"enabled": bool(scaler), "scale": float(scaler["scale"]) if scaler else None},
+    }
 
 
 def explain_next(session: TrainSession, bundle: LoadedBundle, show: int = 8) -> dict[str, Any]:

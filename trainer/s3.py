@@ -42,7 +42,7 @@ import re
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -353,6 +353,25 @@ class S3Storage:
             raise self._fail("read", key, e) from e
         except (BotoCoreError, *TRANSIENT_EXCEPTIONS) as e:
             raise self._fail("read", key, e) from e
+
+    def read_chunks(self, key: str, chunk_bytes: int) -> Iterator[bytes]:
+        """One ``GetObject`` streamed ``chunk_bytes`` at a time; opening it is retried, a failure
+        mid-stream is a :class:`StorageError` (the caller reads again: nothing was half-used)."""
+        k = self._key(key)
+        try:
+            body = self._run(lambda: self._client.get_object(Bucket=self.bucket, Key=k)["Body"])
+        except ClientError as e:
+            if _not_found(e):
+                raise FileNotFoundError(f"{self.uri}/{key}: no such key") from e
+            raise self._fail("read", key, e) from e
+        except (BotoCoreError, *TRANSIENT_EXCEPTIONS) as e:
+            raise self._fail("read", key, e) from e
+        try:
+            yield from body.iter_chunks(chunk_bytes)
+        except (ClientError, BotoCoreError, *TRANSIENT_EXCEPTIONS) as e:
+            raise self._fail("read", key, e) from e
+        finally:
+            body.close()
 
     def exists(self, key: str) -> bool:
         k = self._key(key)

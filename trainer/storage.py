@@ -11,6 +11,7 @@ import errno
 import mmap
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 from urllib.parse import urlparse
@@ -42,6 +43,10 @@ class Storage(Protocol):
         """Create ``key`` only if it does not exist; True if this call created it."""
 
     def get(self, key: str) -> bytes: ...
+
+    def read_chunks(self, key: str, chunk_bytes: int) -> Iterator[bytes]:
+        """The object's bytes in order, at most ``chunk_bytes`` at a time: for hashing a file of any
+        size in bounded memory. ``FileNotFoundError`` if there is no such key (on the first chunk)."""
 
     def exists(self, key: str) -> bool: ...
 
@@ -76,7 +81,7 @@ def _write_direct(path: str, data: bytes) -> bool:
             padded = -(-n // _ALIGN) * _ALIGN  # the last chunk is padded, then cut off by ftruncate
             buf[n:padded] = bytes(padded - n)
             try:
-                os.write(fd, memoryview(buf)[:padded])
+                _write_all(fd, buf, padded)
             except OSError as e:
                 if start == 0 and e.errno == errno.EINVAL:  # opened, but this device will not do it
                     return False
@@ -87,6 +92,25 @@ def _write_direct(path: str, data: bytes) -> bool:
     finally:
         buf.close()
         os.close(fd)
+
+
+def _write_all(fd: int, buf: mmap.mmap, length: int) -> None:
+    """Write the first ``length`` (aligned) bytes of ``buf`` at the file's position. ``os.write`` may
+    write less than asked; the rest is written by the next call, which stays aligned only if the
+    short count is a whole number of blocks. A short count that is not, or no progress at all,
+    raises ``OSError``: continuing would write at an offset O_DIRECT refuses, and stopping would
+    leave a hole that ``ftruncate`` fills with zeros and the bundle would publish."""
+    done = 0
+    with memoryview(buf) as whole:  # released on the way out, or the caller could not close ``buf``
+        while done < length:
+            with whole[done:length] as rest:
+                wrote = os.write(fd, rest)
+            if wrote <= 0:
+                raise OSError(errno.EIO, f"direct write made no progress at byte {done} of a {length}-byte block")
+            done += wrote
+            if done < length and done % _ALIGN:
+                raise OSError(errno.EIO, f"direct write stopped short at byte {done} of a {length}-byte block, "
+                                         f"not a multiple of {_ALIGN}: the rest cannot be written with O_DIRECT")
 
 
 class LocalStorage:
@@ -146,6 +170,11 @@ class LocalStorage:
 
     def get(self, key: str) -> bytes:
         return self._path(key).read_bytes()
+
+    def read_chunks(self, key: str, chunk_bytes: int) -> Iterator[bytes]:
+        with self._path(key).open("rb") as f:
+            while chunk := f.read(chunk_bytes):
+                yield chunk
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()

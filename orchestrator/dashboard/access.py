@@ -10,6 +10,7 @@ in a job folder cannot make the dashboard read ``/etc/passwd``.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse, urlunparse
 
@@ -80,6 +81,9 @@ class ReadOnlyView(_RefusesWrites):
 
     def get(self, key: str) -> bytes:
         return self.inner.get(check_key(key))
+
+    def read_chunks(self, key: str, chunk_bytes: int) -> Iterator[bytes]:
+        return self.inner.read_chunks(check_key(key), chunk_bytes)
 
     def exists(self, key: str) -> bool:
         return self.inner.exists(check_key(key))

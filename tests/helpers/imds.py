@@ -7,13 +7,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class Imds:
-    """``set(body)`` schedules an interruption (200 with ``body``); ``set(None)`` clears it (404)."""
-
-    TOKEN = "stand-in-token"
+    """``set(body)`` schedules an interruption (200 with ``body``); ``set(None)`` clears it (404).
+    ``token_puts`` counts session tokens handed out; ``revoke()`` makes the current one invalid (401)."""
 
     def __init__(self) -> None:
         self.body: bytes | None = None
         self.requests = 0
+        self.token_puts = 0
+        self.token = "stand-in-token-0"
         imds = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -28,13 +29,14 @@ class Imds:
 
             def do_PUT(self) -> None:
                 if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
-                    self._send(200, Imds.TOKEN.encode())
+                    imds.token_puts += 1
+                    self._send(200, imds.token.encode())
                 else:
                     self._send(400)
 
             def do_GET(self) -> None:
                 imds.requests += 1
-                if self.headers.get("X-aws-ec2-metadata-token") != Imds.TOKEN:
+                if self.headers.get("X-aws-ec2-metadata-token") != imds.token:
                     self._send(401)
                 elif self.path != "/latest/meta-data/spot/instance-action" or imds.body is None:
                     self._send(404)
@@ -48,6 +50,11 @@ class Imds:
 
     def set(self, body: bytes | None) -> None:
         self.body = body
+
+    def revoke(self) -> None:
+        """The token handed out so far expires early: the next one differs."""
+        n = int(self.token.rsplit("-", 1)[1]) + 1
+        self.token = f"stand-in-token-{n}"
 
     def close(self) -> None:
         self.server.shutdown()

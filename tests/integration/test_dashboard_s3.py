@@ -40,3 +40,15 @@ def test_dashboard_reads_a_job_on_s3(moto, bucket):
     assert client.get("/jobs/j").status_code == 200
     assert client.get("/api/jobs/..%2Fj").status_code == 404 and client.get("/api/jobs/k").status_code == 404
     assert sorted(writer.list("")) == before  # read-only: not even a probe object
+
+
+def test_s3_objects_are_read_in_chunks_for_checksums(moto, bucket):
+    storage = S3Storage(f"s3://{bucket}/runs", moto.url)
+    blob = bytes(range(256)) * 1025  # not a multiple of the chunk
+    storage.put("j/bundles/b/rank-0/model.pt", blob)
+    storage.put("j/empty", b"")
+    chunks = list(storage.read_chunks("j/bundles/b/rank-0/model.pt", 4096))
+    assert b"".join(chunks) == blob and max(map(len, chunks)) <= 4096 and len(chunks) > 1
+    assert list(storage.read_chunks("j/empty", 4096)) == []
+    with pytest.raises(FileNotFoundError):
+        next(storage.read_chunks("j/missing", 4096))

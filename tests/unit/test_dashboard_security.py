@@ -15,7 +15,7 @@ from spotrun.orchestrator.cli import main
 from spotrun.orchestrator.dashboard import create_app
 from spotrun.orchestrator.dashboard.access import ReadOnlyError, open_readonly, redact
 from spotrun.orchestrator.dashboard.security import COOKIE, TOKEN_ENV, BindError, check_bind
-from spotrun.orchestrator.dashboard.server import BackgroundServer
+from spotrun.orchestrator.dashboard.server import BackgroundServer, resolve_token
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger
 from spotrun.trainer.storage import open_storage
 
@@ -90,13 +90,16 @@ def test_token_is_checked_on_every_request(root):
         assert client.get(path).status_code == 401, path
         assert client.get(path, headers={"Authorization": "Bearer wrong-token-wrong-token"}).status_code == 401
         assert client.get(path, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200, path
-    assert client.get(f"/api/jobs?token={TOKEN}").status_code == 200
-    first = client.get(f"/jobs/ok?token={TOKEN}&x=1", follow_redirects=False)
-    assert first.status_code == 303 and first.headers["location"] == "/jobs/ok?x=1"  # the token leaves the URL
+    for path in (f"/api/jobs?token={TOKEN}", f"/jobs/ok?token={TOKEN}", f"/api/jobs/ok/events?token={TOKEN}"):
+        refused = client.get(path, follow_redirects=False)  # a token in a query string ends up in logs
+        assert refused.status_code == 401 and "entry page" in refused.text, path
+    first = client.get(f"/?token={TOKEN}&x=1", follow_redirects=False)
+    assert first.status_code == 303 and first.headers["location"] == "/?x=1"  # the token leaves the URL
     cookie = first.headers["set-cookie"].lower()
     assert "httponly" in cookie and "samesite=strict" in cookie
+    assert "secure" not in cookie  # plain HTTP: a Secure cookie would never come back
     client.cookies.set(COOKIE, TOKEN)
-    assert client.get("/jobs/ok").status_code == 200
+    assert client.get("/jobs/ok").status_code == 200 and client.get("/api/jobs").status_code == 200
 
 
 def test_bind_rule():
@@ -112,6 +115,26 @@ def test_bind_rule():
         check_bind(host, allow_remote=True, token=TOKEN)
 
 
+def test_token_file_env_and_the_deprecated_flag(tmp_path, monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "from-the-environment-0123")
+    warned: list[str] = []
+    file = tmp_path / "token"
+    file.write_text(TOKEN + "\n")
+    file.chmod(0o600)
+    assert resolve_token(str(file), None, warn=warned.append) == TOKEN and warned == []
+    assert resolve_token(None, None, warn=warned.append) == "from-the-environment-0123"
+    assert resolve_token(None, TOKEN, warn=warned.append) == TOKEN and "deprecated" in warned[-1]
+    assert TOKEN not in " ".join(warned)
+    file.chmod(0o644)
+    resolve_token(str(file), None, warn=warned.append)
+    assert "readable by other users" in warned[-1]
+    with pytest.raises(BindError, match="cannot read"):
+        resolve_token(str(tmp_path / "missing"), None)
+    file.write_text("\n")
+    with pytest.raises(BindError, match="empty"):
+        resolve_token(str(file), None)
+
+
 def test_cli_refuses_a_remote_bind_before_serving(root, monkeypatch, capsys):
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     storage = ["--storage", f"file://{root}", "--port", "1"]  # port 1 would fail loudly if it got that far
@@ -122,6 +145,11 @@ def test_cli_refuses_a_remote_bind_before_serving(root, monkeypatch, capsys):
     monkeypatch.setenv(TOKEN_ENV, "short")
     assert main(["dashboard", "--host", "0.0.0.0", "--allow-remote", *storage]) == 2
     assert "short" not in capsys.readouterr().err.replace("at least 16", "")  # never echo a token
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    assert main(["dashboard", "--host", "0.0.0.0", "--allow-remote", "--tls-cert", str(root), *storage]) == 2
+    assert "--tls-key go together" in capsys.readouterr().err
+    assert main(["dashboard", "--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key", *storage]) == 2
+    assert "no such readable file" in capsys.readouterr().err
     assert main(["dashboard", "--storage", f"file://{root / 'missing'}"]) == 2
     assert "does not exist" in capsys.readouterr().err
 

@@ -118,3 +118,118 @@ def test_imds_watcher_reports_once_per_notice_and_marks_malformed():
         assert len(got) == 2 and got[1].malformed and got[1].deadline is None
     finally:
         imds.close()
+
+
+def test_imds_token_is_reused_until_shortly_before_it_expires():
+    imds, now = Imds(), [0.0]
+    watcher = ImdsWatcher(imds.url, poll_s=60, node_id="n1", rank=0, on_notice=lambda n: None, clock=lambda: now[0])
+    try:
+        for _ in range(3):
+            watcher.poll_once()
+        assert (imds.token_puts, imds.requests) == (1, 3)  # one token, three polls
+        now[0] = ImdsWatcher.TOKEN_TTL_S - ImdsWatcher.TOKEN_RENEW_S - 1
+        watcher.poll_once()
+        assert imds.token_puts == 1
+        now[0] += 1  # within TOKEN_RENEW_S of the expiry: renewed before use
+        watcher.poll_once()
+        assert imds.token_puts == 2
+        imds.revoke()  # the service forgot it early: a 401, then one new token, and the poll succeeds
+        watcher.poll_once()
+        assert imds.token_puts == 3
+    finally:
+        imds.close()
+
+
+def _closed_port_url() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+
+
+def test_an_unreachable_imds_is_reported_once_not_per_poll():
+    got: list[Notice] = []
+    url = _closed_port_url()
+    watcher = ImdsWatcher(url, poll_s=60, node_id="n1", rank=2, on_notice=got.append)
+    for _ in range(3):
+        watcher.poll()
+    assert len(got) == 1 and got[0].unreachable and url in got[0].unreachable
+    assert got[0].deadline is None and not got[0].malformed
+
+
+def test_no_ray_records_an_unreachable_imds_once_and_history_shows_it(spec_factory):
+    from spotrun.orchestrator.history import history
+    from spotrun.orchestrator.launch import run_in_process
+
+    spec = spec_factory("train.updates=5", "checkpoint.every_updates=5", f"preemption.imds_url={_closed_port_url()}",
+                        "preemption.imds_poll_s=0.01", job_id="noimds")
+    assert run_in_process(spec).state == "finished"
+    seen = [e for e in Ledger(spec_storage(spec), "noimds").read() if isinstance(e, NoticeSeen)]
+    assert [(e.source, e.action) for e in seen] == [("aws", "ignored")] and "unreachable" in seen[0].reason
+    [row] = history(spec_storage(spec), "noimds")["notices"]
+    assert row["action"] == "ignored" and row["reason"].startswith("unreachable: instance metadata service")
+    from fastapi.testclient import TestClient
+
+    from spotrun.orchestrator.dashboard import create_app
+
+    page = TestClient(create_app(spec.storage), base_url="http://127.0.0.1").get("/jobs/noimds")
+    assert page.status_code == 200 and "Preemption notices" in page.text and "unreachable: instance" in page.text
+
+
+def test_no_ray_honours_a_spot_notice_from_the_imds(spec_factory):
+    """``--no-ray`` watches ``preemption.imds_url``: the notice drains the job like SIGTERM (stopped,
+    an emergency bundle published)."""
+    from spotrun.orchestrator.launch import run_in_process
+
+    imds = Imds()
+    when = (_now() + timedelta(seconds=120)).replace(microsecond=0)
+    imds.set(json.dumps({"action": "terminate", "time": when.isoformat().replace("+00:00", "Z")}).encode())
+    try:
+        spec = spec_factory(*SETS, "checkpoint.every_updates=100", f"preemption.imds_url={imds.url}",
+                            "preemption.imds_poll_s=0.05", job_id="imdsstop")
+        outcome = run_in_process(spec)
+    finally:
+        imds.close()
+    assert outcome.state == "stopped" and outcome.published, outcome
+    events = Ledger(spec_storage(spec), "imdsstop").read()
+    assert [(e.source, e.action) for e in events if isinstance(e, NoticeSeen)] == [("aws", "emergency-checkpoint")]
+    assert any(isinstance(e, NoticeHandled) for e in events)
+
+
+def spec_storage(spec):
+    from spotrun.trainer.storage import open_storage
+
+    return open_storage(spec.storage)
+
+
+def test_signal_notices_unblock_sigterm_inherited_blocked():
+    """A Ray worker of the embedded Ray inherits SIGTERM blocked (launch.group_signals_spare_ray);
+    installing the notices must unblock it, or SIGTERM to one worker would never become a notice."""
+    import signal
+    import subprocess
+    import sys
+
+    code = """
+import os, signal
+from spotrun.orchestrator.notices import install_signal_notices
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+got = []
+install_signal_notices("n1", 0, 30.0, got.append)
+os.kill(os.getpid(), signal.SIGTERM)
+print(got[0].source if got else "none")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "sigterm", (done.stdout, done.stderr, signal.SIGTERM)
+
+
+def test_the_drivers_stop_wins_over_a_ranks_drain(spec_factory, tmp_path):
+    """A stop to the whole process group reaches a rank and the driver, in either order. Rank first:
+    the job must still stop (exit 143) after the bundle, not restart and train on."""
+    spec = spec_factory(*SETS, "checkpoint.every_updates=100", job_id="both")
+    rank = Notice(source="sigterm", node_id="local", rank=0, deadline=_now() + timedelta(seconds=120))
+    driver = Notice(source="sigterm", node_id=None, deadline=_now() + timedelta(seconds=120))
+    outcome, events = run_with_notices(spec, tmp_path / "t.jsonl", 5, [rank, driver])
+    assert outcome.state == "stopped" and outcome.restarts == 0, outcome
+    assert [e.action for e in events if isinstance(e, NoticeSeen)] == ["emergency-checkpoint"] * 2
+    assert len([e for e in events if isinstance(e, NoticeHandled)]) == 1

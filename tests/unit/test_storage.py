@@ -267,3 +267,45 @@ def test_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch):
     s.put("k", blob)
     assert s.get("k") == blob
     assert s.put_new("n", blob) and s.get("n") == blob
+
+
+def _short_writes(monkeypatch, short, lie: bool = False):
+    """Every ``os.write`` writes ``short(asked)`` bytes of what it is asked and returns that count
+    (``lie``: writes it all but returns the short count, as a kernel's unaligned short count looks
+    to the caller: O_DIRECT itself refuses an unaligned length)."""
+    import spotrun.trainer.storage as storage_module
+
+    real_write, calls = os.write, []
+
+    def write(fd, data):
+        calls.append(len(data))
+        n = short(len(data))
+        if lie:
+            real_write(fd, data)
+            return n
+        return real_write(fd, memoryview(data)[:n]) if n < len(data) else real_write(fd, data)
+
+    monkeypatch.setattr(storage_module, "DIRECT_MIN_BYTES", 1)
+    monkeypatch.setattr(storage_module.os, "write", write)
+    return calls
+
+
+def test_short_direct_writes_are_continued_until_every_byte_is_on_disk(tmp_path, monkeypatch):
+    """A short count of whole blocks: the writer goes on from there, and the file reads back exactly."""
+    calls = _short_writes(monkeypatch, lambda asked: max(4096, asked // 2 // 4096 * 4096))
+    s = LocalStorage(tmp_path)
+    blob = os.urandom(5 * 4096 + 17)
+    s.put("k", blob)
+    monkeypatch.undo()
+    assert s.get("k") == blob
+    assert len(calls) > 1, "os.write was never short: the test proved nothing"
+
+
+def test_a_short_direct_write_that_cannot_continue_is_refused(tmp_path, monkeypatch):
+    """A short count that is not a whole block cannot be continued with O_DIRECT: the put fails
+    and nothing is left under the key (before, the hole was zero-filled and kept)."""
+    _short_writes(monkeypatch, lambda asked: asked - 100, lie=True)
+    s = LocalStorage(tmp_path)
+    with pytest.raises(OSError, match="stopped short"):
+        s.put("k", os.urandom(3 * 4096))
+    assert not s.exists("k") and os.listdir(tmp_path) == []

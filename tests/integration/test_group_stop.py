@@ -1,0 +1,58 @@
+"""A stop signal to the whole process group of `spotrun run` (what `systemctl stop`, `tini -g` or
+`kill -TERM -PGID` send) reaches the embedded Ray's processes too. The job must still publish its
+emergency bundle, exit 143, and a rerun must repeat no update."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from spotrun.orchestrator.ledger import Ledger, NoticeHandled, Restored
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import read_trace
+from tests.conftest import ROOT
+from tests.helpers.runs import lines, run_cmd, run_to_end
+
+pytestmark = pytest.mark.slow
+# 2 ranks, no periodic checkpoint due: any bundle is the emergency one.
+SETS = ("world.size=2", "checkpoint.every_updates=1000", "data.workers=1", "model.n_layer=1")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_whole_process_group_publishes_exits_143_and_loses_nothing(tmp_path, signum):
+    trace, job = tmp_path / "t.jsonl", f"group-{signum.name.lower()}"
+    cmd = run_cmd(tmp_path / "runs", job, trace, "train.updates=400", *SETS, ray=True)
+    # its own process group, as a service manager starts it; the group id is its pid
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while lines(trace) < 3:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the job never reached update 3"
+            time.sleep(0.01)  # polling a condition (the trace length)
+        os.killpg(proc.pid, signum)
+        code = proc.wait(timeout=180)
+        err = proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert code == 143, err
+    storage = open_storage(f"file://{tmp_path / 'runs'}")
+    handled = [e for e in Ledger(storage, job).read() if isinstance(e, NoticeHandled)]
+    assert handled, f"no emergency bundle was published: {err}"
+    bundle_update = handled[0].update
+    first_run = read_trace(trace)
+    assert max(r.update for r in first_run) == bundle_update, "updates after the bundle were lost"
+
+    done = run_to_end(run_cmd(tmp_path / "runs", job, trace, f"train.updates={bundle_update + 2}", *SETS, ray=True))
+    assert done.returncode == 0, done.stderr
+    restored = [e for e in Ledger(storage, job).read() if isinstance(e, Restored)]
+    assert restored and restored[-1].update == bundle_update
+    rerun = read_trace(trace)[len(first_run):]
+    assert [r.update for r in rerun] == [bundle_update + 1, bundle_update + 2], "the rerun repeated updates"

@@ -1,0 +1,126 @@
+"""The dashboard's ``?verify=true``: bounded memory whatever a bundle's size, a storage failure
+never remembered as "corrupt", one verification of a bundle at a time."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import tracemalloc
+from collections.abc import Iterator
+
+import pytest
+
+from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
+from spotrun.orchestrator.dashboard.checksums import ChecksumCache, verify
+from spotrun.orchestrator.launch import run_in_process
+from tests.conftest import make_spec
+
+JOB = "sums"
+CHUNK = 64 << 10
+BIG = 16 << 20  # 256 chunks
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A 2-update job whose one bundle also lists a 16 MiB file (with its true size and digest)."""
+    tmp = tmp_path_factory.mktemp("sums")
+    run_in_process(make_spec(tmp, "train.updates=2", "checkpoint.every_updates=2", job_id=JOB))
+    bundle = tmp / "runs" / JOB / "bundles" / "u0000000002-a1"
+    blob = os.urandom(BIG)
+    (bundle / "rank-0" / "big.bin").write_bytes(blob)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["files"].append({"path": "rank-0/big.bin", "bytes": BIG, "sha256": hashlib.sha256(blob).hexdigest()})
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    return tmp / "runs"
+
+
+KEY = f"{JOB}/bundles/u0000000002-a1"
+
+
+def test_a_file_larger_than_the_memory_cap_is_hashed_in_chunks(root):
+    storage = ReadOnlyLocalStorage(root)
+    tracemalloc.start()
+    try:
+        verdict = verify(storage, KEY, chunk_bytes=CHUNK)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert verdict["state"] == "ok", verdict
+    assert peak < 8 * CHUNK, f"verification held {peak} bytes at once for a {BIG}-byte file"
+
+
+class Flaky(ReadOnlyLocalStorage):
+    """Reads fail with an I/O error while ``failing`` is set (a hiccup of the disk or network)."""
+
+    failing = True
+    reads = 0
+
+    def read_chunks(self, key: str, chunk_bytes: int) -> Iterator[bytes]:
+        self.reads += 1
+        if self.failing:
+            raise OSError(5, "Input/output error")
+        return super().read_chunks(key, chunk_bytes)
+
+
+def test_a_transient_read_error_is_not_remembered_as_corrupt(root):
+    storage, cache = Flaky(root), ChecksumCache(CHUNK)
+    first = cache.verify(storage, KEY)
+    assert first["state"] == "unreadable" and "Input/output error" in first["detail"]
+    assert cache.get(KEY)["state"] == "unverified"
+    storage.failing = False
+    assert cache.verify(storage, KEY)["state"] == "ok"
+    assert cache.get(KEY)["state"] == "ok"
+
+
+class Gated(ReadOnlyLocalStorage):
+    """The first file read waits for ``gate``: a verification held in flight. ``moved`` is set when a
+    second read starts meanwhile (what a second, concurrent verification does)."""
+
+    def __init__(self, root, moved: threading.Event) -> None:
+        super().__init__(root)
+        self.gate, self.entered, self.moved = threading.Event(), threading.Event(), moved
+        self.reads = 0
+
+    def read_chunks(self, key: str, chunk_bytes: int) -> Iterator[bytes]:
+        self.reads += 1
+        if self.entered.is_set() and not self.gate.is_set():
+            self.moved.set()
+        self.entered.set()
+        assert self.gate.wait(30)
+        return super().read_chunks(key, chunk_bytes)
+
+
+class WatchedLock:
+    """A lock that sets ``moved`` when someone has to wait for it."""
+
+    def __init__(self, moved: threading.Event) -> None:
+        self.lock, self.moved = threading.Lock(), moved
+
+    def __enter__(self) -> WatchedLock:
+        if not self.lock.acquire(blocking=False):
+            self.moved.set()
+            self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+def test_one_verification_of_a_bundle_at_a_time(root):
+    moved = threading.Event()
+    storage, cache = Gated(root, moved), ChecksumCache(CHUNK, new_lock=lambda: WatchedLock(moved))
+    verdicts: list[str] = []
+    first = threading.Thread(target=lambda: verdicts.append(cache.verify(storage, KEY)["state"]))
+    first.start()
+    assert storage.entered.wait(30)
+    second = threading.Thread(target=lambda: verdicts.append(cache.verify(storage, KEY)["state"]))
+    second.start()
+    assert moved.wait(30)  # the second request is waiting for the lock, or (wrongly) reading
+    storage.gate.set()
+    first.join(30)
+    second.join(30)
+    files = len(json.loads((root / KEY / "manifest.json").read_text())["files"])
+    assert verdicts == ["ok", "ok"]
+    assert storage.reads == files, "the second request read the bundle again instead of waiting for the first"
