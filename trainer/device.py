@@ -16,6 +16,7 @@ mantissa, which changes results from one GPU generation to the next.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,12 +61,32 @@ def rank_device(num_gpus_per_rank: float, assigned: Sequence[str], node: str) ->
 
 def set_determinism(threads: int, allow_tf32: bool = False) -> None:
     """Deterministic kernels and a fixed intra-op thread count (reduction order depends on it)."""
-    torch.use_deterministic_algorithms(True)
+    deterministic_algorithms()
     torch.set_num_threads(threads)
     torch.backends.cudnn.benchmark = False  # the autotuner may pick another algorithm on another run
     torch.backends.cudnn.deterministic = True
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     torch.backends.cudnn.allow_tf32 = allow_tf32
+
+
+def deterministic_algorithms() -> None:
+    """What ``torch.use_deterministic_algorithms(True)`` does, without its import of TorchInductor.
+
+    That call imports ``torch._inductor.config`` only to set its ``deterministic`` flag: about
+    1.9 s of every rank's start-up, so of every restart, for a compiler most jobs never load.
+    Inductor's config reads the flag from ``TORCHINDUCTOR_DETERMINISTIC`` when it is first
+    imported, so setting the variable gives a job that compiles later the same flag, and a
+    config already imported is set directly. The kernel-level switch is the one the public call
+    makes; if a torch release renames it, the public call is used."""
+    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:
+        setattr(inductor_config, "deterministic", True)  # noqa: B010 (a module found at run time)
+    switch = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if switch is None:
+        torch.use_deterministic_algorithms(True)
+    else:
+        switch(True, warn_only=False)
 
 
 def gpu_facts(device: str) -> dict[str, str | None]:

@@ -68,3 +68,25 @@ def test_strict_refuses_a_restore_onto_another_device_model_and_elastic_allows_i
         check_compatible(manifest, on_gpu, "bundle b")
     assert "written on CPUs, this rank has NVIDIA H200" in str(e.value) and "world.policy: elastic" in str(e.value)
     check_compatible(manifest, dataclasses.replace(on_gpu, policy="elastic"), "bundle b")
+
+
+@pytest.mark.parametrize("inductor_first", [False, True], ids=["inductor-later", "inductor-before"])
+def test_determinism_reaches_inductor_without_importing_it(inductor_first):
+    """A fresh interpreter (this one may have imported TorchInductor already): the kernel switch is
+    on, TorchInductor is not imported for it, and its config says deterministic whether it was
+    imported before set_determinism or after."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, torch\n"
+        + ("import torch._inductor.config\n" if inductor_first else "")
+        + "from spotrun.trainer.device import set_determinism\n"
+        "set_determinism(1)\n"
+        "imported = 'torch._inductor' in sys.modules\n"
+        "import torch._inductor.config as c\n"
+        "print(torch.are_deterministic_algorithms_enabled(), imported, c.deterministic)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", str(inductor_first), "True"]
