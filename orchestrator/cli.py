@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from spotrun.orchestrator.goodput import TERMS as GOODPUT_TERMS
 from spotrun.orchestrator.groups import RankFailed
 from spotrun.orchestrator.specfile import SpecError, load_spec
 from spotrun.orchestrator.supervisor import JobFailedError
@@ -144,7 +145,7 @@ def _storage_for(a: argparse.Namespace):
 def cmd_history(a: argparse.Namespace) -> int:
     from spotrun.orchestrator.history import history
 
-    doc = history(_storage_for(a), a.job_id)
+    doc = history(_storage_for(a), a.job_id, metrics_local_dir=a.metrics_dir)
     if a.json:
         _out(doc)
         return 0
@@ -153,7 +154,16 @@ def cmd_history(a: argparse.Namespace) -> int:
     _table("restarts", doc["restarts"], ["attempt", "cause", "detected_at", "restored_from", "recovery_label",
                                         "world_size_before", "world_size_after", "lost_updates",
                                         "downtime_seconds", "time_lost_seconds"])
+    g = doc["goodput"]
+    money = ["cost_usd", "badput_usd"] if g["cost_usd"] is not None else []
+    _table(f"goodput {_percent(g['goodput'])} (productive / wall; README \"Goodput\")",
+           [*g["attempts"], {"attempt": "job", **g}],
+           ["attempt", "wall_seconds", *GOODPUT_TERMS, "goodput", "productive_updates", "replayed_updates", *money])
     return 0
+
+
+def _percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{100 * ratio:.1f}%"
 
 
 def cmd_bundles(a: argparse.Namespace) -> int:
@@ -253,6 +263,9 @@ def parser() -> argparse.ArgumentParser:
         h.add_argument("--storage", default="file://./runs")
         h.add_argument("--json", action="store_true")
         h.set_defaults(func=func)
+        if name == "history":
+            h.add_argument("--metrics-dir", default="./spotrun-metrics",
+                           help="where a job on object storage kept its local metric sinks (metrics.local_dir)")
 
     f = sub.add_parser("verify", help="prove the recovery contract on this job: a reference run, then faults")
     _job_arguments(f)

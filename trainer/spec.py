@@ -192,6 +192,12 @@ class MetricsSpec(_Strict):
     local_dir: str = "./spotrun-metrics"
 
 
+class CostSpec(_Strict):
+    """What the job's machines cost, to turn its badput into money (``spotrun history``, the dashboard)."""
+
+    usd_per_rank_hour: float | None = Field(None, gt=0)  # None: times only, no money
+
+
 class JobSpec(_Strict):
     """A whole job. See DESIGN.md "Job spec" for the meaning of each key."""
 
@@ -206,6 +212,7 @@ class JobSpec(_Strict):
     world: WorldSpec = WorldSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     metrics: MetricsSpec = MetricsSpec()
+    cost: CostSpec = CostSpec()
     preemption: PreemptionSpec = PreemptionSpec()
     faults: tuple[FaultSpec, ...] = ()
 

@@ -41,8 +41,8 @@ class Reader:
     def job(self, job_id: str) -> dict[str, Any]:
         """Everything the job page shows. Raises :class:`~.access.JobNotFound` for an unknown id."""
         require_job(self.storage, job_id)
-        hist = history(self.storage, job_id)
         points = self.points(job_id)
+        hist = history(self.storage, job_id, points)
         attempt_spans = observed.spans(hist, points)
         restarts = observed.restarts(hist, points, attempt_spans)
         rows, total = self._bundles(job_id, hist, verify=False)
@@ -59,11 +59,11 @@ class Reader:
 
     def history(self, job_id: str) -> dict[str, Any]:
         """What ``spotrun history JOB_ID --json`` prints."""
-        return history(self.storage, require_job(self.storage, job_id))
+        return history(self.storage, require_job(self.storage, job_id), self.points(job_id))
 
     def bundles(self, job_id: str, verify: bool = False) -> list[dict[str, Any]]:
         require_job(self.storage, job_id)
-        return self._bundles(job_id, history(self.storage, job_id), verify)[0]
+        return self._bundles(job_id, history(self.storage, job_id, self.points(job_id)), verify)[0]
 
     def metrics(self, job_id: str, name: str | None = None) -> dict[str, Any]:
         require_job(self.storage, job_id)
@@ -153,6 +153,8 @@ def _summary(hist: dict[str, Any], attempt_spans: list[dict[str, Any]], restarts
         "updates_total": total,
         "last_published": {"bundle": published[0]["bundle"], "update": published[0]["update"]} if published else None,
         "time_lost_seconds": round(sum(lost), 3) if lost else (0.0 if not restarts else None),
+        "goodput": hist["goodput"]["goodput"],
+        "badput_usd": hist["goodput"]["badput_usd"],
         "started_at": attempt_spans[0]["start"] if attempt_spans else None,
         "last_seen_at": last_seen,
         "corrupt_events": len(hist["corrupt_events"]),
