@@ -13,6 +13,9 @@ lost attempt wrote instead of adding to them.
 
 - :class:`S3Sink`: one object per key, ``<job>/metrics/<update>/<name>.json``
   under the job's storage; a put overwrites, which is the upsert.
+- :class:`TensorBoardSink`: event files TensorBoard reads; each attempt opens its writer with
+  ``purge_step`` at the first update it writes, so TensorBoard's reader drops what a lost
+  attempt wrote from there on: its purge is the upsert.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -198,6 +201,60 @@ class S3Sink:
         self._pool.shutdown(wait=True)
 
 
+class TensorBoardSink:
+    """TensorBoard event files in ``directory``: one scalar per point (tag = its name, step = its update,
+    wall time = when it was measured), and the attempt that wrote each update under ``spotrun/attempt``.
+
+    The writer opens on the first write with ``purge_step`` at that write's update: a restarted
+    attempt's first update is the one after its restored bundle, and TensorBoard's reader discards
+    every event at or after a purge step that an earlier file holds, so it shows one point per update
+    after any number of restarts. Each write is flushed, so a process killed afterwards has lost none
+    of it (the replay of what it had not written yet is purged anyway). Values are float32, as
+    TensorBoard stores them."""
+
+    ATTEMPT = "spotrun/attempt"
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self._lock = threading.Lock()
+        self._writer: Any = None  # torch's SummaryWriter, imported only when this sink is used
+
+    def write(self, points: Iterable[MetricPoint]) -> None:
+        points = list(points)
+        if not points:
+            return
+        with self._lock:
+            if self._writer is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._writer = SummaryWriter(str(self.directory), purge_step=min(p.update for p in points))
+            for p in points:
+                self._writer.add_scalar(p.name, p.value, global_step=p.update, walltime=p.at.timestamp())
+            for update, attempt in sorted({(p.update, p.attempt) for p in points}):
+                self._writer.add_scalar(self.ATTEMPT, attempt, global_step=update)
+            self._writer.flush()
+
+    def read(self, job_id: str) -> list[MetricPoint]:
+        """What TensorBoard's own reader shows, purges applied, as points (lineage unknown: empty)."""
+        if not self.directory.is_dir():
+            return []
+        from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+        acc = EventAccumulator(str(self.directory), size_guidance={SCALARS: 0})  # 0: keep every point
+        acc.Reload()
+        tags = acc.Tags()["scalars"]
+        attempts = {e.step: int(e.value) for e in acc.Scalars(self.ATTEMPT)} if self.ATTEMPT in tags else {}
+        points = [MetricPoint(job_id=job_id, update=e.step, name=tag, value=e.value, attempt=attempts.get(e.step, 0),
+                              lineage_id="", at=datetime.fromtimestamp(e.wall_time, UTC))
+                  for tag in tags if tag != self.ATTEMPT for e in acc.Scalars(tag)]
+        return sorted(points, key=lambda p: (p.update, p.name))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._writer is not None:
+                self._writer.close()
+
+
 def points_of(job_id: str, update: int, attempt: int, lineage_id: str, values: dict[str, float]) -> list[MetricPoint]:
     return [MetricPoint(job_id=job_id, update=update, name=n, value=float(v), attempt=attempt, lineage_id=lineage_id)
             for n, v in values.items()]
@@ -225,6 +282,8 @@ def open_sinks(kinds: Iterable[str], directory: Path, storage: Storage | None = 
                 raise ValueError("metrics.sinks: the s3 sink writes into the job's storage, which must be "
                                  "s3://BUCKET/PREFIX")
             sinks.append(S3Sink(storage))
+        elif kind == "tensorboard":
+            sinks.append(TensorBoardSink(directory / "tensorboard"))
         else:
-            raise ValueError(f"metrics.sinks: unknown sink {kind!r}; choose from sqlite, jsonl, s3")
+            raise ValueError(f"metrics.sinks: unknown sink {kind!r}; choose from sqlite, jsonl, s3, tensorboard")
     return FanOut(sinks) if sinks else NullSink()

@@ -188,7 +188,8 @@ class MetricsSpec(_Strict):
     """Where metric points go. Local sink files sit beside the bundles on file storage,
     else under ``local_dir``."""
 
-    sinks: tuple[Literal["sqlite", "jsonl", "s3"], ...] = ("sqlite",)  # s3: into the job's s3:// storage
+    # s3: into the job's s3:// storage; tensorboard: event files in <sink dir>/tensorboard
+    sinks: tuple[Literal["sqlite", "jsonl", "s3", "tensorboard"], ...] = ("sqlite",)
     local_dir: str = "./spotrun-metrics"
 
 
