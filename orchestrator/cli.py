@@ -52,6 +52,7 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 def cmd_run(a: argparse.Namespace) -> int:
     from spotrun.orchestrator.launch import run_in_process, run_on_ray
+    from spotrun.orchestrator.progress import for_terminal
 
     if (a.config is None) == (a.spec_json is None):
         raise SpecError("spotrun run takes a CONFIG file or --spec-json TEXT (one of them)")
@@ -61,7 +62,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     if reset and not init_from:
         raise SpecError("--reset applies to --init-from BUNDLE_URI only")
     kw = dict(trace_path=a.trace, record_ids=a.trace_ids, init_from=init_from, reset=reset,
-              drop=getattr(a, "drop", ()))  # set only by spotrun.orchestrator.mutant (verify --mutate)
+              drop=getattr(a, "drop", ()),  # set only by spotrun.orchestrator.mutant (verify --mutate)
+              progress=for_terminal(spec.train.updates, spec.global_sequences, sys.stdout, quiet=a.quiet))
     outcome = run_in_process(spec, **kw) if a.no_ray else run_on_ray(spec, address=a.address, **kw)
     if outcome.state == "stopped":
         err.print(f"spotrun run: {escape(outcome.reason)}", highlight=False, soft_wrap=True)
@@ -241,6 +243,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--no-ray", action="store_true", help="world size 1 in this process, without Ray")
     r.add_argument("--init-from", metavar="BUNDLE_URI", help="start a new lineage from another job's bundle")
     r.add_argument("--reset", metavar="PARTS", help="with --init-from: optimizer,scheduler,data start afresh")
+    r.add_argument("--quiet", action="store_true", help="no progress on stdout (a bar on a terminal, lines otherwise)")
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("submit", help="run a job on a Ray cluster through its Jobs API")
