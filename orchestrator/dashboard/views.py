@@ -15,7 +15,7 @@ from typing import Any
 from spotrun.orchestrator.dashboard import observed
 from spotrun.orchestrator.dashboard.access import job_ids, require_job
 from spotrun.orchestrator.dashboard.checksums import ChecksumCache
-from spotrun.orchestrator.dashboard.points import LogCache, Points, read_points, replaced
+from spotrun.orchestrator.dashboard.points import LogCache, ObjectCache, Points, read_points, replaced
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.ledger import CorruptEvent, Ledger
 from spotrun.trainer.bundle import BundleError, list_bundles, read_manifest
@@ -31,12 +31,13 @@ class Reader:
     metrics_local_dir: str = "./spotrun-metrics"  # where non-file storage keeps local sinks
     checks: ChecksumCache = field(default_factory=ChecksumCache)
     logs: LogCache = field(default_factory=LogCache)
+    objects: ObjectCache = field(default_factory=ObjectCache)
 
     def jobs(self) -> list[dict[str, Any]]:
         return [self.job(j)["summary"] for j in job_ids(self.storage)]
 
     def points(self, job_id: str) -> Points:
-        return read_points(self.storage, job_id, self.metrics_local_dir, self.logs)
+        return read_points(self.storage, job_id, self.metrics_local_dir, self.logs, self.objects)
 
     def job(self, job_id: str) -> dict[str, Any]:
         """Everything the job page shows. Raises :class:`~.access.JobNotFound` for an unknown id."""
