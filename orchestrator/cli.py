@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from spotrun.orchestrator.goodput import TERMS as GOODPUT_TERMS
 from spotrun.orchestrator.groups import RankFailed
 from spotrun.orchestrator.ray_internals import RayInternalsChanged
 from spotrun.orchestrator.specfile import SpecError, load_spec
@@ -52,6 +53,7 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 def cmd_run(a: argparse.Namespace) -> int:
     from spotrun.orchestrator.launch import run_in_process, run_on_ray
+    from spotrun.orchestrator.progress import for_terminal
 
     if (a.config is None) == (a.spec_json is None):
         raise SpecError("spotrun run takes a CONFIG file or --spec-json TEXT (one of them)")
@@ -61,7 +63,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     if reset and not init_from:
         raise SpecError("--reset applies to --init-from BUNDLE_URI only")
     kw = dict(trace_path=a.trace, record_ids=a.trace_ids, init_from=init_from, reset=reset,
-              drop=getattr(a, "drop", ()))  # set only by spotrun.orchestrator.mutant (verify --mutate)
+              drop=getattr(a, "drop", ()),  # set only by spotrun.orchestrator.mutant (verify --mutate)
+              progress=for_terminal(spec.train.updates, spec.global_sequences, sys.stdout, quiet=a.quiet))
     outcome = run_in_process(spec, **kw) if a.no_ray else run_on_ray(spec, address=a.address, **kw)
     if outcome.state == "stopped":
         err.print(f"spotrun run: {escape(outcome.reason)}", highlight=False, soft_wrap=True)
@@ -160,7 +163,7 @@ def _storage_for(a: argparse.Namespace):
 def cmd_history(a: argparse.Namespace) -> int:
     from spotrun.orchestrator.history import history
 
-    doc = history(_storage_for(a), a.job_id)
+    doc = history(_storage_for(a), a.job_id, metrics_local_dir=a.metrics_dir)
     if a.json:
         _out(doc)
         return 0
@@ -171,7 +174,16 @@ def cmd_history(a: argparse.Namespace) -> int:
                                         "downtime_seconds", "time_lost_seconds"])
     if doc["notices"]:
         _table("preemption notices", doc["notices"], ["attempt", "at", "source", "node_id", "action", "reason"])
+    g = doc["goodput"]
+    money = ["cost_usd", "badput_usd"] if g["cost_usd"] is not None else []
+    _table(f"goodput {_percent(g['goodput'])} (productive / wall; README \"Goodput\")",
+           [*g["attempts"], {"attempt": "job", **g}],
+           ["attempt", "wall_seconds", *GOODPUT_TERMS, "goodput", "productive_updates", "replayed_updates", *money])
     return 0
+
+
+def _percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{100 * ratio:.1f}%"
 
 
 def cmd_bundles(a: argparse.Namespace) -> int:
@@ -252,6 +264,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--no-ray", action="store_true", help="world size 1 in this process, without Ray")
     r.add_argument("--init-from", metavar="BUNDLE_URI", help="start a new lineage from another job's bundle")
     r.add_argument("--reset", metavar="PARTS", help="with --init-from: optimizer,scheduler,data start afresh")
+    r.add_argument("--quiet", action="store_true", help="no progress on stdout (a bar on a terminal, lines otherwise)")
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("submit", help="run a job on a Ray cluster through its Jobs API")
@@ -279,6 +292,9 @@ def parser() -> argparse.ArgumentParser:
         h.add_argument("--storage", default="file://./runs")
         h.add_argument("--json", action="store_true")
         h.set_defaults(func=func)
+        if name == "history":
+            h.add_argument("--metrics-dir", default="./spotrun-metrics",
+                           help="where a job on object storage kept its local metric sinks (metrics.local_dir)")
 
     f = sub.add_parser("verify", help="prove the recovery contract on this job: a reference run, then faults")
     _job_arguments(f)

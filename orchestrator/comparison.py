@@ -13,6 +13,7 @@ Each returns plain figures; :mod:`spotrun.orchestrator.verify` turns them into t
 
 from __future__ import annotations
 
+import struct
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +91,14 @@ class MetricComparison:
             self.problems.append(text)
 
 
+FLOAT32_SINKS = frozenset({"tensorboard"})  # sinks that store values as float32
+
+
+def _as_stored(value: float, sink: str) -> float:
+    """``value`` as ``sink`` stores it, so a bitwise comparison compares like with like."""
+    return struct.unpack("f", struct.pack("f", value))[0] if sink in FLOAT32_SINKS else value
+
+
 def _close(a: float, b: float, tolerance: float) -> bool:
     return a == b if tolerance == 0 else abs(a - b) <= tolerance * max(1.0, abs(a))
 
@@ -120,7 +129,7 @@ def compare_metrics(reference: Iterable[MetricPoint], finals: Mapping[str, Seque
             if key not in ref:
                 out.extra += 1
                 out._note(f"{sink}: update {p.update} {p.name} is not in the reference")
-            elif tolerance is not None and not _close(ref[key], p.value, tolerance):
+            elif tolerance is not None and not _close(_as_stored(ref[key], sink), p.value, tolerance):
                 out.mismatches += 1
                 out._note(f"{sink}: update {p.update} {p.name} = {p.value!r}, the reference has {ref[key]!r}")
             if latest_attempt.get(key) != p.attempt:

@@ -6,8 +6,9 @@ Both are plain dicts (what ``--json`` prints); the CLI renders them as tables.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from spotrun.orchestrator.goodput import goodput
 from spotrun.orchestrator.ledger import (
     AttemptStarted,
     BundlePublished,
@@ -28,9 +29,17 @@ from spotrun.trainer.bundle import BundleCorrupt, list_bundles, read_manifest
 from spotrun.trainer.manifest import ManifestError
 from spotrun.trainer.storage import Storage
 
+if TYPE_CHECKING:
+    from spotrun.orchestrator.dashboard.points import Points
 
-def history(storage: Storage, job_id: str) -> dict[str, Any]:
-    """Attempts, and one row per restart with its cause and what it cost.
+
+def history(storage: Storage, job_id: str, points: Points | None = None,
+            metrics_local_dir: str = "./spotrun-metrics") -> dict[str, Any]:
+    """Attempts, one row per restart with its cause and what it cost, and the job's goodput.
+
+    ``points``: the job's metric points, read from its sinks when not given (beside the bundles
+    on file storage, else under ``metrics_local_dir``); goodput is computed from them and the
+    ledger alone (see :mod:`spotrun.orchestrator.goodput`).
 
     A restart row joins the loss that ended an attempt (``worker_lost``; absent when
     the driver itself died) with the start of the next one: its restore, or, when no
@@ -97,9 +106,26 @@ def history(storage: Storage, job_id: str) -> dict[str, Any]:
     for n in sorted(set(started) - resumed - {min(started, default=0)}):  # restarts from nothing
         restarts.append(_restart(n, losses.get(n - 1), attempts.get(n - 1, {}), started, handled, None, None))
     restarts.sort(key=lambda r: r["attempt"])
+    if points is None:
+        # here, not at the top: the dashboard package imports this module
+        from spotrun.orchestrator.dashboard.points import LogCache, read_points
+
+        points = read_points(storage, job_id, metrics_local_dir, LogCache())
     return {"job_id": job_id, "state": state, "attempts": list(attempts.values()), "restarts": restarts,
             "topology_changes": topology, "rejected_bundles": rejected, "corrupt_events": corrupt,
-            "notices": notices}
+            "notices": notices, "goodput": goodput(events, points.final, points.log, _rate(storage, job_id))}
+
+
+def _rate(storage: Storage, job_id: str) -> float | None:
+    """``cost.usd_per_rank_hour`` of the spec that wrote the newest readable manifest."""
+    for ref in list_bundles(storage, job_id):
+        if ref.published:
+            try:
+                rate = read_manifest(storage, ref.key).spec.get("cost", {}).get("usd_per_rank_hour")
+            except (ManifestError, BundleCorrupt, OSError):
+                continue  # damaged or collected meanwhile: an older one names the same rate
+            return float(rate) if rate is not None else None
+    return None
 
 
 def _restart(attempt: int, loss: WorkerLost | None, previous: dict[str, Any], started: dict[int, AttemptStarted],

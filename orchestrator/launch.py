@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 from spotrun.orchestrator.groups import InProcessGroup
 from spotrun.orchestrator.notices import ImdsWatcher
+from spotrun.orchestrator.progress import Progress
 from spotrun.orchestrator.ray_internals import quiet_auth_notice, shutdown_without_grace
 from spotrun.orchestrator.supervisor import Outcome, Supervisor
 from spotrun.trainer.job import entrypoint_of, load_entrypoint
@@ -42,11 +43,11 @@ def check_entrypoint(spec: JobSpec) -> None:
 
 def run_in_process(spec: JobSpec, *, trace_path: str | None = None, record_ids: bool = False,
                    init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = (),
-                   drop: tuple[str, ...] = ()) -> Outcome:
+                   drop: tuple[str, ...] = (), progress: Progress | None = None) -> Outcome:
     """World size 1 without Ray: the rank trains on a thread of this process. ``preemption.imds_url``
     is watched here as on a Ray node: a spot notice for this machine drains the job like SIGTERM."""
     sup = in_process_supervisor(spec, trace_path=trace_path, record_ids=record_ids, init_from=init_from,
-                                reset=reset, drop=drop)
+                                reset=reset, drop=drop, progress=progress)
     p = spec.preemption
     watcher = ImdsWatcher(p.imds_url, p.imds_poll_s, None, None, sup.notify).start() if p.imds_url else None
     try:
@@ -58,7 +59,7 @@ def run_in_process(spec: JobSpec, *, trace_path: str | None = None, record_ids: 
 
 def in_process_supervisor(spec: JobSpec, *, trace_path: str | None = None, record_ids: bool = False,
                           init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = (),
-                          drop: tuple[str, ...] = ()) -> Supervisor:
+                          drop: tuple[str, ...] = (), progress: Progress | None = None) -> Supervisor:
     if spec.world.size != 1:
         raise ValueError(f"running without Ray needs world.size=1 (the spec asks for {spec.world.size})")
     check_entrypoint(spec)
@@ -68,7 +69,7 @@ def in_process_supervisor(spec: JobSpec, *, trace_path: str | None = None, recor
                               restore_mode=mode, drop=drop, record_ids=record_ids, trace=trace_path is not None)
 
     return Supervisor(spec, make_group, capacity=lambda: 1, trace_path=trace_path, record_ids=record_ids,
-                      init_from=init_from, reset=reset)
+                      init_from=init_from, reset=reset, progress=progress)
 
 
 def ensure_ray(spec: JobSpec, address: str | None) -> None:
@@ -109,7 +110,7 @@ def group_signals_spare_ray() -> Iterator[None]:
 
 def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | None = None,
                record_ids: bool = False, init_from: tuple[str, str] | None = None,
-               reset: tuple[str, ...] = (), drop: tuple[str, ...] = ()) -> Outcome:
+               reset: tuple[str, ...] = (), drop: tuple[str, ...] = (), progress: Progress | None = None) -> Outcome:
     from spotrun.orchestrator.raygroup import RayGroup, available_rank_slots, rank_bundle, room_for_more_ranks
 
     check_entrypoint(spec)
@@ -137,5 +138,5 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | N
 
     sup = Supervisor(spec, make_group, capacity=capacity, trace_path=trace_path, record_ids=record_ids,
                      init_from=init_from, reset=reset, drain_source=drain_source, request_capacity=request_capacity,
-                     room_for=lambda extra: room_for_more_ranks(spec, extra))
+                     room_for=lambda extra: room_for_more_ranks(spec, extra), progress=progress)
     return sup.run()

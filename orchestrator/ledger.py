@@ -8,6 +8,7 @@ loses the race for a sequence number takes the next one. A later process (the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
@@ -182,8 +183,10 @@ class CorruptEvent(BaseModel):
 
 
 class Ledger:
-    def __init__(self, storage: Storage, job_id: str) -> None:
+    def __init__(self, storage: Storage, job_id: str, on_append: Callable[[_Event], None] | None = None) -> None:
+        """``on_append``: told of every event once it is written (``spotrun run``'s progress display)."""
         self.storage = storage
+        self.on_append = on_append
         self.prefix = f"{job_id}/events/"
         self._next: int | None = None  # the next sequence number to try (None: not looked up yet)
 
@@ -200,6 +203,8 @@ class Ledger:
             key = f"{self.prefix}{self._next:012d}.json"
             self._next += 1
             if self.storage.put_new(key, blob):
+                if self.on_append is not None:
+                    self.on_append(event)
                 return key
 
     def read(self) -> list[_Event | CorruptEvent]:

@@ -49,6 +49,7 @@ from spotrun.orchestrator.ledger import (
 )
 from spotrun.orchestrator.notices import Notice, install_signal_notices
 from spotrun.orchestrator.offsets import OffsetsStore
+from spotrun.orchestrator.progress import NullProgress, Progress
 from spotrun.orchestrator.publisher import Publisher, PublishError
 from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, first_that_loads, list_bundles, read_manifest
 from spotrun.trainer.counters import Counters
@@ -151,12 +152,14 @@ class Supervisor:
                  drain_source: Callable[[], set[str]] | None = None,
                  request_capacity: Callable[[int], None] = lambda ranks: None,
                  room_for: Callable[[int], bool] = lambda extra: True,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+                 progress: Progress | None = None) -> None:
         self.spec = spec
+        self.progress = progress or NullProgress()  # what the terminal shows (spotrun run)
         self.make_group = make_group
         self.capacity = capacity
         self.storage = open_storage(spec.storage, spec.storage_endpoint_url)
-        self.ledger = Ledger(self.storage, spec.job_id)
+        self.ledger = Ledger(self.storage, spec.job_id, on_append=self.progress.event)
         self.trace = TraceWriter(trace_path, record_ids) if trace_path else None
         self.init_from = init_from  # (storage uri, bundle key) of another job's bundle
         self.reset = reset
@@ -206,6 +209,7 @@ class Supervisor:
                 state = self.step(state)
         finally:
             restore_signals()
+            self.progress.close()
             self.request_capacity(0)
             if self.trace:
                 self.trace.close()
@@ -517,6 +521,7 @@ class Supervisor:
         for r in reports:
             self._rank_retries[(st.attempt, r.rank)] = r.storage_retries
             st.last_update = max(st.last_update, r.last_update)
+            self.progress.updates(r.records, st.world_size)
             for record in r.records:
                 if self.trace:
                     self.trace.write(record)

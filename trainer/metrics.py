@@ -11,8 +11,12 @@ lost attempt wrote instead of adding to them.
 - :class:`NullSink` and :class:`FanOut`, so call sites never branch on
   "is logging on".
 
-- :class:`S3Sink`: one object per key, ``<job>/metrics/<update>/<name>.json``
-  under the job's storage; a put overwrites, which is the upsert.
+- :class:`S3Sink`: points buffered and written in segments, one object per checkpoint
+  interval (``<job>/metrics/segments/a<attempt>-u<first update>.jsonl``); a later segment's
+  point replaces an earlier one's of the same key, which is the upsert.
+- :class:`TensorBoardSink`: event files TensorBoard reads; each attempt opens its writer with
+  ``purge_step`` at the first update it writes, so TensorBoard's reader drops what a lost
+  attempt wrote from there on: its purge is the upsert.
 """
 
 from __future__ import annotations
@@ -20,10 +24,9 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -50,6 +53,9 @@ class MetricSink(Protocol):
     def write(self, points: Iterable[MetricPoint]) -> None:
         """Upsert each point by its key."""
 
+    def flush(self) -> None:
+        """Make every point written so far durable (the rank calls it at each checkpoint)."""
+
     def read(self, job_id: str) -> list[MetricPoint]:
         """One point per key, ordered by (update, name)."""
 
@@ -58,6 +64,9 @@ class MetricSink(Protocol):
 
 class NullSink:
     def write(self, points: Iterable[MetricPoint]) -> None:
+        return None
+
+    def flush(self) -> None:
         return None
 
     def read(self, job_id: str) -> list[MetricPoint]:
@@ -77,6 +86,10 @@ class FanOut:
         points = list(points)
         for s in self.sinks:
             s.write(points)
+
+    def flush(self) -> None:
+        for s in self.sinks:
+            s.flush()
 
     def read(self, job_id: str) -> list[MetricPoint]:
         return self.sinks[0].read(job_id) if self.sinks else []
@@ -110,6 +123,9 @@ class SqliteSink:
                 rows)
             self._db.commit()
 
+    def flush(self) -> None:
+        return None  # every write is committed
+
     def read(self, job_id: str) -> list[MetricPoint]:
         with self._lock:
             rows = self._db.execute(
@@ -133,6 +149,9 @@ class JsonlSink:
         text = "".join(p.model_dump_json() + "\n" for p in points)
         with self._lock, open(self.path, "a") as f:
             f.write(text)
+
+    def flush(self) -> None:
+        return None  # every write is closed, so in the OS's hands
 
     def read(self, job_id: str) -> list[MetricPoint]:
         latest: dict[str, MetricPoint] = {}
@@ -162,40 +181,128 @@ class JsonlSink:
 
 
 class S3Sink:
-    """One object per point key in the job's storage (``<job>/metrics/<update>/<name>.json``).
+    """Points buffered in memory and written in segments into the job's storage.
 
-    ``put`` replaces an object whole, so a replayed update overwrites the lost attempt's
-    point: the upsert. Works over any :class:`~spotrun.trainer.storage.Storage`; ``metrics.sinks: [s3]``
-    requires ``storage: s3://...``. The points of one update are written in parallel (a few
-    requests of object-store latency each would otherwise stall the training loop in series)."""
+    A segment is one JSONL object, ``<job>/metrics/segments/a<attempt:06d>-u<first update:010d>.jsonl``,
+    holding every point written since the last one: the rank flushes at each checkpoint and at
+    close, so the training loop makes at most one request per checkpoint interval. A point a
+    killed attempt still held in memory is lost with it, but it belongs to an update after the
+    last checkpoint, which the restart replays. Reading takes the segments in key order (attempt,
+    then update) and keeps the last point per key: a replay's point replaces the lost attempt's,
+    which is the upsert. Works over any :class:`~spotrun.trainer.storage.Storage`;
+    ``metrics.sinks: [s3]`` requires ``storage: s3://...``."""
 
-    def __init__(self, storage: Storage, workers: int = 8) -> None:
+    def __init__(self, storage: Storage) -> None:
         self.storage = storage
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="s3-metrics")
-
-    @staticmethod
-    def key_of(p: MetricPoint) -> str:
-        return f"{p.job_id}/metrics/{p.update}/{p.name}.json"
+        self._lock = threading.Lock()
+        self._buffer: list[MetricPoint] = []
 
     def write(self, points: Iterable[MetricPoint]) -> None:
-        jobs = [self._pool.submit(self.storage.put, self.key_of(p), p.model_dump_json().encode()) for p in points]
-        for j in jobs:
-            j.result()  # raise the first failure; every point of this update was attempted
+        with self._lock:
+            self._buffer.extend(points)
+
+    def flush(self) -> None:
+        with self._lock:
+            points, self._buffer = self._buffer, []
+        if points:
+            self.storage.put(segment_key(points[0].job_id, points[0].attempt, min(p.update for p in points)),
+                             "".join(p.model_dump_json() + "\n" for p in points).encode())
 
     def read(self, job_id: str) -> list[MetricPoint]:
-        keys = [k for k in self.storage.list(f"{job_id}/metrics") if k.endswith(".json")]
-        points = []
-        for blob in self._pool.map(self.storage.get, keys):
-            try:
-                p = MetricPoint.model_validate_json(blob)
-            except (ValidationError, ValueError):
-                continue  # not a point (a foreign object): never one of ours, whose puts are whole
-            if p.job_id == job_id:
-                points.append(p)
+        keys = [k for k in self.storage.list(f"{job_id}/metrics") if k.endswith((".json", ".jsonl"))]
+        return upsert(read_object_points(key, self.storage.get(key), job_id) for key in keys)
+
+    def close(self) -> None:
+        self.flush()
+
+
+SEGMENTS = "metrics/segments"
+
+
+def segment_key(job_id: str, attempt: int, first_update: int) -> str:
+    """Segments sort by attempt, then update: the order in which their points supersede each other."""
+    return f"{job_id}/{SEGMENTS}/a{attempt:06d}-u{first_update:010d}.jsonl"
+
+
+def read_object_points(key: str, blob: bytes, job_id: str) -> list[MetricPoint]:
+    """The points of one object of the s3 sink: a segment, or one point per object (how the sink
+    wrote before segments). Anything that does not parse is not ours and is skipped."""
+    out = []
+    for line in blob.splitlines() if key.endswith(".jsonl") else [blob]:
+        try:
+            p = MetricPoint.model_validate_json(line)
+        except (ValidationError, ValueError):
+            continue
+        if p.job_id == job_id:
+            out.append(p)
+    return out
+
+
+def upsert(groups: Iterable[list[MetricPoint]]) -> list[MetricPoint]:
+    """One point per key, the last written winning (``groups`` in write order), ordered by (update, name).
+    Objects written one per point (before segments) come first: a segment is always newer."""
+    latest: dict[str, MetricPoint] = {}
+    for group in groups:
+        for p in group:
+            latest[p.key] = p
+    return sorted(latest.values(), key=lambda p: (p.update, p.name))
+
+
+class TensorBoardSink:
+    """TensorBoard event files in ``directory``: one scalar per point (tag = its name, step = its update,
+    wall time = when it was measured), and the attempt that wrote each update under ``spotrun/attempt``.
+
+    The writer opens on the first write with ``purge_step`` at that write's update: a restarted
+    attempt's first update is the one after its restored bundle, and TensorBoard's reader discards
+    every event at or after a purge step that an earlier file holds, so it shows one point per update
+    after any number of restarts. Each write is flushed, so a process killed afterwards has lost none
+    of it (the replay of what it had not written yet is purged anyway). Values are float32, as
+    TensorBoard stores them."""
+
+    ATTEMPT = "spotrun/attempt"
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self._lock = threading.Lock()
+        self._writer: Any = None  # torch's SummaryWriter, imported only when this sink is used
+
+    def write(self, points: Iterable[MetricPoint]) -> None:
+        points = list(points)
+        if not points:
+            return
+        with self._lock:
+            if self._writer is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._writer = SummaryWriter(str(self.directory), purge_step=min(p.update for p in points))
+            for p in points:
+                self._writer.add_scalar(p.name, p.value, global_step=p.update, walltime=p.at.timestamp())
+            for update, attempt in sorted({(p.update, p.attempt) for p in points}):
+                self._writer.add_scalar(self.ATTEMPT, attempt, global_step=update)
+            self._writer.flush()
+
+    def flush(self) -> None:
+        return None  # every write is flushed
+
+    def read(self, job_id: str) -> list[MetricPoint]:
+        """What TensorBoard's own reader shows, purges applied, as points (lineage unknown: empty)."""
+        if not self.directory.is_dir():
+            return []
+        from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+        acc = EventAccumulator(str(self.directory), size_guidance={SCALARS: 0})  # 0: keep every point
+        acc.Reload()
+        tags = acc.Tags()["scalars"]
+        attempts = {e.step: int(e.value) for e in acc.Scalars(self.ATTEMPT)} if self.ATTEMPT in tags else {}
+        points = [MetricPoint(job_id=job_id, update=e.step, name=tag, value=e.value, attempt=attempts.get(e.step, 0),
+                              lineage_id="", at=datetime.fromtimestamp(e.wall_time, UTC))
+                  for tag in tags if tag != self.ATTEMPT for e in acc.Scalars(tag)]
         return sorted(points, key=lambda p: (p.update, p.name))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        with self._lock:
+            if self._writer is not None:
+                self._writer.close()
 
 
 def points_of(job_id: str, update: int, attempt: int, lineage_id: str, values: dict[str, float]) -> list[MetricPoint]:
@@ -225,6 +332,8 @@ def open_sinks(kinds: Iterable[str], directory: Path, storage: Storage | None = 
                 raise ValueError("metrics.sinks: the s3 sink writes into the job's storage, which must be "
                                  "s3://BUCKET/PREFIX")
             sinks.append(S3Sink(storage))
+        elif kind == "tensorboard":
+            sinks.append(TensorBoardSink(directory / "tensorboard"))
         else:
-            raise ValueError(f"metrics.sinks: unknown sink {kind!r}; choose from sqlite, jsonl, s3")
+            raise ValueError(f"metrics.sinks: unknown sink {kind!r}; choose from sqlite, jsonl, s3, tensorboard")
     return FanOut(sinks) if sinks else NullSink()

@@ -185,6 +185,7 @@ class RankRunner:
         s = self.session
         key = bundle_dir(self.spec.job_id, update, self.attempt)
         prefetched = s.prefetched_ahead
+        self.metrics.flush()  # before the stall is timed: the s3 sink's one request per interval
         t0 = time.perf_counter()
         self._collect(self.writer.wait())
         waited = time.perf_counter() - t0

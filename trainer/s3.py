@@ -158,6 +158,14 @@ def safe_endpoint(endpoint_url: str | None) -> str | None:
     return p._replace(netloc=(p.hostname or "") + (f":{p.port}" if p.port else "")).geturl()
 
 
+def _plain(key: str) -> bool:
+    try:
+        check_key(key)
+    except UnsafeKeyError:
+        return False  # a "dir/" marker or a key no caller could address; not ours
+    return True
+
+
 def multipart_etag(parts: Iterable[dict[str, Any]]) -> str:
     """S3's ETag of a completed multipart upload: md5 of the parts' binary md5s, dash, part count."""
     parts = list(parts)
@@ -395,6 +403,23 @@ class S3Storage:
             if not page.get("IsTruncated"):
                 return keys
             kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
+    def list_etags(self, prefix: str) -> dict[str, str]:
+        """Every key under ``prefix`` with its ETag, from the same listing requests as :meth:`list`
+        (a reader caches objects by ETag and fetches only the ones that changed)."""
+        base = self.root + check_key(prefix.rstrip("/")) + "/"
+        out: dict[str, str] = {}
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "MaxKeys": self.LIST_PAGE}
+        try:
+            while True:
+                page = self._run(partial(self._client.list_objects_v2, **kwargs))
+                out.update({o["Key"][len(self.root):]: o["ETag"] for o in page.get("Contents", [])})
+                if not page.get("IsTruncated"):
+                    break
+                kwargs["ContinuationToken"] = page["NextContinuationToken"]
+        except (ClientError, BotoCoreError, *TRANSIENT_EXCEPTIONS) as e:
+            raise self._fail("list", prefix, e) from e
+        return {k: v for k, v in out.items() if _plain(k)}
 
     def list(self, prefix: str) -> list[str]:
         base = self.root + (check_key(prefix.rstrip("/")) + "/" if prefix else "")

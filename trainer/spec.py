@@ -188,8 +188,15 @@ class MetricsSpec(_Strict):
     """Where metric points go. Local sink files sit beside the bundles on file storage,
     else under ``local_dir``."""
 
-    sinks: tuple[Literal["sqlite", "jsonl", "s3"], ...] = ("sqlite",)  # s3: into the job's s3:// storage
+    # s3: into the job's s3:// storage; tensorboard: event files in <sink dir>/tensorboard
+    sinks: tuple[Literal["sqlite", "jsonl", "s3", "tensorboard"], ...] = ("sqlite",)
     local_dir: str = "./spotrun-metrics"
+
+
+class CostSpec(_Strict):
+    """What the job's machines cost, to turn its badput into money (``spotrun history``, the dashboard)."""
+
+    usd_per_rank_hour: float | None = Field(None, gt=0)  # None: times only, no money
 
 
 class JobSpec(_Strict):
@@ -206,6 +213,7 @@ class JobSpec(_Strict):
     world: WorldSpec = WorldSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     metrics: MetricsSpec = MetricsSpec()
+    cost: CostSpec = CostSpec()
     preemption: PreemptionSpec = PreemptionSpec()
     faults: tuple[FaultSpec, ...] = ()
 

@@ -93,6 +93,11 @@ class ReadOnlyView(_RefusesWrites):
             check_key(prefix.rstrip("/"))
         return self.inner.list(prefix)
 
+    def list_etags(self, prefix: str) -> dict[str, str] | None:
+        """Keys under ``prefix`` with their ETags, where the inner storage lists them (S3); else None."""
+        lister = getattr(self.inner, "list_etags", None)
+        return lister(check_key(prefix.rstrip("/"))) if lister else None
+
 
 def open_readonly(uri: str, endpoint_url: str | None = None) -> Storage:
     """``file://PATH`` or a plain path, read in place; ``s3://BUCKET/PREFIX`` without the write probe

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
-from spotrun.orchestrator.dashboard import charts, labs
+from spotrun.orchestrator.dashboard import charts, labs, prometheus
 from spotrun.orchestrator.dashboard.access import JobNotFound, open_readonly, redact
 from spotrun.orchestrator.dashboard.security import guard
 from spotrun.orchestrator.dashboard.templating import FILTERS
@@ -33,6 +33,7 @@ ENDPOINTS = {
     "/api/jobs/{job_id}/bundles?verify=false": "bundles, published or orphaned; verify=true checks every checksum",
     "/api/jobs/{job_id}/metrics?name=": "final metric points (one per update) and the writes a restart replaced",
     "/api/jobs/{job_id}/events": "the ledger, event by event (an unparsable file is an event of kind corrupt)",
+    "/metrics": "Prometheus text format: spotrun_* gauges, one sample per job labelled job=<id>",
     "/api/labs/modular?m=8&a=3&steps=0&predict_at=&predict=": "the modular lab's state and whole history",
     "/api/labs/descent?eta=0.5&x0=2&steps=0&predict_at=&predict=": "the optimization instrument's history",
 }
@@ -83,11 +84,16 @@ def create_app(storage: Storage | str, *, token: str | None = None, endpoint_url
         return page("job.html", job=job, events=reader.events(job_id),
                     timeline_svg=Markup(charts.timeline(job["timeline"])),
                     loss_svg=Markup(charts.loss_curve(job["loss"])),
+                    goodput_svg=Markup(charts.goodput_bars(job["history"]["goodput"])),
                     refresh=job["summary"]["state"] == "running")
 
     @app.get("/labs", response_class=HTMLResponse)
     def labs_page() -> HTMLResponse:
         return page("labs.html", modular=labs.modular(8, 3, 0), descent=labs.descent(0.5, 2.0, 0), refresh=False)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(prometheus.exposition(reader.jobs), media_type=prometheus.CONTENT_TYPE)
 
     @app.get("/api")
     def api_index() -> dict[str, str]:

@@ -134,3 +134,34 @@ def loss_curve(curve: dict[str, Any], width: int = 900, height: int = 300) -> st
                    f'<title>update {p["update"]}: loss {_fmt(p["value"])} (attempt {p["attempt"]})</title></circle>')
     out.append("</svg>")
     return "".join(out)
+
+
+GOODPUT_TERMS = (("productive_seconds", "productive"), ("replayed_seconds", "replayed"),
+                 ("checkpoint_stall_seconds", "checkpoint stall"), ("capacity_wait_seconds", "capacity wait"),
+                 ("downtime_seconds", "downtime"))
+
+
+def goodput_bars(goodput: dict[str, Any], width: int = 900) -> str:
+    """One stacked bar per attempt and one for the job: each term's share of the wall time."""
+    rows = [(f"attempt {a['attempt']}", a) for a in goodput["attempts"]] + [("job", goodput)]
+    if not goodput["attempts"]:
+        return '<p class="empty">No attempt has started yet.</p>'
+    left, right, row = 90, 70, 24
+    plot = width - left - right
+    height = row * len(rows) + 4
+    out = [f'<svg class="goodput" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
+           f'role="img" aria-label="where the wall time went">']
+    for i, (label, doc) in enumerate(rows):
+        y, wall, x = 2 + i * row, doc["wall_seconds"], float(left)
+        out.append(f'<text class="label" x="{left - 8}" y="{y + 15}">{escape(label)}</text>')
+        for term, name in GOODPUT_TERMS:
+            w = plot * doc[term] / wall if wall > 0 else 0.0
+            if w > 0:
+                out.append(f'<rect class="term {term.removesuffix("_seconds")}" data-term="{term}" x="{x:.1f}" '
+                           f'y="{y}" width="{w:.1f}" height="{row - 6}"><title>{escape(name)}: '
+                           f'{doc[term]:.3f} s of {wall:.3f} s</title></rect>')
+            x += w
+        ratio = "–" if doc["goodput"] is None else f"{100 * doc['goodput']:.1f}%"
+        out.append(f'<text class="ratio" x="{left + plot + 6}" y="{y + 15}">{ratio}</text>')
+    out.append("</svg>")
+    return "".join(out)

@@ -19,7 +19,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
-from spotrun.trainer.metrics import MetricPoint, metrics_dir
+from spotrun.trainer.metrics import MetricPoint, metrics_dir, read_object_points, upsert
 from spotrun.trainer.storage import Storage
 
 SQLITE, JSONL = "metrics.sqlite", "metrics.jsonl"
@@ -91,22 +91,48 @@ class LogCache:
         return out
 
 
-def _read_objects(storage: Storage, job_id: str) -> list[MetricPoint]:
-    """The object-store sink: one JSON object per key under ``<job>/metrics/`` in the job's storage."""
-    out = []
-    for key in storage.list(f"{job_id}/metrics/"):
-        if not key.endswith(".json"):
-            continue
-        try:
-            p = MetricPoint.model_validate_json(storage.get(key))
-        except (ValidationError, ValueError, OSError):
-            continue  # not a point, or removed meanwhile
-        if p.job_id == job_id:
-            out.append(p)
-    return sorted(out, key=lambda p: (p.update, p.name))
+class ObjectCache:
+    """The s3 sink's objects, parsed, kept per key while its ETag is unchanged.
+
+    A refresh then costs the listing (one request per 1,000 objects, ETags included) and a GET
+    per segment written since the last refresh, not one per point. Storage that lists no ETags
+    (a local root) is read whole each time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[str, list[MetricPoint]]] = {}  # key -> (etag, its points)
+
+    def read(self, storage: Storage, job_id: str) -> list[MetricPoint]:
+        prefix = f"{job_id}/metrics"
+        lister = getattr(storage, "list_etags", None)
+        etags: dict[str, str] | None = lister(prefix) if lister else None
+        keys = sorted(etags) if etags is not None else storage.list(prefix)
+        groups = []
+        for key in keys:
+            if not key.endswith((".json", ".jsonl")):
+                continue
+            etag = etags[key] if etags is not None else None
+            with self._lock:
+                hit = self._cache.get(key)
+            if hit is not None and etag is not None and hit[0] == etag:
+                groups.append(hit[1])
+                continue
+            try:
+                points = read_object_points(key, storage.get(key), job_id)
+            except OSError:
+                continue  # removed meanwhile
+            if etag is not None:
+                with self._lock:
+                    self._cache[key] = (etag, points)
+            groups.append(points)
+        with self._lock:  # forget objects that are gone
+            for key in [k for k in self._cache if k.startswith(prefix + "/") and k not in keys]:
+                del self._cache[key]
+        return upsert(groups)
 
 
-def read_points(storage: Storage, job_id: str, local_dir: str, logs: LogCache) -> Points:
+def read_points(storage: Storage, job_id: str, local_dir: str, logs: LogCache,
+                objects: ObjectCache | None = None) -> Points:
     """The job's points from SQLite, else the object sink, else the JSONL log; an unreadable sink
     yields what another one has (never an exception)."""
     folder = sink_dir(storage, job_id, local_dir)
@@ -123,9 +149,9 @@ def read_points(storage: Storage, job_id: str, local_dir: str, logs: LogCache) -
             return result
         except sqlite3.Error:
             pass  # a locked or damaged file: fall back to the others
-    objects = _read_objects(storage, job_id)
-    if objects:
-        result.final, result.source = objects, "objects"
+    found = (objects or ObjectCache()).read(storage, job_id)
+    if found:
+        result.final, result.source = found, "objects"
         return result
     if result.log is not None:
         latest: dict[str, MetricPoint] = {}

@@ -62,4 +62,10 @@ def restart_cell(value: Any, field: str) -> Any:
     return value
 
 
-FILTERS = {"dash": dash, "secs": secs, "size": size, "clock": clock, "short": short, "restart_cell": restart_cell}
+def percent(value: float | None) -> str:
+    """A ratio as a percentage (goodput)."""
+    return DASH if not isinstance(value, (int, float)) else f"{100 * value:.1f}%"
+
+
+FILTERS = {"percent": percent, "dash": dash,
+           "secs": secs, "size": size, "clock": clock, "short": short, "restart_cell": restart_cell}

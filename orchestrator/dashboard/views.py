@@ -15,7 +15,7 @@ from typing import Any
 from spotrun.orchestrator.dashboard import observed
 from spotrun.orchestrator.dashboard.access import job_ids, require_job
 from spotrun.orchestrator.dashboard.checksums import ChecksumCache
-from spotrun.orchestrator.dashboard.points import LogCache, Points, read_points, replaced
+from spotrun.orchestrator.dashboard.points import LogCache, ObjectCache, Points, read_points, replaced
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.ledger import CorruptEvent, Ledger
 from spotrun.trainer.bundle import BundleError, list_bundles, read_manifest
@@ -31,18 +31,19 @@ class Reader:
     metrics_local_dir: str = "./spotrun-metrics"  # where non-file storage keeps local sinks
     checks: ChecksumCache = field(default_factory=ChecksumCache)
     logs: LogCache = field(default_factory=LogCache)
+    objects: ObjectCache = field(default_factory=ObjectCache)
 
     def jobs(self) -> list[dict[str, Any]]:
         return [self.job(j)["summary"] for j in job_ids(self.storage)]
 
     def points(self, job_id: str) -> Points:
-        return read_points(self.storage, job_id, self.metrics_local_dir, self.logs)
+        return read_points(self.storage, job_id, self.metrics_local_dir, self.logs, self.objects)
 
     def job(self, job_id: str) -> dict[str, Any]:
         """Everything the job page shows. Raises :class:`~.access.JobNotFound` for an unknown id."""
         require_job(self.storage, job_id)
-        hist = history(self.storage, job_id)
         points = self.points(job_id)
+        hist = history(self.storage, job_id, points)
         attempt_spans = observed.spans(hist, points)
         restarts = observed.restarts(hist, points, attempt_spans)
         rows, total = self._bundles(job_id, hist, verify=False)
@@ -59,11 +60,11 @@ class Reader:
 
     def history(self, job_id: str) -> dict[str, Any]:
         """What ``spotrun history JOB_ID --json`` prints."""
-        return history(self.storage, require_job(self.storage, job_id))
+        return history(self.storage, require_job(self.storage, job_id), self.points(job_id))
 
     def bundles(self, job_id: str, verify: bool = False) -> list[dict[str, Any]]:
         require_job(self.storage, job_id)
-        return self._bundles(job_id, history(self.storage, job_id), verify)[0]
+        return self._bundles(job_id, history(self.storage, job_id, self.points(job_id)), verify)[0]
 
     def metrics(self, job_id: str, name: str | None = None) -> dict[str, Any]:
         require_job(self.storage, job_id)
@@ -153,6 +154,8 @@ def _summary(hist: dict[str, Any], attempt_spans: list[dict[str, Any]], restarts
         "updates_total": total,
         "last_published": {"bundle": published[0]["bundle"], "update": published[0]["update"]} if published else None,
         "time_lost_seconds": round(sum(lost), 3) if lost else (0.0 if not restarts else None),
+        "goodput": hist["goodput"]["goodput"],
+        "badput_usd": hist["goodput"]["badput_usd"],
         "started_at": attempt_spans[0]["start"] if attempt_spans else None,
         "last_seen_at": last_seen,
         "corrupt_events": len(hist["corrupt_events"]),

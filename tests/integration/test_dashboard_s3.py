@@ -3,6 +3,8 @@ and never a write (not even the probe object that ``open_storage`` puts to check
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -11,7 +13,7 @@ s3_helpers = pytest.importorskip("tests.helpers.s3", reason="the S3 test helpers
 
 from spotrun.orchestrator.dashboard import create_app  # noqa: E402
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger  # noqa: E402
-from spotrun.trainer.metrics import MetricPoint  # noqa: E402
+from spotrun.trainer.metrics import MetricPoint, S3Sink, points_of  # noqa: E402
 from spotrun.trainer.s3 import S3Storage  # noqa: E402
 
 moto, s3_env, bucket = s3_helpers.moto, s3_helpers.s3_env, s3_helpers.bucket
@@ -52,3 +54,41 @@ def test_s3_objects_are_read_in_chunks_for_checksums(moto, bucket):
     assert list(storage.read_chunks("j/empty", 4096)) == []
     with pytest.raises(FileNotFoundError):
         next(storage.read_chunks("j/missing", 4096))
+
+
+def _count_requests(app) -> Counter:
+    """Requests the dashboard's S3 client sends, by (operation, whether the key is a metric object)."""
+    seen: Counter = Counter()
+
+    def count(request, event_name, **_):  # event_name: before-send.s3.<Operation>
+        seen[(event_name.rsplit(".", 1)[-1], "metrics" in request.url)] += 1
+
+    app.state.reader.storage.inner._client.meta.events.register("before-send.s3", count)
+    return seen
+
+
+def test_a_refresh_gets_only_the_metric_segments_that_are_new(moto, bucket):
+    """60 updates written in 6 segments (a checkpoint every 10): the first view GETs the 6, a
+    refresh with nothing new GETs none, one more segment costs one GET."""
+    uri = f"s3://{bucket}/runs"
+    writer = S3Storage(uri, moto.url)
+    Ledger(writer, "seg").append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="L"))
+    sink = S3Sink(writer)
+    for u in range(1, 61):
+        sink.write(points_of("seg", u, 1, "L", {"loss": 1 / u, "lr": 0.1, "applied": 1.0}))
+        if u % 10 == 0:
+            sink.flush()
+    app = create_app(uri, endpoint_url=moto.url)
+    client, seen = TestClient(app, base_url="http://127.0.0.1"), _count_requests(app)
+
+    def refresh() -> dict:
+        seen.clear()
+        doc = client.get("/api/jobs/seg/metrics?name=loss").json()
+        return {"points": len(doc["points"]), "gets": seen[("GetObject", True)],
+                "lists": seen[("ListObjectsV2", True)]}
+
+    assert refresh() == {"points": 60, "gets": 6, "lists": 1}
+    assert refresh() == {"points": 60, "gets": 0, "lists": 1}  # cached by ETag
+    sink.write(points_of("seg", 61, 1, "L", {"loss": 1 / 61, "lr": 0.1, "applied": 1.0}))
+    sink.close()
+    assert refresh() == {"points": 61, "gets": 1, "lists": 1}

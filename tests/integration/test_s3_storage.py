@@ -311,17 +311,24 @@ def test_gives_up_after_the_attempts(moto, bucket):
 # -- the S3 metric sink ------------------------------------------------------------------------------
 
 
-def test_s3_sink_upserts_one_object_per_key(moto, bucket):
+def test_s3_sink_writes_segments_and_upserts_by_key(moto, bucket):
     s = storage(moto, bucket, "runs")
-    sink = S3Sink(s)
-    sink.write(points_of("j", 3, attempt=1, lineage_id="L", values={"loss": 2.0, "lr": 0.1}))
-    sink.write(points_of("j", 3, attempt=2, lineage_id="L", values={"loss": 1.5}))  # the replay
-    sink.write(points_of("j", 10, attempt=2, lineage_id="L", values={"loss": 1.0}))
-    sink.write(points_of("other", 3, attempt=1, lineage_id="M", values={"loss": 9.0}))
-    assert [(p.key, p.value, p.attempt) for p in sink.read("j")] == [
-        ("j/3/loss", 1.5, 2), ("j/3/lr", 0.1, 1), ("j/10/loss", 1.0, 2)]
-    assert s.list("j/metrics") == ["j/metrics/10/loss.json", "j/metrics/3/loss.json", "j/metrics/3/lr.json"]
-    sink.close()
+    first = S3Sink(s)
+    first.write(points_of("j", 3, attempt=1, lineage_id="L", values={"loss": 2.0, "lr": 0.1}))
+    first.write(points_of("j", 4, attempt=1, lineage_id="L", values={"loss": 1.9}))
+    assert s.list("j/metrics") == []  # buffered: nothing is sent per update
+    first.flush()  # a checkpoint
+    first.write(points_of("j", 5, attempt=1, lineage_id="L", values={"loss": 1.8}))  # lost: killed before a flush
+    second = S3Sink(s)
+    second.write(points_of("j", 3, attempt=2, lineage_id="L", values={"loss": 1.5}))  # the replay
+    second.write(points_of("j", 10, attempt=2, lineage_id="L", values={"loss": 1.0}))
+    second.close()
+    assert [(p.key, p.value, p.attempt) for p in second.read("j")] == [
+        ("j/3/loss", 1.5, 2), ("j/3/lr", 0.1, 1), ("j/4/loss", 1.9, 1), ("j/10/loss", 1.0, 2)]
+    assert s.list("j/metrics") == ["j/metrics/segments/a000001-u0000000003.jsonl",
+                                   "j/metrics/segments/a000002-u0000000003.jsonl"]
+    s.put("j/metrics/7/loss.json", points_of("j", 7, 1, "L", {"loss": 1.7})[0].model_dump_json().encode())
+    assert (7, 1.7) in [(p.update, p.value) for p in second.read("j")]  # one object per point: the old layout
 
 
 def test_s3_sink_needs_s3_storage(tmp_path):

@@ -179,3 +179,21 @@ def test_the_dashboard_writes_nothing(root, client):
                  f"/api/jobs/{JOB}/metrics", f"/api/jobs/{JOB}/events", f"/api/jobs/{JOB}/history"):
         assert client.get(path).status_code == 200, path
     assert sorted(p.relative_to(root) for p in root.rglob("*") if not p.name.endswith(("-shm", "-wal"))) == before
+
+
+def test_prometheus_metrics_of_a_running_job_without_a_bundle(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    storage = open_storage(f"file://{tmp_path}")
+    Ledger(storage, "live").append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="L"))
+    sink = SqliteSink(tmp_path / "live/metrics.sqlite")
+    for u in (1, 2, 3):
+        sink.write(points_of("live", u, 1, "L", {"loss": 1.0 / u}))
+    sink.close()
+    text = TestClient(create_app(f"file://{tmp_path}"), base_url=BASE).get("/metrics").text
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.labels == {"job": "live"}}
+    assert samples["spotrun_attempt_running"] == 1 and samples["spotrun_updates_done"] == 3
+    assert samples["spotrun_restarts_total"] == 0 and 0 < samples["spotrun_goodput_ratio"] <= 1
+    assert "spotrun_last_published_update" not in samples  # unknown, not a made-up 0
+    assert "spotrun_updates_total" not in samples  # no manifest names train.updates yet

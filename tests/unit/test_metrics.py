@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.trainer.metrics import FanOut, JsonlSink, NullSink, SqliteSink, points_of
+from spotrun.trainer.metrics import FanOut, JsonlSink, NullSink, SqliteSink, TensorBoardSink, points_of
 from spotrun.trainer.trace import latest_per_update, read_trace
 from tests.helpers.runs import kill_after, run_cmd, run_to_end
 
@@ -18,6 +18,21 @@ def test_upsert_by_key_records_the_writing_attempt(tmp_path, kind):
     points = sink.read("j")
     assert [(p.key, p.value, p.attempt) for p in points] == [("j/3/loss", 1.5, 2), ("j/3/lr", 0.1, 1)]
     sink.close()
+
+
+def test_tensorboard_purges_what_a_lost_attempt_wrote_past_its_restore(tmp_path):
+    """Attempt 1 writes updates 1-8 and dies; attempt 2 restored bundle 5 and writes 6-10 with other
+    values: TensorBoard's reader shows each update once, 6-8 as attempt 2 wrote them."""
+    first = TensorBoardSink(tmp_path / "tb")
+    for u in range(1, 9):
+        first.write(points_of("j", u, 1, "L", {"loss": 100.0 + u, "lr": 0.5}))
+    # never closed: a SIGKILLed writer; each write was flushed
+    second = TensorBoardSink(tmp_path / "tb")
+    for u in range(6, 11):
+        second.write(points_of("j", u, 2, "L", {"loss": 200.0 + u, "lr": 0.25}))
+    second.close()
+    loss = [(p.update, p.value, p.attempt) for p in TensorBoardSink(tmp_path / "tb").read("j") if p.name == "loss"]
+    assert loss == [*((u, 100.0 + u, 1) for u in range(1, 6)), *((u, 200.0 + u, 2) for u in range(6, 11))]
 
 
 def test_fanout_and_null():

@@ -1,0 +1,54 @@
+"""``GET /metrics``: every job's progress and goodput in the Prometheus text format.
+
+One sample per job and metric, labelled ``job="<id>"``, built from the same summaries the jobs
+page shows (so a scrape reads storage like one page view). A metric whose value is unknown (a
+job with no published bundle has no ``spotrun_last_published_update``) has no sample for that
+job rather than a made-up zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# name -> (help, how to read it from a jobs-page summary)
+GAUGES: dict[str, tuple[str, Callable[[dict[str, Any]], float | None]]] = {
+    "spotrun_updates_done": ("Updates the job has completed (the furthest seen)", lambda s: s["updates_done"]),
+    "spotrun_updates_total": ("Updates the job is to run (train.updates)", lambda s: s["updates_total"]),
+    "spotrun_restarts_total": ("Restarts so far", lambda s: s["restarts"]),
+    "spotrun_goodput_ratio": ("Productive update time over wall time (README: Goodput)", lambda s: s["goodput"]),
+    "spotrun_time_lost_seconds": ("Wall time restarts lost: downtime plus work thrown away",
+                                  lambda s: s["time_lost_seconds"]),
+    "spotrun_last_published_update": ("Update of the newest published bundle",
+                                      lambda s: s["last_published"]["update"] if s["last_published"] else None),
+    "spotrun_attempt_running": ("1 while an attempt of the job is running and has shown signs of life",
+                                lambda s: int(s["state"] == "running" and not s["quiet"])),
+}
+
+
+class _Jobs(Collector):
+    def __init__(self, summaries: Callable[[], list[dict[str, Any]]]) -> None:
+        self.summaries = summaries
+
+    def collect(self) -> Iterable[Metric]:
+        jobs = self.summaries()
+        for name, (help_, read) in GAUGES.items():
+            family = GaugeMetricFamily(name, help_, labels=["job"])
+            for s in jobs:
+                value = read(s)
+                if value is not None:
+                    family.add_metric([s["job_id"]], float(value))
+            yield family
+
+
+def exposition(summaries: Callable[[], list[dict[str, Any]]]) -> bytes:
+    """The text a scrape gets: each gauge in :data:`GAUGES`, one sample per job."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Jobs(summaries))
+    return generate_latest(registry)

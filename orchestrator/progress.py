@@ -1,0 +1,204 @@
+"""What ``spotrun run`` shows while the job trains: a live bar on a terminal, plain lines otherwise.
+
+The supervisor feeds a :class:`Progress` every ledger event it appends and every update rank 0
+reports. Both renderers print one line per restart (cause, restored bundle, lost updates,
+downtime, bundles rejected on the way), lost rank, notice, topology change and capacity wait.
+A job that fails (a publish that fails included) or is refused says why in one paragraph on
+stderr, as before, and adds nothing here: a refused ``spotrun run`` prints nothing on stdout.
+
+- :class:`LiveProgress` (stdout is a terminal): a rich progress bar of updates done of total with
+  updates/s, samples/s, the latest loss, ETA, attempt, world size and the last published bundle;
+  the event lines scroll above it.
+- :class:`PlainProgress` (piped: CI, ``ray job logs``): the same figures as one line every
+  ``every`` updates and at the last one, and the event lines, nothing redrawn.
+- :class:`NullProgress` (``--quiet``).
+
+The figures are for reading only: rates come from this process's clock and nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import IO, Protocol
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
+from rich.progress import Progress as RichProgress
+
+from spotrun.orchestrator.ledger import (
+    AttemptStarted,
+    BundlePublished,
+    BundleRejected,
+    CapacityWait,
+    NoticeSeen,
+    Resizing,
+    Restored,
+    TopologyChanged,
+    WorkerLost,
+    _Event,
+)
+from spotrun.trainer.trace import UpdateRecord
+
+
+class Progress(Protocol):
+    def event(self, e: _Event) -> None:
+        """A ledger event, just appended."""
+
+    def updates(self, records: Sequence[UpdateRecord], world_size: int) -> None:
+        """Updates rank 0 reported since the last call (after a restart, again from the restored one)."""
+
+    def close(self) -> None: ...
+
+
+class NullProgress:
+    def event(self, e: _Event) -> None:
+        return None
+
+    def updates(self, records: Sequence[UpdateRecord], world_size: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def _name(bundle: str) -> str:
+    return bundle.rsplit("/", 1)[-1]
+
+
+class _Figures:
+    """What both renderers show, kept up to date from events and records."""
+
+    def __init__(self, total: int, samples_per_update: int) -> None:
+        self.total = total
+        self.samples_per_update = samples_per_update
+        self.done = 0
+        self.attempt = 0
+        self.world_size: int | None = None
+        self.loss: float | None = None
+        self.bundle = "none yet"
+        self.rate: float | None = None  # updates per second, smoothed
+        self._seen: tuple[float, int] | None = None  # (clock, update) at the last report
+        self._lost_at: float | None = None  # clock when a loss was recorded, for the restart's downtime
+        self._rejected: list[str] = []  # bundles refused before the restore that follows
+
+    def line(self, e: _Event) -> str | None:
+        """The log line an event deserves (None: it only changes the figures)."""
+        if isinstance(e, AttemptStarted):
+            self.attempt, self.world_size, self._seen = e.attempt, e.world_size, None
+            return None
+        if isinstance(e, BundlePublished):
+            self.bundle = f"{_name(e.bundle)} (update {e.update})"
+            return None
+        if isinstance(e, WorkerLost):
+            self._lost_at = time.monotonic()
+            rank = "the driver" if e.rank is None else f"rank {e.rank}"
+            return (f"attempt {e.attempt}: {rank} lost ({e.cause}) after update {e.last_update}"
+                    + (f": {e.detail}" if e.detail else ""))
+        if isinstance(e, Restored):
+            down = f"{time.monotonic() - self._lost_at:.1f}s" if self._lost_at is not None else "not seen here"
+            self._lost_at = None
+            self.done, self.bundle = e.update, f"{_name(e.bundle)} (update {e.update}, restored)"
+            lost = "not recorded" if e.lost_updates is None else str(e.lost_updates)
+            rejected, self._rejected = self._rejected, []
+            return (f"restart: attempt {e.attempt} restored {_name(e.bundle)} (update {e.update}, {e.recovery_label}); "
+                    f"cause {e.cause}; lost updates {lost}; downtime {down}"
+                    + "".join(f"; rejected {r}" for r in rejected))
+        if isinstance(e, NoticeSeen):
+            return f"notice from {e.source}{'' if e.rank is None else f' (rank {e.rank})'}: {e.action}, {e.reason}"
+        if isinstance(e, TopologyChanged):
+            return (f"topology: world size {e.world_size_before} -> {e.world_size_after} "
+                    f"(accum_steps {e.accum_steps_after})")
+        if isinstance(e, Resizing):
+            return f"scale-up: {e.world_size_before} -> {e.world_size_target} ranks ({e.reason})"
+        if isinstance(e, CapacityWait):
+            return f"waited {e.waited_seconds:.1f}s for capacity ({e.available} of {e.needed} ranks): {e.outcome}"
+        if isinstance(e, BundleRejected):  # told with the restore it led to (a refused run tells stderr)
+            self._rejected.append(f"{_name(e.bundle)} ({e.reason})")
+        return None
+
+    def absorb(self, records: Sequence[UpdateRecord], world_size: int) -> None:
+        if not records:
+            return
+        now, last = time.monotonic(), records[-1]
+        if self._seen is not None and last.update > self._seen[1] and now > self._seen[0]:
+            rate = (last.update - self._seen[1]) / (now - self._seen[0])
+            self.rate = rate if self.rate is None else 0.7 * self.rate + 0.3 * rate
+        self._seen = (now, last.update)
+        self.done, self.loss, self.world_size = last.update, last.loss, world_size
+
+    def summary(self) -> str:
+        per_s = self.rate
+        rate = "-" if per_s is None else f"{per_s:.2f} upd/s, {per_s * self.samples_per_update:.0f} samples/s"
+        eta = "-" if not self.rate else f"{(self.total - self.done) / self.rate:.0f}s"
+        loss = "-" if self.loss is None else f"{self.loss:.4f}"
+        return (f"{rate}  loss {loss}  eta {eta}  attempt {self.attempt}  world {self.world_size or '-'}  "
+                f"bundle {self.bundle}")
+
+
+class PlainProgress:
+    """One line every ``every`` updates (and at the last), one per notable event; never redrawn."""
+
+    def __init__(self, total: int, samples_per_update: int, out: IO[str], every: int | None = None) -> None:
+        self.figures = _Figures(total, samples_per_update)
+        self.out = out
+        self.every = every or max(1, total // 20)
+        self._printed = 0  # the update of the last progress line
+
+    def _print(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def event(self, e: _Event) -> None:
+        line = self.figures.line(e)
+        if line:
+            self._print(line)
+            self._printed = min(self._printed, self.figures.done)
+
+    def updates(self, records: Sequence[UpdateRecord], world_size: int) -> None:
+        f = self.figures
+        f.absorb(records, world_size)
+        if records and (f.done - self._printed >= self.every or f.done == f.total):
+            self._printed = f.done
+            self._print(f"update {f.done}/{f.total}  {f.summary()}")
+
+    def close(self) -> None:
+        return None
+
+
+class LiveProgress:
+    """A rich progress bar redrawn in place; event lines print above it."""
+
+    def __init__(self, total: int, samples_per_update: int, console: Console) -> None:
+        self.figures = _Figures(total, samples_per_update)
+        self.bar = RichProgress(TextColumn("[bold]updates"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[info]}"), console=console, transient=False)
+        self.task = self.bar.add_task("updates", total=total, info="starting")
+        self.bar.start()
+
+    def event(self, e: _Event) -> None:
+        line = self.figures.line(e)
+        if line:
+            self.bar.console.print(escape(line), highlight=False, soft_wrap=True)
+        self._redraw()
+
+    def updates(self, records: Sequence[UpdateRecord], world_size: int) -> None:
+        self.figures.absorb(records, world_size)
+        self._redraw()
+
+    def _redraw(self) -> None:
+        self.bar.update(self.task, completed=self.figures.done, info=self.figures.summary())
+
+    def close(self) -> None:
+        self._redraw()
+        self.bar.stop()
+
+
+def for_terminal(total: int, samples_per_update: int, out: IO[str], quiet: bool = False) -> Progress:
+    """The renderer ``spotrun run`` uses: live on a terminal, plain lines when ``out`` is not one."""
+    if quiet:
+        return NullProgress()
+    if out.isatty():
+        return LiveProgress(total, samples_per_update, Console(file=out))
+    return PlainProgress(total, samples_per_update, out)
