@@ -1,4 +1,4 @@
-"""What the ranks of one attempt do together: gradient sync and agreeing on a boundary.
+"""What the ranks of one attempt do together: gradient sync, and agreeing on a boundary and the update's mean loss.
 
 ``LocalCollective`` is the world of one. ``TorchCollective`` uses a
 ``torch.distributed`` process group (gloo on CPU, nccl on GPU). Gradients are
@@ -23,11 +23,9 @@ class Collective(Protocol):
 
     def sync_gradients(self, model: nn.Module) -> None: ...
 
-    def agree(self, flags: list[bool]) -> list[bool]:
-        """Element-wise OR of every rank's flags; all ranks get the same answer."""
-
-    def mean(self, values: list[float]) -> list[float]:
-        """Element-wise mean over the ranks (one collective for all of them)."""
+    def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
+        """The element-wise mean of ``values`` over the ranks and the element-wise OR of every rank's
+        ``flags``, in one collective; every rank gets the same answer."""
 
     def close(self) -> None: ...
 
@@ -39,11 +37,8 @@ class LocalCollective:
     def sync_gradients(self, model: nn.Module) -> None:
         return None
 
-    def agree(self, flags: list[bool]) -> list[bool]:
-        return list(flags)
-
-    def mean(self, values: list[float]) -> list[float]:
-        return list(values)
+    def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
+        return list(values), list(flags)
 
     def close(self) -> None:
         return None
@@ -72,15 +67,15 @@ class TorchCollective:
             if buf.is_floating_point() or buf.dtype in (torch.int64, torch.int32):
                 dist.broadcast(buf, src=0)
 
-    def agree(self, flags: list[bool]) -> list[bool]:
-        t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [bool(v) for v in t.tolist()]
-
-    def mean(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+    def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
+        # One float64 sum: a flag is raised on some rank iff its sum of 0s and 1s is positive (exact
+        # in float64); how the values are summed depends only on the world size and the tensor's
+        # length, both fixed for a job, so a metric is the same on every run at this world size. Each collective is a
+        # synchronisation point of every rank: one per update instead of two.
+        t = torch.tensor([*values, *(float(f) for f in flags)], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
-        return [v / self.world_size for v in t.tolist()]
+        sums = t.tolist()
+        return [v / self.world_size for v in sums[:len(values)]], [v > 0 for v in sums[len(values):]]
 
     def close(self) -> None:
         if dist.is_initialized():
