@@ -89,8 +89,10 @@ def _rank(rank: int, world: int, port: int, config: str, sets: list[str], out: s
     scheduler = job.scheduler(optimizer, spec.train.updates) if job.scheduler is not None else None
     dataset, collate = _dataset(job, spec)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=spec.seed)
+    # persistent workers: a new epoch does not fork new ones (spotrun's loader keeps its workers too)
     loader = DataLoader(dataset, batch_size=spec.train.micro_batch, sampler=sampler, drop_last=True,
-                        num_workers=spec.data.workers, collate_fn=collate)
+                        num_workers=spec.data.workers, collate_fn=collate,
+                        persistent_workers=spec.data.workers > 0)
     accum = spec.accum_steps_for(world)
     stamps: list[float] = []
     epoch, batches = 0, iter(loader)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -116,7 +117,7 @@ def ray_train_run(job: Job, world: int, shape: Shape, folder: Path) -> float:
               "micro_batch": spec.train.micro_batch, "accum_steps": spec.accum_steps_for(world),
               "updates": updates, "every": updates + 1, "kill_at": 0, "kill_rank": 0, "lr": spec.train.lr,
               "seed": spec.seed, "model": spec.model.model_dump(), "workers": spec.data.workers, "loader_fix": True,
-              "world_size": world}
+              "persistent_workers": True, "world_size": world}
     result = fit(config, folder / "ray-train-storage", f"steady-{job.name}-{world}", None)
     if result.error is not None:
         raise RuntimeError(f"Ray Train {job.name} at {world} ranks failed: {result.error}")
@@ -136,6 +137,10 @@ def run(shape: Shape, scratch: Path) -> dict:
     rates: dict[str, dict[str, list[float]]] = {}
     before = uptime()
     if shape.ray:
+        # Ray starts its workers at niceness 15; spotrun's ranks set themselves back to 0 (as the plain
+        # loop's processes are), and Ray Train's workers get 0 here, as a user can give them: the
+        # three loops compete for the machine on equal terms.
+        os.environ["RAY_worker_niceness"] = "0"
         ray.init(address="local", num_cpus=max(shape.worlds) + 1, include_dashboard=False, log_to_driver=False,
                  logging_level=logging.WARNING)
     try:
@@ -157,6 +162,7 @@ def run(shape: Shape, scratch: Path) -> dict:
     finally:
         if shape.ray:
             ray.shutdown()
+            os.environ.pop("RAY_worker_niceness", None)
     return {"shape": shape.__dict__, "rates": rates, "uptime_before": before, "uptime_after": uptime()}
 
 
