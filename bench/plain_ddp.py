@@ -88,7 +88,8 @@ def _rank(rank: int, world: int, port: int, config: str, sets: list[str], out: s
     optimizer = job.optimizer(model.module)
     scheduler = job.scheduler(optimizer, spec.train.updates) if job.scheduler is not None else None
     dataset, collate = _dataset(job, spec)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=spec.seed)
+    sampler: DistributedSampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
+                                                     seed=spec.seed)
     # persistent workers: a new epoch does not fork new ones (spotrun's loader keeps its workers too)
     loader = DataLoader(dataset, batch_size=spec.train.micro_batch, sampler=sampler, drop_last=True,
                         num_workers=spec.data.workers, collate_fn=collate,

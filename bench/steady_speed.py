@@ -31,9 +31,11 @@ import os
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from bench.tables import ROOT, Section, Stopwatch, Table, cli, fmt, median, pct, work_folder
+from bench.update_profile import PARTS, collective_cost, profile_updates
 
 PLAIN, SPOTRUN, RAY_TRAIN = "plain DDP", "spotrun", "Ray Train"
 
@@ -63,15 +65,28 @@ class Shape:
     worlds: tuple[int, ...]
     jobs: tuple[str, ...]
     ray: bool  # spotrun on local Ray (else in this process, world size 1 only) and Ray Train
+    profiled: int  # updates of the tiny job under cProfile
+    collectives: int  # per-update collectives timed between two gloo ranks (0: not timed)
 
 
-FULL = Shape(warmup=10, timed=150, reps=3, worlds=(1, 2), jobs=("tiny", "gpt-char", "digits"), ray=True)
-QUICK = Shape(warmup=3, timed=12, reps=1, worlds=(1,), jobs=("tiny",), ray=False)
+FULL = Shape(warmup=10, timed=150, reps=3, worlds=(1, 2), jobs=("tiny", "gpt-char", "digits"), ray=True,
+             profiled=300, collectives=500)
+QUICK = Shape(warmup=3, timed=12, reps=1, worlds=(1,), jobs=("tiny",), ray=False, profiled=20, collectives=0)
+
+# The same profile (bench/update_profile.py) on commit 7988d18, before this bench's fixes, on the
+# same machine (2026-12-01, load average about 7 from other work): ms per update under cProfile.
+BEFORE = {"total": 17.5, "next batch from the loader": 6.2, "forward (the job's step)": 2.5, "backward": 2.0,
+          "sync, clip, optimizer and scheduler step": 2.0, "seeding the global streams per microstep": 2.1,
+          "loss mean and boundary flags (collective)": 0.0, "metric points: build": 0.1,
+          "metric points: write (training thread)": 1.4}
+
+
+def job_sets(job: Job, world: int) -> list[str]:
+    return [*(s.replace("=configs/", f"={ROOT}/configs/") for s in job.sets), f"world.size={world}"]
 
 
 def spec_sets(job: Job, world: int, updates: int, storage: Path) -> list[str]:
-    return [*(s.replace("=configs/", f"={ROOT}/configs/") for s in job.sets), f"world.size={world}",
-            f"train.updates={updates}", f"storage=file://{storage}",
+    return [*job_sets(job, world), f"train.updates={updates}", f"storage=file://{storage}",
             f"checkpoint.every_updates={updates + 1}"]  # no checkpoint but the job's last
 
 
@@ -88,7 +103,7 @@ def plain_run(job: Job, world: int, shape: Shape, folder: Path) -> float:
     return rate(dict(enumerate(stamps, start=1)), shape.warmup, shape.timed)
 
 
-def spotrun_run(job: Job, world: int, shape: Shape, folder: Path, on_ray: bool) -> float:
+def spotrun_run(job: Job, world: int, shape: Shape, folder: Path, *, on_ray: bool) -> float:
     from spotrun.orchestrator.launch import run_in_process, run_on_ray
     from spotrun.orchestrator.specfile import load_spec
     from spotrun.trainer.metrics import SqliteSink, metrics_dir
@@ -148,11 +163,11 @@ def run(shape: Shape, scratch: Path) -> dict:
             for job in jobs:
                 for world in shape.worlds:
                     systems: dict[str, Callable[[Path], float]] = {
-                        PLAIN: lambda f, j=job, w=world: plain_run(j, w, shape, f),
-                        SPOTRUN: lambda f, j=job, w=world: spotrun_run(j, w, shape, f, shape.ray),
+                        PLAIN: partial(plain_run, job, world, shape),
+                        SPOTRUN: partial(spotrun_run, job, world, shape, on_ray=shape.ray),
                     }
                     if shape.ray and job.ray_train:
-                        systems[RAY_TRAIN] = lambda f, j=job, w=world: ray_train_run(j, w, shape, f)
+                        systems[RAY_TRAIN] = partial(ray_train_run, job, world, shape)
                     for system, one in systems.items():
                         folder = scratch / f"{job.name}-{world}-{system.replace(' ', '_')}-{rep}"
                         folder.mkdir(parents=True)
@@ -163,7 +178,12 @@ def run(shape: Shape, scratch: Path) -> dict:
         if shape.ray:
             ray.shutdown()
             os.environ.pop("RAY_worker_niceness", None)
-    return {"shape": shape.__dict__, "rates": rates, "uptime_before": before, "uptime_after": uptime()}
+    after = uptime()
+    tiny = next(j for j in JOBS if j.name == "tiny")
+    profile = profile_updates(tiny.config, job_sets(tiny, 1), shape.profiled, scratch / "profile")
+    collectives = collective_cost(shape.collectives, scratch) if shape.collectives else {}
+    return {"shape": shape.__dict__, "rates": rates, "uptime_before": before, "uptime_after": after,
+            "profile": profile, "collectives_ms": collectives}
 
 
 def paired(a: list[float], b: list[float]) -> float:
@@ -190,6 +210,25 @@ def summary(results: dict) -> list[dict]:
 
 
 TARGET = 0.98
+
+
+def profile_table(results: dict) -> Table:
+    p = results["profile"]
+    t = Table(f"Where one update of tiny goes (1 rank, in process, under cProfile, {results['shape']['profiled']} "
+              "updates): ms per update, before the fixes (7988d18) and now",
+              ["part", "before", "now", "share now"])
+    for part in ["total", *PARTS]:
+        t.add(part, fmt(BEFORE.get(part)), fmt(p[part]), pct(p[part] / p["total"]))
+    c = results.get("collectives_ms") or {}
+    if c:
+        t.add("2 gloo ranks: the small collectives of an update (timed apart)", fmt(c["two"]), fmt(c["one"]),
+              "—")
+    t.notes += [
+        "parts overlap nowhere but are not exhaustive: the rest is the loop's own bookkeeping (occurrence "
+        "ids, counters, the update record); cProfile inflates Python-heavy parts, so compare shares",
+        "the background writer's own SQLite commit runs on its thread, outside this profile of the training thread",
+    ]
+    return t
 
 
 def tables(results: dict) -> tuple[Table, list[str]]:
@@ -240,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     with work_folder("steady") as folder:
         results = run(shape, folder)
     table, verdicts = tables(results)
-    Section("8-steady-speed", "8. Steady-state speed against a plain DDP loop and Ray Train", INTRO, [table],
+    Section("8-steady-speed", "8. Steady-state speed against a plain DDP loop and Ray Train", INTRO,
+            [table, profile_table(results)],
             verdicts, clock.seconds, {"results": results, "jobs": summary(results)}, clock.measured).emit(args.out)
     if known.json:
         print(json.dumps({"jobs": summary(results)}))
