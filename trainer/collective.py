@@ -21,7 +21,9 @@ class Collective(Protocol):
     rank: int
     world_size: int
 
-    def sync_gradients(self, model: nn.Module) -> None: ...
+    def sync_gradients(self, model: nn.Module, riders: list[float]) -> list[float]:
+        """Average the gradients over the ranks; in the same collective, sum ``riders`` (the
+        update's loss, metrics and boundary flags) and return their sums."""
 
     def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
         """The element-wise mean of ``values`` over the ranks and the element-wise OR of every rank's
@@ -34,8 +36,8 @@ class LocalCollective:
     rank = 0
     world_size = 1
 
-    def sync_gradients(self, model: nn.Module) -> None:
-        return None
+    def sync_gradients(self, model: nn.Module, riders: list[float]) -> list[float]:
+        return list(riders)
 
     def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
         return list(values), list(flags)
@@ -53,10 +55,19 @@ class TorchCollective:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
 
-    def sync_gradients(self, model: nn.Module) -> None:
+    def sync_gradients(self, model: nn.Module, riders: list[float]) -> list[float]:
+        # The riders travel at the end of the gradients' flat buffer: one synchronisation point per
+        # update, as DDP's all-reduce is, instead of a second collective of their own. Gradients
+        # below float32 would round them, so those get a float64 collective of their own.
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        dtype = grads[0].dtype if grads else torch.float64
+        ride = dtype in (torch.float32, torch.float64)
+        extra = torch.tensor(riders, dtype=dtype if ride else torch.float64, device=self.device)
+        flat = torch.cat([*(g.reshape(-1) for g in grads), *([extra] if ride else [])])
         dist.all_reduce(flat)
+        if not ride:
+            dist.all_reduce(extra)
+        sums = (flat[flat.numel() - len(riders):] if ride else extra).tolist()
         flat /= self.world_size
         offset = 0
         for g in grads:
@@ -66,6 +77,7 @@ class TorchCollective:
         for buf in model.buffers():
             if buf.is_floating_point() or buf.dtype in (torch.int64, torch.int32):
                 dist.broadcast(buf, src=0)
+        return sums
 
     def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
         # One float64 sum: a flag is raised on some rank iff its sum of 0s and 1s is positive (exact

@@ -1,7 +1,8 @@
 """One rank's attempt: updates, the checkpoint barrier, background writes, and reports.
 
-After every update the ranks agree, in the one small collective that also averages the
-update's loss and metrics, on three flags: *checkpoint here*, *stop after it* and *abort*.
+After every update the ranks agree on three flags, *checkpoint here*, *stop after it* and
+*abort*, and average the update's loss and metrics, in the gradients' own all-reduce (a small
+collective of their own where no gradient sync runs: one rank, or DDP's sync).
 A flag is raised by the schedule (``checkpoint.every_updates``, the last update) or by the supervisor
 (:meth:`RankRunner.request`, e.g. on a preemption notice), so every rank takes
 the same boundary even though a request reaches each rank at a different time.
@@ -144,14 +145,14 @@ class RankRunner:
         state = "finished"
         try:
             while not s.done:
-                record = s.run_update()
+                record = s.run_update(self._flags)
                 names = sorted(record.metrics)
-                with self._lock:
-                    wanted = [self._checkpoint_requested, self._stop_requested, self._abort_requested]
-                scheduled = record.update % self.spec.checkpoint.every_updates == 0 or s.done
-                (record.loss, *values), (checkpoint, stop, abort) = self.collective.mean_and_agree(
-                    [record.loss, *(record.metrics[n] for n in names)], [wanted[0] or scheduled, wanted[1], wanted[2]])
-                record.metrics = dict(zip(names, values, strict=True))
+                agreed = s.agreed_flags  # the flags, loss and metrics rode with the gradients
+                if agreed is None:  # no gradient sync (one rank, or DDP's own): a collective of their own
+                    (record.loss, *values), agreed = self.collective.mean_and_agree(
+                        [record.loss, *(record.metrics[n] for n in names)], self._flags(record.update))
+                    record.metrics = dict(zip(names, values, strict=True))
+                checkpoint, stop, abort = agreed
                 self.metrics.write(points_of(self.spec.job_id, record.update, self.attempt, self.lineage_id,
                                              {"loss": record.loss, "lr": record.lr, "applied": record.applied,
                                               **record.metrics}))
@@ -178,6 +179,13 @@ class RankRunner:
         with self._lock:
             self._report.state = state
         return state
+
+    def _flags(self, update: int) -> list[bool]:
+        """This rank's boundary flags for ``update``: checkpoint (asked for, or scheduled), stop, abort."""
+        with self._lock:
+            wanted = [self._checkpoint_requested, self._stop_requested, self._abort_requested]
+        scheduled = update % self.spec.checkpoint.every_updates == 0 or update >= self.spec.train.updates
+        return [wanted[0] or scheduled, wanted[1], wanted[2]]
 
     def _checkpoint(self, update: int) -> None:
         """Capture the state at this boundary and hand it to the background writer.
