@@ -245,9 +245,11 @@ def tables(results: dict) -> tuple[Table, list[str]]:
               spread(r[RAY_TRAIN]) if RAY_TRAIN in r else "not run",
               pct(row["ratio"]), pct(row["ratio_vs_ray_train"]) if "ratio_vs_ray_train" in row else "—")
     s = results["shape"]
-    slower = [f"{j.name} {j.timed}" for j in JOBS if j.timed and j.name in s["jobs"]]
+    measured = {key.split("/")[0] for key in results["rates"]}
+    slower = [f"{j.name} {min(j.timed, s['timed'])}" for j in JOBS if j.timed and j.name in measured]
     t.notes += [
-        f"{s['timed']} timed updates ({', '.join(slower) or 'every job'}) after {s['warmup']} warm-up updates, "
+        f"{s['timed']} timed updates{' (' + ', '.join(slower) + ')' if slower else ''} after {s['warmup']} "
+        "warm-up updates, "
         f"{s['reps']} repetitions, interleaved; "
         "a ratio is the median over repetitions of spotrun's rate over the other system's in the same round",
         f"uptime before: {results['uptime_before']}", f"uptime after: {results['uptime_after']}",
