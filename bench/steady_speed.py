@@ -53,7 +53,7 @@ JOBS = (
     Job("tiny", "configs/tiny.yaml", ("data.shards=configs/data/tiny", "data.workers=1"), True),
     Job("gpt-char", "configs/gpt-char.yaml",
         ("data.shards=configs/data/gpt-char", "train.precision=fp32", "train.micro_batch=4", "train.accum_steps=1",
-         "data.seq_len=64", "data.workers=1", "train.warmup_updates=10"), True, timed=60),
+         "data.seq_len=64", "data.workers=1", "train.warmup_updates=10"), True, timed=50),
     Job("digits", "examples/digits/digits.yaml", ("data.workers=1",), False),
 )
 
@@ -70,7 +70,7 @@ class Shape:
     collectives: int  # per-update collectives timed between two gloo ranks (0: not timed)
 
 
-FULL = Shape(warmup=10, timed=150, reps=3, worlds=(1, 2), jobs=("tiny", "gpt-char", "digits"), ray=True,
+FULL = Shape(warmup=10, timed=120, reps=3, worlds=(1, 2), jobs=("tiny", "gpt-char", "digits"), ray=True,
              profiled=300, collectives=500)
 QUICK = Shape(warmup=3, timed=12, reps=1, worlds=(1,), jobs=("tiny",), ray=False, profiled=20, collectives=0)
 
