@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-SECTIONS = ("1-checkpoint-stall", "2-training-overhead", "3-restart-cost", "4-ray-train-side-by-side", "5-grad-sync")
+SECTIONS = ("1-checkpoint-stall", "2-training-overhead", "3-restart-cost", "4-ray-train-side-by-side", "5-grad-sync",
+            "6-trace-cost")
 MARKER = "<!-- section: {} -->"
 _MARKED = re.compile(r"^<!-- section: ([\w-]+) -->$", re.M)
 
