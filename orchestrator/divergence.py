@@ -67,11 +67,8 @@ class Divergence:
     restore: dict[str, Any] | None = None  # the restore that preceded it (None: the first attempt diverged)
     restore_oracle: list[str] = field(default_factory=list)  # categories flagged at that restore
 
-    @property
-    def what(self) -> str:  # the name reports used before stages existed
-        return self.stage
-
     def as_dict(self) -> dict[str, Any]:
+        # "what": the name reports gave the stage before there were stages (occurrences | parameters)
         return {"update": self.update, "what": self.stage, "stage": self.stage, "rank": self.rank,
                 "microstep": self.microstep, "detail": self.detail, "reading": self.reading,
                 "allowed_by_policy": self.allowed_by_policy, "restore": self.restore,

@@ -1,7 +1,8 @@
 """``spotrun verify``: prove the recovery contract on the user's own job.
 
 1. Run the job uninterrupted (the reference), recording per update the occurrence
-   ids and a parameter digest.
+   ids and the stage digests (batch and loss per micro-batch, gradient and parameters
+   per rank: :mod:`spotrun.trainer.trace`).
 2. Run it again with N faults at seeded random points, cycling through every
    fault site: a rank's process SIGKILLed mid-accumulation, mid-microstep (after
    the forward pass) and during a background bundle write; a kill between
@@ -13,7 +14,9 @@
    update; occurrences (gaps, duplicates), parameters (bitwise, or the policy's
    tolerance), metric points per (update, name) in every sink's final view and in
    the raw writes of every attempt, counters; and collect the restore oracle's
-   findings (state categories that differed right after a restore).
+   findings (state categories that differed right after a restore). The first update
+   that differs is traced to its first differing stage, occurrences -> batch -> loss ->
+   gradient -> parameters, and to the restore before it (:mod:`spotrun.orchestrator.divergence`).
 
 Both runs also write the ``jsonl`` metric sink (added when the spec lacks it): its
 log keeps every point every attempt wrote, which is what the raw counts are read from.
