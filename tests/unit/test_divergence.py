@@ -160,3 +160,35 @@ def test_version_1_lines_read_and_an_unknown_version_is_refused_naming_it(tmp_pa
     path.write_text(json.dumps({**v1, "trace_version": 3}) + "\n")
     with pytest.raises(TraceError, match=r"line 1: trace version 3, this spotrun reads versions 1 to 2"):
         read_trace(path)
+
+
+def test_the_loop_digests_each_stage_where_it_happens(tmp_path):
+    """A real session (tiny, one rank, 2 microsteps): a block per micro-batch; the gradient digest is
+    the gradient the optimizer step was given (taken before zero_grad: never the empty digest),
+    the parameter digest rank 0's; a session without a trace takes none of them."""
+    from spotrun.trainer.session import TrainSession
+    from spotrun.trainer.trace import digest_tensors
+    from tests.conftest import make_spec
+
+    spec = make_spec(tmp_path, "train.updates=2", "data.workers=0")
+    session = TrainSession(spec, digests=True)
+    session.start()
+    try:
+        records = [session.run_update() for _ in range(2)]
+    finally:
+        session.close()
+    for r in records:
+        assert r.blocks is not None and r.ranks is not None
+        assert [(b.block, b.rank, b.microstep) for b in r.blocks] == [(0, 0, 0), (1, 0, 1)]
+        assert r.blocks[0].batch_sha256 != r.blocks[1].batch_sha256
+        assert r.ranks[0].params_sha256 == r.params_sha256 and r.world_size == 1
+        assert r.ranks[0].grad_sha256 not in ("", digest_tensors({}))
+    assert records[0].ranks[0].grad_sha256 != records[1].ranks[0].grad_sha256  # type: ignore[index]
+
+    quiet = TrainSession(spec, digests=False)
+    quiet.start()
+    try:
+        r = quiet.run_update()
+    finally:
+        quiet.close()
+    assert (r.blocks, r.ranks, r.params_sha256) == (None, None, "")
