@@ -183,7 +183,7 @@ def test_the_loop_digests_each_stage_where_it_happens(tmp_path):
         assert r.blocks[0].batch_sha256 != r.blocks[1].batch_sha256
         assert r.ranks[0].params_sha256 == r.params_sha256 and r.world_size == 1
         assert r.ranks[0].grad_sha256 not in ("", digest_tensors({}))
-    assert records[0].ranks[0].grad_sha256 != records[1].ranks[0].grad_sha256  # type: ignore[index]
+    assert records[0].ranks[0].grad_sha256 != records[1].ranks[0].grad_sha256
 
     quiet = TrainSession(spec, digests=False)
     quiet.start()
