@@ -38,10 +38,10 @@ class Job:
 
 
 FULL = (
-    Job("tiny (1-layer GPT, micro-batch 4 × 2, seq 32)", "configs/tiny.yaml", ("data.workers=1",), 200, 10, 3),
+    Job("tiny (1-layer GPT, micro-batch 4 × 2, seq 32)", "configs/tiny.yaml", ("data.workers=1",), 200, 10, 5),
     Job("gpt-char (4-layer GPT, 0.8 M parameters, micro-batch 4 × 1, seq 64)", "configs/gpt-char.yaml",
         ("train.precision=fp32", "train.micro_batch=4", "train.accum_steps=1", "data.seq_len=64",
-         "data.workers=1", "train.warmup_updates=10"), 80, 10, 3),
+         "data.workers=1", "train.warmup_updates=10"), 80, 10, 5),
 )
 QUICK = (Job("tiny", "configs/tiny.yaml", ("data.workers=1",), 12, 3, 1),)
 STAGES = ("batch", "loss", "gradient", "parameters")
