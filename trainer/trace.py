@@ -96,7 +96,7 @@ def digest_tensors(named: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(named):
         t = named[name].detach().to("cpu").contiguous().reshape(-1)
         h.update(name.encode() + b"\0" + str(t.dtype).encode() + b"\0")
-        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")  # the buffer itself: no copy
+        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")  # the buffer itself: no copy
     return h.hexdigest()
 
 
@@ -113,7 +113,7 @@ def _feed(h: Any, path: str, item: Any) -> None:
     if isinstance(item, torch.Tensor):
         t = item.detach().to("cpu").contiguous()
         h.update(f"{path}\0tensor\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
     elif isinstance(item, Mapping):
         h.update(f"{path}\0map\0{len(item)}\0".encode())
         for key in sorted(item, key=str):
