@@ -29,6 +29,9 @@ class Collective(Protocol):
     def mean(self, values: list[float]) -> list[float]:
         """Element-wise mean over the ranks (one collective for all of them)."""
 
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` (the same length on every rank), indexed by rank, on every rank."""
+
     def close(self) -> None: ...
 
 
@@ -44,6 +47,9 @@ class LocalCollective:
 
     def mean(self, values: list[float]) -> list[float]:
         return list(values)
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        return [data]
 
     def close(self) -> None:
         return None
@@ -81,6 +87,12 @@ class TorchCollective:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return [v / self.world_size for v in t.tolist()]
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        return [t.cpu().numpy().tobytes() for t in every]
 
     def close(self) -> None:
         if dist.is_initialized():

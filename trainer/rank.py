@@ -33,7 +33,7 @@ from spotrun.trainer.metrics import MetricSink, metrics_dir, open_sinks, points_
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import UpdateRecord
+from spotrun.trainer.trace import UpdateRecord, pack_stages, unpack_stages
 
 
 @dataclass
@@ -73,12 +73,13 @@ class RankRunner:
         self.recovery_label = recovery_label
         self.collective = collective
         self.storage = open_storage(spec.storage, spec.storage_endpoint_url)
+        self.trace = trace
         self.session = TrainSession(spec, rank=rank, world_size=world_size, attempt=attempt,
                                     restore_mode=restore_mode, drop=drop,
                                     grad_sync=(collective.sync_gradients if world_size > 1
                                                and spec.train.grad_sync == "allreduce" else None),
                                     record_ids=record_ids and rank == 0,
-                                    digests=trace and rank == 0,  # only rank 0's records are reported
+                                    digests=trace,  # every rank's stage digests reach rank 0's record
                                     device=device)
         if isinstance(self.session.feed, TokenFeed):  # a growing source's rescans, agreed across ranks
             self.session.feed.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
@@ -143,6 +144,8 @@ class RankRunner:
         try:
             while not s.done:
                 record = s.run_update()
+                if self.trace:
+                    self._gather_stages(record)
                 names = sorted(record.metrics)
                 record.loss, *values = self.collective.mean([record.loss, *(record.metrics[n] for n in names)])
                 record.metrics = dict(zip(names, values, strict=True))
@@ -175,6 +178,11 @@ class RankRunner:
         with self._lock:
             self._report.state = state
         return state
+
+    def _gather_stages(self, record: UpdateRecord) -> None:
+        """Every rank's stage digests into ``record`` (one all-gather; only rank 0's is reported)."""
+        payloads = self.collective.gather_bytes(pack_stages(record.blocks or [], record.ranks or []))
+        record.blocks, record.ranks = unpack_stages(payloads, self.session.accum_steps)
 
     def _checkpoint(self, update: int) -> None:
         """Capture the state at this boundary and hand it to the background writer.
