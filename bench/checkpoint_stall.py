@@ -44,7 +44,7 @@ from spotrun.orchestrator.specfile import load_spec
 from spotrun.trainer.bundle import BundleWriter, build_manifest, encode
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.session import TrainSession
-from spotrun.trainer.state import Capture, TrainState
+from spotrun.trainer.state import Capture, CopiesDone, TrainState
 from spotrun.trainer.storage import LocalStorage, Storage
 
 BLOCK = 16 * 2**20
@@ -89,8 +89,10 @@ def state_bytes(state: TrainState) -> int:
 
 
 def timed_capture(state: TrainState) -> tuple[float, Capture]:
+    """A capture whose copies have landed (for the write measurements), and the seconds it took."""
     t0 = time.perf_counter()
-    cap = state.capture()  # exactly what TrainSession.capture times (the manifest's capture_seconds)
+    cap = state.capture()
+    cap.wait()
     return time.perf_counter() - t0, cap
 
 
@@ -238,17 +240,33 @@ def live_tensors(state: TrainState) -> list[torch.Tensor]:
 
 
 def measure_stall(session: TrainSession, reps: int, scratch: Path) -> dict[str, list[float]]:
+    """The stall of a checkpoint taken between two real updates: the boundary's part (capture and
+    draft) and the next update's wait, at its optimizer step, for the copies the capture deferred."""
     state = session.state
-    out: dict[str, list[float]] = {"stall": [], "draft": [], "sync": [], "raw_copy": []}
+    out: dict[str, list[float]] = {"stall": [], "boundary": [], "copy_wait": [], "draft": [], "update": [],
+                                   "sync": [], "raw_copy": []}
     buffers = [torch.empty_like(t) for t in live_tensors(state)]
-    timed_checkpoint(session)  # the first capture allocates the host buffers: not a steady-state figure
-    for i in range(reps):  # interleaved so that drift in the machine's load hits all alike
-        seconds, draft, cap = timed_checkpoint(session)
-        out["stall"].append(seconds)
-        out["draft"].append(draft)
-        del cap
-        out["sync"].append(sync_save(state, scratch / f"sync-{i}.pt"))
-        out["raw_copy"].append(raw_copy(state, buffers))
+    session.start()
+    try:
+        session.run_update()
+        _, _, cap = timed_checkpoint(session)  # the first capture allocates the host buffers: not steady state
+        session.run_update()
+        for i in range(reps):  # interleaved so that drift in the machine's load hits all alike
+            seconds, draft, cap = timed_checkpoint(session)
+            t0 = time.perf_counter()
+            session.run_update()
+            out["update"].append(time.perf_counter() - t0)
+            wait = cap.ready.loop_wait_seconds if isinstance(cap.ready, CopiesDone) else 0.0
+            cap.wait()
+            out["stall"].append(seconds + wait)
+            out["boundary"].append(seconds)
+            out["copy_wait"].append(wait)
+            out["draft"].append(draft)
+            del cap
+            out["sync"].append(sync_save(state, scratch / f"sync-{i}.pt"))
+            out["raw_copy"].append(raw_copy(state, buffers))
+    finally:
+        session.close()
     return out
 
 
@@ -327,9 +345,9 @@ def run(sizes: Sequence[Size], scratch: Path) -> dict[str, dict]:
 
 
 def tables(results: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
-    stall = Table("Checkpoint stall: capture + manifest draft versus torch.save + fsync of the same state",
-                  ["state", "bytes", "reps", "stall s", "of which draft s", "sync save s", "stall / sync",
-                   "raw copy s", "stall / raw copy", "raw copy / sync"])
+    stall = Table("Checkpoint stall: what the loop waits for versus torch.save + fsync of the same state",
+                  ["state", "bytes", "reps", "stall s", "at the boundary s", "of which draft s", "copy wait s",
+                   "next update s", "sync save s", "stall / sync", "raw copy s", "raw copy / sync"])
     local = Table("Background write (BundleWriter → LocalStorage) versus dd + fsync on the same disk",
                   ["state", "bundle bytes", "write MB/s", "dd direct MB/s", "write / dd direct",
                    "before: write / dd direct", "write / dd buffered"])
@@ -341,8 +359,8 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
     for label, r in results.items():
         st, sy, raw = median(r["stall"]), median(r["sync"]), median(r["raw_copy"])
         stall_ratios[label] = ratio(st, sy)
-        stall.add(label, mib(r["state_bytes"]), r["reps"], st, median(r["draft"]), sy, pct(stall_ratios[label]), raw,
-                  pct(ratio(st, raw)), pct(ratio(raw, sy)))
+        stall.add(label, mib(r["state_bytes"]), r["reps"], st, median(r["boundary"]), median(r["draft"]),
+                  median(r["copy_wait"]), median(r["update"]), sy, pct(stall_ratios[label]), raw, pct(ratio(raw, sy)))
         lw = r["local"]
         w, d, db, old = (median(lw[k]) for k in ("bundle_mb_s", "dd_mb_s", "dd_buffered_mb_s", "legacy_mb_s"))
         write_ratios[label] = ratio(w, d)
@@ -358,12 +376,16 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
             s3.add(label, b, raw_s3, pct(ratio(b, raw_s3)), pct(ratio(lb, lraw)))
         summary.append({"state_bytes": r["state_bytes"], "stall_over_sync": stall_ratios[label],
                         "write_over_dd": write_ratios[label]})
-    stall.notes.append("stall = what the loop waits for at a checkpoint when no write is in flight: the host copy "
-                       "(parameters, EMA, optimizer moments) and rank 0's manifest draft (with a write in flight it "
-                       "also waits for that write: bench 2 records the full stall of real jobs); sync save = what a "
-                       "loop without a background writer waits for; raw copy = copying the same tensors into warm "
-                       "buffers and nothing else, the floor of any capture that copies (the machine's memory "
-                       "bandwidth)")
+    stall.notes.append("stall = what the loop waits for because of a checkpoint taken between two real updates, with "
+                       "no write in flight: at the boundary, the capture (the copies that cannot wait: buffers, RNG, "
+                       "counters, data state; parameters, EMA and optimizer moments are copied on a thread while the "
+                       "next update's forward and backward run) and rank 0's manifest draft; then the next update's "
+                       "wait, at its optimizer step, for those deferred copies (copy wait). With a write in flight "
+                       "the loop also waits for that write: bench 2 records the full stall of real jobs. sync save = "
+                       "what a loop without a background writer waits for; raw copy = copying the same tensors into "
+                       "warm buffers, the floor of a capture made wholly at the boundary (the machine's memory "
+                       "bandwidth); next update = the update during which the deferred copies run (their cost to it, "
+                       "on two cores, is in bench 2's training overhead)")
     local.notes += [f"dd direct: `dd if=/dev/zero bs=16M {' '.join(DD_DIRECT)}` (the physical limit); dd buffered: "
                     f"`{' '.join(DD_BUFFERED)}`; both write whole 16 MiB blocks covering the bundle's bytes, "
                     "interleaved with the bundle writes. before = the writer before issue 19 (torch.save of each "

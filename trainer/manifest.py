@@ -141,11 +141,13 @@ class ManifestDraft(_M):
     versions: Versions
     # What rank 0's training loop waited for at this boundary, in seconds. The stall is all of it:
     # the previous bundle's write finishing, the capture to host memory, the manifest draft, the
-    # hand-off to the background writer. (Manifests written before capture_seconds existed hold
-    # the capture alone here.)
+    # hand-off to the background writer, and (CPU) the wait at the next optimizer step for the
+    # capture's deferred copies. (Manifests written before capture_seconds existed hold the
+    # capture alone here.)
     stall_seconds: float = 0.0
     write_wait_seconds: float = 0.0  # of the stall: waiting for the previous write to finish
-    capture_seconds: float = 0.0  # of the stall: the copy to host memory
+    capture_seconds: float = 0.0  # of the stall: the copies to host memory made at the boundary
+    copy_wait_seconds: float = 0.0  # of the stall: the next optimizer step waiting for the deferred copies
 
 
 class Manifest(ManifestDraft):
