@@ -244,7 +244,7 @@ def measure_stall(session: TrainSession, reps: int, scratch: Path) -> dict[str, 
     draft) and the next update's wait, at its optimizer step, for the copies the capture deferred."""
     state = session.state
     out: dict[str, list[float]] = {"stall": [], "boundary": [], "copy_wait": [], "draft": [], "update": [],
-                                   "sync": [], "raw_copy": []}
+                                   "plain_update": [], "sync": [], "raw_copy": []}
     buffers = [torch.empty_like(t) for t in live_tensors(state)]
     session.start()
     try:
@@ -265,6 +265,9 @@ def measure_stall(session: TrainSession, reps: int, scratch: Path) -> dict[str, 
             del cap
             out["sync"].append(sync_save(state, scratch / f"sync-{i}.pt"))
             out["raw_copy"].append(raw_copy(state, buffers))
+            t0 = time.perf_counter()
+            session.run_update()  # one with no checkpoint before it: what the deferred copies slow down
+            out["plain_update"].append(time.perf_counter() - t0)
     finally:
         session.close()
     return out
@@ -347,7 +350,7 @@ def run(sizes: Sequence[Size], scratch: Path) -> dict[str, dict]:
 def tables(results: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
     stall = Table("Checkpoint stall: what the loop waits for versus torch.save + fsync of the same state",
                   ["state", "bytes", "reps", "stall s", "at the boundary s", "of which draft s", "copy wait s",
-                   "next update s", "sync save s", "stall / sync", "raw copy s", "raw copy / sync"])
+                   "next update s", "plain update s", "sync save s", "stall / sync", "raw copy s", "raw copy / sync"])
     local = Table("Background write (BundleWriter → LocalStorage) versus dd + fsync on the same disk",
                   ["state", "bundle bytes", "write MB/s", "dd direct MB/s", "write / dd direct",
                    "before: write / dd direct", "write / dd buffered"])
@@ -360,7 +363,8 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
         st, sy, raw = median(r["stall"]), median(r["sync"]), median(r["raw_copy"])
         stall_ratios[label] = ratio(st, sy)
         stall.add(label, mib(r["state_bytes"]), r["reps"], st, median(r["boundary"]), median(r["draft"]),
-                  median(r["copy_wait"]), median(r["update"]), sy, pct(stall_ratios[label]), raw, pct(ratio(raw, sy)))
+                  median(r["copy_wait"]), median(r["update"]), median(r["plain_update"]), sy,
+                  pct(stall_ratios[label]), raw, pct(ratio(raw, sy)))
         lw = r["local"]
         w, d, db, old = (median(lw[k]) for k in ("bundle_mb_s", "dd_mb_s", "dd_buffered_mb_s", "legacy_mb_s"))
         write_ratios[label] = ratio(w, d)
@@ -384,8 +388,9 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
                        "the loop also waits for that write: bench 2 records the full stall of real jobs. sync save = "
                        "what a loop without a background writer waits for; raw copy = copying the same tensors into "
                        "warm buffers, the floor of a capture made wholly at the boundary (the machine's memory "
-                       "bandwidth); next update = the update during which the deferred copies run (their cost to it, "
-                       "on two cores, is in bench 2's training overhead)")
+                       "bandwidth); next update = the update during which the deferred copies run, plain update = one "
+                       "with no checkpoint before it (the copies' cost to the update they overlap, on two cores, is "
+                       "the difference; bench 2 measures the whole training overhead)")
     local.notes += [f"dd direct: `dd if=/dev/zero bs=16M {' '.join(DD_DIRECT)}` (the physical limit); dd buffered: "
                     f"`{' '.join(DD_BUFFERED)}`; both write whole 16 MiB blocks covering the bundle's bytes, "
                     "interleaved with the bundle writes. before = the writer before issue 19 (torch.save of each "
