@@ -6,10 +6,16 @@ Layout under the storage root::
         rank-<r>/...        written by each rank (background thread)
         manifest.json       written last, create-only, by one publisher
 
+Each payload ``<stem>.pt`` of a capture is written as two files: its tensors,
+as raw bytes streamed from the host buffers, in ``<stem>.safetensors``, and
+the rest of it (the skeleton) as a small ``torch.save`` in ``<stem>.pt``
+(:mod:`spotrun.trainer.tensorfile` says why the split). Bundles of manifest
+schema 2 hold whole payloads in their ``.pt`` files and load as before.
+
 Loading reads the manifest first (schema, then the compatibility contract),
 and only then the files, each checked against its recorded size and sha256
-before it is deserialised. Tensors load with ``weights_only=True``: a bundle
-is data, never code.
+before it is deserialised. Tensor files are parsed without unpickling and
+skeletons load with ``weights_only=True``: a bundle is data, never code.
 """
 
 from __future__ import annotations
