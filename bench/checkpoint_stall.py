@@ -425,8 +425,9 @@ def _verdict(target: str, ratios: dict[str, float], ok) -> str:
 INTRO = """Synthetic models sized so that their training state — parameters, EMA, AdamW's two moments,
 four fp32 copies — is about 10 MB, 100 MB and 1 GB, in a real `TrainState`. All ratios are
 medians of interleaved repetitions in this one run. The stall is what the training loop waits
-for at a checkpoint when the previous bundle's write has finished: the host copy and the
-manifest draft (otherwise it waits for that write too: the full stall of real jobs is in the
+for because of a checkpoint when the previous bundle's write has finished: the capture, the
+manifest draft, and the next optimizer step's wait for the copies the capture deferred
+(otherwise it waits for that write too: the full stall of real jobs is in the
 training-overhead table). Encoding, hashing and writing happen afterwards on the bundle
 writer's background threads (which on two shared cores still compete with training for CPU).
 Bundles are written in the format of issue 19 (tensors as raw bytes in `.safetensors` files
