@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.job import RESERVED_METRICS, JobError
 from spotrun.trainer.rng import microbatch_seed, seed_all
-from spotrun.trainer.state import TrainState
+from spotrun.trainer.state import CopiesDone, TrainState
 from spotrun.trainer.trace import (
     TRACE_VERSION,
     BlockDigests,
@@ -70,9 +70,12 @@ def split_step(result: Any) -> tuple[torch.Tensor, dict[str, float]]:
     return loss, {k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v) for k, v in metrics.items()}
 
 
-def _wait_on_gpu(event: Any) -> None:
-    """Order the training stream after a capture's copies (a GPU-side wait: the host goes on)."""
-    if event is not None:
+def _wait_for_copies(event: Any) -> None:
+    """Order the training after a capture's copies: on a GPU the training stream waits (the host
+    goes on); on the CPU the loop blocks until the deferred copies landed (timed: it is stall)."""
+    if isinstance(event, CopiesDone):
+        event.wait_in_loop()
+    elif event is not None:
         torch.cuda.current_stream().wait_event(event)
 
 
@@ -113,7 +116,7 @@ class TrainLoop:
     def run_update(self) -> UpdateRecord:
         st = self.state
         update = st.counters.value.attempted_updates + 1
-        _wait_on_gpu(st.pending_user_copy)  # the step may change registered state
+        _wait_for_copies(st.pending_user_copy)  # the step may change registered state
         st.pending_user_copy = None
         losses: list[torch.Tensor] = []
         blocks: list[BlockDigests] = []
@@ -192,7 +195,7 @@ class TrainLoop:
         st, spec = self.state, self.state.spec
         if self.grad_sync is not None:
             self.grad_sync(st.model)
-        _wait_on_gpu(st.pending_copy)  # the step overwrites what the capture copies
+        _wait_for_copies(st.pending_copy)  # the step overwrites what the capture copies
         st.pending_copy = None
         st.scaler.unscale_(st.optimizer)
         if spec.train.grad_clip > 0:

@@ -32,6 +32,7 @@ from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.metrics import MetricSink, metrics_dir, open_sinks, points_of
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import JobSpec
+from spotrun.trainer.state import CopiesDone
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import UpdateRecord, pack_stages, unpack_stages
 
@@ -94,7 +95,7 @@ class RankRunner:
         self._stop_requested = False
         self._abort_requested = False
         self._report = Report(rank=rank, last_update=self.session.counters.attempted_updates)
-        self._drafts: dict[str, dict[str, Any]] = {}
+        self._drafts: dict[str, tuple[dict[str, Any], Any]] = {}  # bundle key -> (draft, its capture's copies)
 
     # -- called by the supervisor ---------------------------------------------------------
 
@@ -210,8 +211,9 @@ class RankRunner:
         self._collect(self.writer.submit(capture, key))
         if draft is not None:
             # read when this bundle's write is collected, always later and on this thread
-            self._drafts[key] = {**draft, "stall_seconds": time.perf_counter() - t0,
-                                 "write_wait_seconds": waited, "capture_seconds": capture.stall_seconds}
+            self._drafts[key] = ({**draft, "stall_seconds": time.perf_counter() - t0,
+                                  "write_wait_seconds": waited, "capture_seconds": capture.stall_seconds},
+                                 capture.ready)
 
     def _collect(self, result: WriteResult | None) -> None:
         if result is None:
@@ -219,8 +221,18 @@ class RankRunner:
         report = BundleReport(
             rank=self.rank, attempt=self.attempt, bundle_key=result.bundle_key, update=result.update,
             files=[f.model_dump() for f in result.files], write_seconds=result.write_seconds,
-            draft=self._drafts.pop(result.bundle_key, None),
+            draft=_with_copy_wait(*self._drafts.pop(result.bundle_key, (None, None))),
         )
         with self._lock:
             self._report.bundles.append(report)
 
+
+
+def _with_copy_wait(draft: dict[str, Any] | None, copies: Any) -> dict[str, Any] | None:
+    """The draft with the time the loop blocked, at its next optimizer step, on the capture's deferred
+    copies (CPU): part of the stall. A write is collected only after those copies landed, so the wait
+    is either over or, where the loop has not reached that step yet, will find them done."""
+    if draft is None:
+        return None
+    wait = copies.loop_wait_seconds if isinstance(copies, CopiesDone) else 0.0
+    return {**draft, "copy_wait_seconds": wait, "stall_seconds": draft["stall_seconds"] + wait}
