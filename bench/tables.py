@@ -155,8 +155,11 @@ def _now_and_machine() -> str:
             f"{m['load average at start']}")
 
 
-def cli(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
+def cli(description: str, argv: Sequence[str] | None = None, *, json_summary: bool = False) -> argparse.Namespace:
+    """The options every bench takes (``json_summary``: also ``--json``, a one-line summary printed last)."""
     p = argparse.ArgumentParser(description=description)
+    if json_summary:
+        p.add_argument("--json", action="store_true", help="print a one-line JSON summary as the last line")
     p.add_argument("--quick", action="store_true", help="a tiny run that only checks the bench still works")
     p.add_argument("--out", type=Path, default=DEFAULT_RESULTS, help="folder for this bench's result section")
     p.add_argument("--no-ray", action="store_true", help="skip the parts that need a local Ray instance")

@@ -1,7 +1,8 @@
 """``spotrun verify``: prove the recovery contract on the user's own job.
 
 1. Run the job uninterrupted (the reference), recording per update the occurrence
-   ids and a parameter digest.
+   ids and the stage digests (batch and loss per micro-batch, gradient and parameters
+   per rank: :mod:`spotrun.trainer.trace`).
 2. Run it again with N faults at seeded random points, cycling through every
    fault site: a rank's process SIGKILLed mid-accumulation, mid-microstep (after
    the forward pass) and during a background bundle write; a kill between
@@ -13,7 +14,9 @@
    update; occurrences (gaps, duplicates), parameters (bitwise, or the policy's
    tolerance), metric points per (update, name) in every sink's final view and in
    the raw writes of every attempt, counters; and collect the restore oracle's
-   findings (state categories that differed right after a restore).
+   findings (state categories that differed right after a restore). The first update
+   that differs is traced to its first differing stage, occurrences -> batch -> loss ->
+   gradient -> parameters, and to the restore before it (:mod:`spotrun.orchestrator.divergence`).
 
 Both runs also write the ``jsonl`` metric sink (added when the spec lacks it): its
 log keeps every point every attempt wrote, which is what the raw counts are read from.
@@ -50,6 +53,7 @@ from spotrun.orchestrator.comparison import (
     reach,
     span_balance,
 )
+from spotrun.orchestrator.divergence import Divergence, Stage, divergence_rows, explain, first_stage
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored
 from spotrun.orchestrator.supervisor import JobFailedError
@@ -68,13 +72,6 @@ SITES = ("mid-accumulation", "mid-microstep", "bundle-write", "publish-to-offset
 PARAM_TOLERANCE = 1e-3  # exact-data: max |param difference| after the run, and relative metric difference
 # the tolerance on metric values each contract promises (None: values are not promised equal)
 METRIC_TOLERANCE = {"exact": 0.0, "exact-data": PARAM_TOLERANCE, "fresh-epoch": None}
-
-
-@dataclass
-class Divergence:
-    update: int
-    what: str  # occurrences | params
-    detail: str
 
 
 @dataclass
@@ -246,10 +243,15 @@ class Verifier:
             cluster.add_node(num_cpus=self.spec.world.cpus_per_rank)
         return True
 
-    def run(self) -> Report:
+    def run(self, faults: list[FaultSpec] | None = None) -> Report:
+        """Both runs and their comparison. ``faults``: the chaos run's faults, when the caller pins
+        them (tests that need a restore from a given bundle); by default :func:`plan_faults`."""
         ref_job, chaos_job = f"{self.spec.job_id}.verify-ref", f"{self.spec.job_id}.verify-chaos"
         ref_trace, chaos_trace = self.workdir / f"{ref_job}.jsonl", self.workdir / f"{chaos_job}.jsonl"
-        faults, removals = plan_faults(self.spec, self.kills, self.seed, nodes=self.nodes > 0)
+        if faults is None:
+            faults, removals = plan_faults(self.spec, self.kills, self.seed, nodes=self.nodes > 0)
+        else:
+            removals = []
         fault_set = "faults=[" + ", ".join(f.model_dump_json() for f in faults) + "]"
         if self.nodes:
             self._start_cluster()
@@ -281,11 +283,11 @@ class Verifier:
         ref, chaos = _final_trace(ref_trace), _final_trace(chaos_trace)
         short = reach(ref, chaos, spec.train.updates)
         gaps, dups = span_balance(ref, chaos)
-        divergence = self._first_divergence(ref, chaos, storage, ref_job, chaos_job)
         occurrences_equal = not short and all(ref[u].occurrences_sha256 == chaos[u].occurrences_sha256 for u in ref)
         bitwise = occurrences_equal and all(ref[u].params_sha256 == chaos[u].params_sha256 for u in ref)
         max_diff, counters_equal = final_bundle_diff(storage, ref_job, chaos_job)
         events = Ledger(storage, chaos_job).read()
+        fired = FaultLog(storage, chaos_job).read()
         oracle = sorted({m for e in events if isinstance(e, Restored) for m in e.roundtrip_mismatches})
         if bitwise and not gaps and not dups and not oracle:
             observed = "exact"
@@ -296,8 +298,9 @@ class Verifier:
         else:
             observed = "none"
         declared = DECLARED[spec.world.policy]
+        divergence = self._first_divergence(ref, chaos, storage, ref_job, chaos_job, declared, events, fired)
         metrics = self._metrics(storage, ref_job, chaos_job, METRIC_TOLERANCE[declared])
-        delivery = fault_delivery(faults, FaultLog(storage, chaos_job).read(), len(removals), self.removed)
+        delivery = fault_delivery(faults, fired, len(removals), self.removed)
         failures = verdict_failures(declared, observed, short, metrics, counters_equal, delivery.sites_missed)
         rows = history(storage, chaos_job)["restarts"]
         return Report(
@@ -322,36 +325,46 @@ class Verifier:
             restart_seconds=[r["downtime_seconds"] if r["downtime_seconds"] is not None else r["restore_seconds"]
                              for r in rows],
             restore_oracle=oracle,
-            first_divergence=None if divergence is None else divergence.__dict__,
+            first_divergence=None if divergence is None else divergence.as_dict(),
             reference_job=ref_job, chaos_job=chaos_job,
             faults=[f.model_dump() for f in faults],
             mutated=list(self.mutate),
         )
 
     def _first_divergence(self, ref: dict[int, UpdateRecord], chaos: dict[int, UpdateRecord], storage,
-                          ref_job: str, chaos_job: str) -> Divergence | None:
+                          ref_job: str, chaos_job: str, declared: str, events: list,
+                          fired: list) -> Divergence | None:
+        """The first update where anything differs, at its first differing stage (occurrences ->
+        batch -> loss -> gradient -> parameters), with the restore that preceded it."""
         for u in sorted(ref):
             r, c = ref[u], chaos.get(u)
             if c is None:
-                return Divergence(u, "occurrences", "the update is missing from the interrupted run")
-            if r.occurrences != c.occurrences:
-                return Divergence(u, "occurrences", self._where_occurrences_differ(r, c))
-            if r.params_sha256 != c.params_sha256:
-                return Divergence(u, "params", first_differing_tensor(storage, ref_job, chaos_job, u))
+                stage: Stage | None = Stage("missing", None, None, "the update is missing from the interrupted run")
+            elif r.occurrences != c.occurrences:
+                rank, detail = self._where_occurrences_differ(r, c)
+                stage = Stage("occurrences", rank, None, detail)
+            else:
+                stage = first_stage(r, c)
+            if stage is None:
+                continue
+            if stage.stage == "parameters":
+                stage.detail += "; " + first_differing_tensor(storage, ref_job, chaos_job, u)
+            return explain(u, stage, declared=declared, world_sizes=(r.world_size, c.world_size if c else None),
+                           attempt=c.attempt if c else 0, events=events, fired=fired)
         return None
 
-    def _where_occurrences_differ(self, r: UpdateRecord, c: UpdateRecord) -> str:
+    def _where_occurrences_differ(self, r: UpdateRecord, c: UpdateRecord) -> tuple[int | None, str]:
         """The first differing occurrence, with the rank and microstep that trained on it."""
         spec = self.spec
         ref_ids, chaos_ids = r.occurrences, c.occurrences
         if ref_ids is None or chaos_ids is None:  # verify's own runs always record them (--trace-ids)
-            return "only one of the two traces records the occurrence ids (run both with --trace-ids)"
+            return None, "only one of the two traces records the occurrence ids (run both with --trace-ids)"
         for i, (a, b) in enumerate(zip(ref_ids, chaos_ids, strict=False)):
             if a != b:
                 seq = bisect.bisect_right(r.sequence_starts or [0], i) - 1
-                rank, micro = locate(seq, spec.world.size, spec.train.micro_batch)
-                return f"rank {rank}, microstep {micro}: expected occurrence {a}, got {b}"
-        return f"expected {len(ref_ids)} occurrence spans, got {len(chaos_ids)}"
+                rank, micro = locate(seq, c.world_size or spec.world.size, spec.train.micro_batch)
+                return rank, f"rank {rank}, microstep {micro}: expected occurrence {a}, got {b}"
+        return None, f"expected {len(ref_ids)} occurrence spans, got {len(chaos_ids)}"
 
     def _metrics(self, storage: Storage, ref_job: str, chaos_job: str, tolerance: float | None) -> MetricComparison:
         """Every sink's final view of the interrupted run and the raw log of its writes, against the
@@ -436,8 +449,13 @@ def render(report: Report, console) -> None:
     for line in report.failures:
         console.print(f"[red]failed[/]: {line}", highlight=False)
     if report.first_divergence:
-        d = report.first_divergence
-        console.print(f"first divergence: update {d['update']} ({d['what']}): {d['detail']}")
+        d = Table(title="where the interrupted run first differs (occurrences -> batch -> loss -> gradient -> "
+                        "parameters)")
+        d.add_column("")
+        d.add_column("")
+        for name, value in divergence_rows(report.first_divergence):
+            d.add_row(name, value)
+        console.print(d)
         if report.restore_oracle:
             console.print("state categories lost at a restore: " + ", ".join(report.restore_oracle)
                           + " (see docs/STATE.md for each category's owner and restore action)")

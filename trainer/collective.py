@@ -29,6 +29,9 @@ class Collective(Protocol):
         """The element-wise mean of ``values`` over the ranks and the element-wise OR of every rank's
         ``flags``, in one collective; every rank gets the same answer."""
 
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` (the same length on every rank), indexed by rank, on every rank."""
+
     def close(self) -> None: ...
 
 
@@ -41,6 +44,9 @@ class LocalCollective:
 
     def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
         return list(values), list(flags)
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        return [data]
 
     def close(self) -> None:
         return None
@@ -88,6 +94,12 @@ class TorchCollective:
         dist.all_reduce(t)
         sums = t.tolist()
         return [v / self.world_size for v in sums[:len(values)]], [v > 0 for v in sums[len(values):]]
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        return [t.cpu().numpy().tobytes() for t in every]
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -164,13 +164,15 @@ _DERIVED = ("re-derived at the start of every microstep from (seed, update, micr
             "that lost it draws exactly the same; captured anyway")
 
 CATEGORIES: tuple[Category, ...] = (
-    Category("model_params", "TrainState.model", "rank-0/model.pt ['model'] (torch, weights-only)",
+    Category("model_params", "TrainState.model",
+             "rank-0/model.pt ['model'] (the tensors' bytes in rank-0/model.safetensors)",
              "model.load_state_dict(strict=True) after the name/shape check", ORACLE_TRACE, _reinit_params),
     Category("ema", "TrainState.ema", "rank-0/model.pt ['ema'] (fp32 tensors)",
              "EMA.load_state_dict (names must match the model's)",
              "parameter digest (it covers the EMA weights)", _reset_ema, needs="spotrun.Job(ema_decay=...)",
              applies=lambda st: st.ema is not None),
-    Category("optimizer_moments", "TrainState.optimizer", "rank-0/optimizer.pt ['state'], keyed by parameter name",
+    Category("optimizer_moments", "TrainState.optimizer",
+             "rank-0/optimizer.pt ['state'], keyed by parameter name (tensors in rank-0/optimizer.safetensors)",
              "load_named_state maps names to this model's parameter positions", ORACLE_TRACE, _zero_moments,
              needs="an optimizer with moments or momentum (AdamW, SGD with momentum, ...)"),
     Category("optimizer_steps", "TrainState.optimizer", "rank-0/optimizer.pt ['state'][name]['step']",

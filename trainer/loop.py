@@ -21,8 +21,17 @@ from torch.nn.parallel import DistributedDataParallel
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.job import RESERVED_METRICS, JobError
 from spotrun.trainer.rng import microbatch_seed, seed_all
-from spotrun.trainer.state import TrainState
-from spotrun.trainer.trace import UpdateRecord, digest_strings, digest_tensors, span_ids
+from spotrun.trainer.state import CopiesDone, TrainState
+from spotrun.trainer.trace import (
+    TRACE_VERSION,
+    BlockDigests,
+    RankDigests,
+    UpdateRecord,
+    digest_batch,
+    digest_strings,
+    digest_tensors,
+    span_ids,
+)
 
 # Syncs the gradients and sums ``riders`` (the update's loss, metrics and boundary flags) over the
 # ranks in the same collective; returns the riders' sums.
@@ -65,9 +74,12 @@ def split_step(result: Any) -> tuple[torch.Tensor, dict[str, float]]:
     return loss, {k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v) for k, v in metrics.items()}
 
 
-def _wait_on_gpu(event: Any) -> None:
-    """Order the training stream after a capture's copies (a GPU-side wait: the host goes on)."""
-    if event is not None:
+def _wait_for_copies(event: Any) -> None:
+    """Order the training after a capture's copies: on a GPU the training stream waits (the host
+    goes on); on the CPU the loop blocks until the deferred copies landed (timed: it is stall)."""
+    if isinstance(event, CopiesDone):
+        event.wait_in_loop()
+    elif event is not None:
         torch.cuda.current_stream().wait_event(event)
 
 
@@ -88,12 +100,17 @@ class TrainLoop:
         self.faults = faults
         self.grad_sync = grad_sync
         self.record_ids = record_ids
-        # The parameter digest hashes every parameter and EMA weight: worth it for a trace, not
-        # on every update of a rank whose records nobody reads.
+        # The stage digests hash every batch, gradient, parameter and EMA weight: worth it for a
+        # trace (bench/trace_cost.py measures what they cost), not on every update of a job nobody
+        # compares.
         self.digests = digests
         self.metric_names: list[str] | None = None  # fixed by the first microstep
         # The flags every rank agreed on at the last update's gradient sync (None: no sync carried them).
         self.agreed_flags: list[bool] | None = None
+        self._grad_digest = ""  # set by _step when digests are on
+
+    def grad_digest(self) -> str:
+        return digest_tensors({n: p.grad for n, p in self.state.model.named_parameters() if p.grad is not None})
 
     def params_digest(self) -> str:
         st = self.state
@@ -109,9 +126,10 @@ class TrainLoop:
         st = self.state
         self.agreed_flags = None
         update = st.counters.value.attempted_updates + 1
-        _wait_on_gpu(st.pending_user_copy)  # the step may change registered state
+        _wait_for_copies(st.pending_user_copy)  # the step may change registered state
         st.pending_user_copy = None
         losses: list[torch.Tensor] = []
+        blocks: list[BlockDigests] = []
         sums: dict[str, float] = {}
         plan = first = None
         for m in range(self.accum_steps):
@@ -121,8 +139,10 @@ class TrainLoop:
                 raise RuntimeError(f"loader delivered update {plan.update}.{plan.microstep}, loop expects {update}.{m}")
             if m == 0:
                 first = plan
+            block = m * st.world_size + st.rank
+            batch_digest = digest_batch(batch) if self.digests else ""
             # the step's draws (dropout, ...) depend on which micro-batch this is, never on the rank
-            seed_all(microbatch_seed(st.spec.seed, update, m * st.world_size + st.rank))
+            seed_all(microbatch_seed(st.spec.seed, update, block))
             # with DDP, only the last microstep's backward averages the gradients across ranks
             trained = st.trained
             sync: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
@@ -134,6 +154,9 @@ class TrainLoop:
                 st.scaler.scale(loss / self.accum_steps).backward()
             self._check_names(metrics)
             losses.append(loss.detach())
+            if self.digests:
+                blocks.append(BlockDigests(block=block, rank=st.rank, microstep=m, batch_sha256=batch_digest,
+                                           loss_sha256=digest_tensors({"loss": loss})))
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
         if plan is None or first is None:
@@ -155,18 +178,25 @@ class TrainLoop:
         st.planner_state = plan.planner_after
         self._count(applied)
         ids, starts = span_ids(first.global_batch, st.feed.occurrence_id)
+        params = self.params_digest() if self.digests else ""
         return UpdateRecord(
+            trace_version=TRACE_VERSION,
             update=update,
             attempt=self.attempt,
             occurrences_sha256=digest_strings(ids),
             n_occurrences=len(ids),
-            params_sha256=self.params_digest() if self.digests else "",
+            params_sha256=params,
             loss=mean_loss,
             lr=lr,
             applied=applied,
             metrics=means,
             occurrences=ids if self.record_ids else None,
             sequence_starts=starts if self.record_ids else None,
+            world_size=st.world_size,
+            # this rank's own; the rank runner gathers every rank's (trace.pack_stages)
+            blocks=blocks if self.digests else None,
+            ranks=[RankDigests(rank=st.rank, grad_sha256=self._grad_digest, params_sha256=params)]
+            if self.digests else None,
         )
 
     def _check_names(self, metrics: dict[str, float]) -> None:
@@ -189,11 +219,13 @@ class TrainLoop:
         if self.grad_sync is not None:
             raised = flags(st.counters.value.attempted_updates + 1) if flags is not None else []  # read late
             sums = self.grad_sync(st.model, [*riders, *(float(f) for f in raised)])
-        _wait_on_gpu(st.pending_copy)  # the step overwrites what the capture copies
+        _wait_for_copies(st.pending_copy)  # the step overwrites what the capture copies
         st.pending_copy = None
         st.scaler.unscale_(st.optimizer)
         if spec.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(st.model.parameters(), spec.train.grad_clip, foreach=False)
+        if self.digests:  # what the optimizer step is given
+            self._grad_digest = self.grad_digest()
         scale_before = st.scaler.get_scale() if st.scaler.is_enabled() else None
         st.scaler.step(st.optimizer)
         st.scaler.update()

@@ -19,7 +19,10 @@ from spotrun.trainer.data.listing import ShardInfo
 from spotrun.trainer.data.planner import Cursor
 from spotrun.trainer.storage import UnsafeKeyError, check_key
 
-SCHEMA_VERSION = 2  # 2: the job's code (entrypoint, fingerprint) and data kind
+SCHEMA_VERSION = 3  # 2: the job's code (entrypoint, fingerprint) and data kind; 3: tensors in <stem>.safetensors
+# Schemas this release reads: a schema-2 bundle holds its tensors inside the .pt files, which the
+# loader reads as before (a .pt without a tensor file beside it is a whole payload).
+READABLE_SCHEMAS = (2, 3)
 _RANK_DIR = re.compile(r"^rank-(\d+)/")
 # The world side (fresh | exact | exact-data | fresh-epoch | new-experiment), then "+<data side>"
 # when the data side is not exact, e.g. "exact+bounded-repetition".
@@ -138,11 +141,13 @@ class ManifestDraft(_M):
     versions: Versions
     # What rank 0's training loop waited for at this boundary, in seconds. The stall is all of it:
     # the previous bundle's write finishing, the capture to host memory, the manifest draft, the
-    # hand-off to the background writer. (Manifests written before capture_seconds existed hold
-    # the capture alone here.)
+    # hand-off to the background writer, and (CPU) the wait at the next optimizer step for the
+    # capture's deferred copies. (Manifests written before capture_seconds existed hold the
+    # capture alone here.)
     stall_seconds: float = 0.0
     write_wait_seconds: float = 0.0  # of the stall: waiting for the previous write to finish
-    capture_seconds: float = 0.0  # of the stall: the copy to host memory
+    capture_seconds: float = 0.0  # of the stall: the copies to host memory made at the boundary
+    copy_wait_seconds: float = 0.0  # of the stall: the next optimizer step waiting for the deferred copies
 
 
 class Manifest(ManifestDraft):
@@ -179,10 +184,10 @@ def parse_manifest(blob: bytes, where: str) -> Manifest:
     if not isinstance(raw, dict):
         raise ManifestError(f"{where}: manifest is not a JSON object")
     version = raw.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_SCHEMAS:
         raise UnknownSchemaError(
             f"{where}: manifest schema_version {version!r} is unknown to this spotrun "
-            f"(reads {SCHEMA_VERSION}); use the spotrun release that wrote it"
+            f"(reads {', '.join(map(str, READABLE_SCHEMAS))}); use the spotrun release that wrote it"
         )
     try:
         return Manifest.model_validate(raw)

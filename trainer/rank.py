@@ -34,8 +34,9 @@ from spotrun.trainer.metric_writer import BackgroundWriter
 from spotrun.trainer.metrics import MetricSink, NullSink, metrics_dir, open_sinks, points_of
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import JobSpec
+from spotrun.trainer.state import CopiesDone
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import UpdateRecord
+from spotrun.trainer.trace import UpdateRecord, pack_stages, unpack_stages
 
 
 @dataclass
@@ -75,12 +76,13 @@ class RankRunner:
         self.recovery_label = recovery_label
         self.collective = collective
         self.storage = open_storage(spec.storage, spec.storage_endpoint_url)
+        self.trace = trace
         self.session = TrainSession(spec, rank=rank, world_size=world_size, attempt=attempt,
                                     restore_mode=restore_mode, drop=drop,
                                     grad_sync=(collective.sync_gradients if world_size > 1
                                                and spec.train.grad_sync == "allreduce" else None),
                                     record_ids=record_ids and rank == 0,
-                                    digests=trace and rank == 0,  # only rank 0's records are reported
+                                    digests=trace,  # every rank's stage digests reach rank 0's record
                                     device=device)
         if isinstance(self.session.feed, TokenFeed):  # a growing source's rescans, agreed across ranks
             self.session.feed.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
@@ -96,7 +98,7 @@ class RankRunner:
         self._stop_requested = False
         self._abort_requested = False
         self._report = Report(rank=rank, last_update=self.session.counters.attempted_updates)
-        self._drafts: dict[str, dict[str, Any]] = {}
+        self._drafts: dict[str, tuple[dict[str, Any], Any]] = {}  # bundle key -> (draft, its capture's copies)
 
     # -- called by the supervisor ---------------------------------------------------------
 
@@ -146,6 +148,8 @@ class RankRunner:
         try:
             while not s.done:
                 record = s.run_update(self._flags)
+                if self.trace:
+                    self._gather_stages(record)
                 names = sorted(record.metrics)
                 agreed = s.agreed_flags  # the flags, loss and metrics rode with the gradients
                 if agreed is None:  # no gradient sync (one rank, or DDP's own): a collective of their own
@@ -187,6 +191,11 @@ class RankRunner:
         scheduled = update % self.spec.checkpoint.every_updates == 0 or update >= self.spec.train.updates
         return [wanted[0] or scheduled, wanted[1], wanted[2]]
 
+    def _gather_stages(self, record: UpdateRecord) -> None:
+        """Every rank's stage digests into ``record`` (one all-gather; only rank 0's is reported)."""
+        payloads = self.collective.gather_bytes(pack_stages(record.blocks or [], record.ranks or []))
+        record.blocks, record.ranks = unpack_stages(payloads, self.session.accum_steps)
+
     def _checkpoint(self, update: int) -> None:
         """Capture the state at this boundary and hand it to the background writer.
 
@@ -216,8 +225,9 @@ class RankRunner:
         self._collect(self.writer.submit(capture, key))
         if draft is not None:
             # read when this bundle's write is collected, always later and on this thread
-            self._drafts[key] = {**draft, "stall_seconds": time.perf_counter() - t0,
-                                 "write_wait_seconds": waited, "capture_seconds": capture.stall_seconds}
+            self._drafts[key] = ({**draft, "stall_seconds": time.perf_counter() - t0,
+                                  "write_wait_seconds": waited, "capture_seconds": capture.stall_seconds},
+                                 capture.ready)
 
     def _collect(self, result: WriteResult | None) -> None:
         if result is None:
@@ -225,8 +235,18 @@ class RankRunner:
         report = BundleReport(
             rank=self.rank, attempt=self.attempt, bundle_key=result.bundle_key, update=result.update,
             files=[f.model_dump() for f in result.files], write_seconds=result.write_seconds,
-            draft=self._drafts.pop(result.bundle_key, None),
+            draft=_with_copy_wait(*self._drafts.pop(result.bundle_key, (None, None))),
         )
         with self._lock:
             self._report.bundles.append(report)
 
+
+
+def _with_copy_wait(draft: dict[str, Any] | None, copies: Any) -> dict[str, Any] | None:
+    """The draft with the time the loop blocked, at its next optimizer step, on the capture's deferred
+    copies (CPU): part of the stall. A write is collected only after those copies landed, so the wait
+    is either over or, where the loop has not reached that step yet, will find them done."""
+    if draft is None:
+        return None
+    wait = copies.loop_wait_seconds if isinstance(copies, CopiesDone) else 0.0
+    return {**draft, "copy_wait_seconds": wait, "stall_seconds": draft["stall_seconds"] + wait}

@@ -42,7 +42,7 @@ import re
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -64,7 +64,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from spotrun.trainer.storage import StorageError, UnsafeKeyError, check_key
+from spotrun.trainer.storage import Digest, StorageError, UnsafeKeyError, check_key
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +301,17 @@ class S3Storage:
                 self._run(lambda: self._client.put_object(Bucket=self.bucket, Key=k, Body=data))
         except (ClientError, BotoCoreError, *TRANSIENT_EXCEPTIONS) as e:
             raise self._fail("write", key, e) from e
+
+    def put_chunks(self, key: str, chunks: Sequence[bytes | memoryview]) -> str:
+        """:meth:`put` of the chunks joined (a request body is one buffer), hashed while it is sent."""
+        data = b"".join(chunks)
+        digest = Digest()
+        digest.feed(data)
+        try:
+            self.put(key, data)
+        finally:
+            sha256 = digest.hexdigest()
+        return sha256
 
     def put_new(self, key: str, data: bytes) -> bool:
         k = self._key(key)

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +51,25 @@ def rank_seed(seed: int, rank: int) -> int:
     return (seed * 1_000_003 + 7919 * (rank + 1)) % 2**63
 
 
+class CopiesDone:
+    """The CPU's counterpart of a CUDA event: the deferred copies of one capture, running on the
+    host buffers' copy thread. :meth:`synchronize` blocks until they landed (and raises what they
+    raised); :attr:`loop_wait_seconds` is how long the training loop blocked on them."""
+
+    def __init__(self, future: Future[None]) -> None:
+        self._future = future
+        self.loop_wait_seconds = 0.0
+
+    def synchronize(self) -> None:
+        self._future.result()
+
+    def wait_in_loop(self) -> None:
+        """The training loop's wait (before it overwrites the sources): timed, as part of the stall."""
+        t0 = time.perf_counter()
+        self._future.result()
+        self.loop_wait_seconds += time.perf_counter() - t0
+
+
 class HostBuffers:
     """Host memory a capture copies into, allocated once and reused by every later capture.
 
@@ -56,19 +77,23 @@ class HostBuffers:
     stall (they were most of it). The writer reads a capture's buffers in the background, so a
     capture may only start once the previous write finished: at most one save is in flight.
 
-    From a GPU the buffers are pinned and the device-to-host copies are issued on a side stream
-    (:meth:`copies`), which first waits for the work already queued on the training stream: the
-    host does not wait for them. :meth:`done` records an event after the copies issued so far;
-    the training stream waits for it (on the GPU) before it next overwrites what was copied, and
-    the writer waits for it before it reads the buffers."""
+    Copies marked ``defer`` are of tensors that only the next optimizer step changes (parameters,
+    EMA, optimizer state): they need not hold up the loop. From a GPU every copy is issued on a
+    side stream (:meth:`copies`), which first waits for the work already queued on the training
+    stream; on the CPU the deferred ones run on a thread of their own while the next update's
+    forward and backward run, and the others are done in place. :meth:`done` returns a handle on
+    the copies issued so far (a CUDA event, a :class:`CopiesDone`, or ``None`` when all are done):
+    the loop waits for it before its next optimizer step, and the writer before it reads."""
 
     def __init__(self, device: str = "cpu") -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._stream = torch.cuda.Stream(device) if device.startswith("cuda") else None
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._thread: ThreadPoolExecutor | None = None
 
     @contextlib.contextmanager
     def copies(self) -> Iterator[None]:
-        """Issue the copies in this block on the side stream (on the CPU: in place, synchronously)."""
+        """Issue the copies in this block on the side stream (on the CPU: in place, or deferred)."""
         if self._stream is None:
             yield
             return
@@ -77,29 +102,42 @@ class HostBuffers:
             yield
 
     def done(self) -> Any:
-        """A CUDA event after every copy issued so far (``None`` on the CPU, where they are done)."""
-        if self._stream is None:
+        """A handle on every copy issued so far (``None`` on the CPU when none was deferred)."""
+        if self._stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            return event
+        if not self._deferred:
             return None
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return event
+        pairs, self._deferred = self._deferred, []
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-copy")
+        return CopiesDone(self._thread.submit(_copy_all, pairs))
 
-    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+    def copy(self, key: str, t: torch.Tensor, defer: bool = False) -> torch.Tensor:
         t = t.detach()
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-        buf.copy_(t, non_blocking=t.is_cuda)
+        if defer and self._stream is None:
+            self._deferred.append((buf, t))
+        else:
+            buf.copy_(t, non_blocking=t.is_cuda)
         return buf
 
-    def copy_tree(self, key: str, obj: Any) -> Any:
+    def copy_tree(self, key: str, obj: Any, defer: bool = False) -> Any:
         if isinstance(obj, torch.Tensor):
-            return self.copy(key, obj)
+            return self.copy(key, obj, defer)
         if isinstance(obj, dict):
-            return {k: self.copy_tree(f"{key}/{k}", v) for k, v in obj.items()}
+            return {k: self.copy_tree(f"{key}/{k}", v, defer) for k, v in obj.items()}
         if isinstance(obj, list):
-            return [self.copy_tree(f"{key}/{i}", v) for i, v in enumerate(obj)]
+            return [self.copy_tree(f"{key}/{i}", v, defer) for i, v in enumerate(obj)]
         return copy.deepcopy(obj)
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for buf, t in pairs:
+        buf.copy_(t)
 
 
 @dataclass
@@ -211,15 +249,21 @@ class TrainState:
         return Capture(self.counters.value.attempted_updates, self.rank, files, json_files, ready=self.pending_copy)
 
     def _replicated(self) -> dict[str, dict[str, Any]]:
-        """The model, EMA, optimizer and scheduler: the same on every rank, so rank 0 writes them."""
+        """The model, EMA, optimizer and scheduler: the same on every rank, so rank 0 writes them.
+
+        Parameters, EMA and optimizer state change only in the next optimizer step, so their
+        copies are deferred (:class:`HostBuffers`); buffers (batch-norm statistics, say) may change
+        in the next forward, so they are copied now."""
+        params = {id(p) for p in self.model.parameters()}
         return {
             "rank-0/model.pt": {
                 "version": STATE_VERSION,
-                "model": self.host.copy_tree("model", dict(self.model.state_dict())),
-                "ema": self.host.copy_tree("ema", self.ema.state_dict()) if self.ema is not None else {},
+                "model": {k: self.host.copy(f"model/{k}", v, defer=id(v) in params)
+                          for k, v in self.model.state_dict(keep_vars=True).items()},
+                "ema": self.host.copy_tree("ema", self.ema.state_dict(), defer=True) if self.ema is not None else {},
             },
             "rank-0/optimizer.pt": {
-                **self.host.copy_tree("optimizer", named_state(self.optimizer, self.group_names)),
+                **self.host.copy_tree("optimizer", named_state(self.optimizer, self.group_names), defer=True),
                 "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
             },
         }

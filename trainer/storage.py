@@ -8,12 +8,14 @@ hostile manifest can never make spotrun read or write outside its root.
 from __future__ import annotations
 
 import errno
+import hashlib
 import mmap
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
-from typing import Protocol
+from typing import BinaryIO, Protocol
 from urllib.parse import urlparse
 
 
@@ -42,6 +44,11 @@ class Storage(Protocol):
     def put_new(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if it does not exist; True if this call created it."""
 
+    def put_chunks(self, key: str, chunks: Sequence[bytes | memoryview]) -> str:
+        """Write the concatenation of ``chunks`` as :meth:`put` does, without joining them in memory
+        first; returns its sha256 (hex), computed on the same pass. The chunks must not change
+        until the call returns."""
+
     def get(self, key: str) -> bytes: ...
 
     def read_chunks(self, key: str, chunk_bytes: int) -> Iterator[bytes]:
@@ -62,36 +69,102 @@ DIRECT_MIN_BYTES = 256 << 20
 _ALIGN = 4096  # O_DIRECT wants buffer, offset and length aligned to the device's block size
 _CHUNK = 16 << 20
 
+Chunks = Sequence[bytes | memoryview]
 
-def _write_direct(path: str, data: bytes) -> bool:
-    """Write ``data`` to the existing file ``path`` with O_DIRECT and fsync it; False (nothing
-    written) where the file system refuses direct I/O, so the caller writes through the cache."""
+
+class Digest:
+    """sha256 of a file's bytes, computed on a thread of its own while the same bytes are written.
+
+    ``hashlib`` releases the GIL on large inputs, so the hash runs beside the write instead of
+    after it. The chunks fed must stay unchanged until :meth:`hexdigest` returns."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
+        self._last: Future[None] | None = None
+
+    def feed(self, chunk: bytes | memoryview) -> None:
+        self._last = self._pool.submit(self._sha.update, chunk)  # one thread: updates stay in order
+
+    def hexdigest(self) -> str:
+        try:
+            if self._last is not None:
+                self._last.result()
+            return self._sha.hexdigest()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+def _write_direct(path: str, chunks: Chunks, nbytes: int) -> bool:
+    """Write ``chunks`` (``nbytes`` in all) to the existing file ``path`` with O_DIRECT and fsync
+    it; False (nothing written) where the file system refuses direct I/O, so the caller writes
+    through the cache.
+
+    O_DIRECT wants aligned memory, so the chunks are gathered into two page-aligned staging
+    buffers in turn: one is filled while a thread writes the other."""
     if not hasattr(os, "O_DIRECT"):
         return False
     try:
         fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
     except OSError:
         return False
-    view = memoryview(data)
-    buf = mmap.mmap(-1, _CHUNK)  # page-aligned
+    bufs = [mmap.mmap(-1, _CHUNK), mmap.mmap(-1, _CHUNK)]  # page-aligned
+    io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="direct-write")
+    pending: Future[None] | None = None
     try:
-        for start in range(0, len(view), _CHUNK):
-            n = min(_CHUNK, len(view) - start)
-            buf[:n] = view[start:start + n]
-            padded = -(-n // _ALIGN) * _ALIGN  # the last chunk is padded, then cut off by ftruncate
-            buf[n:padded] = bytes(padded - n)
-            try:
-                _write_all(fd, buf, padded)
-            except OSError as e:
-                if start == 0 and e.errno == errno.EINVAL:  # opened, but this device will not do it
-                    return False
-                raise
-        os.ftruncate(fd, len(view))
+        first = True
+        for i, filled in enumerate(_fill(bufs, chunks)):
+            padded = -(-filled // _ALIGN) * _ALIGN  # the last block is padded, then cut off by ftruncate
+            buf = bufs[i % 2]
+            buf[filled:padded] = bytes(padded - filled)
+            if pending is not None:
+                pending.result()
+            if first:  # synchronously: a device that will not do direct I/O says so here, with nothing written
+                first = False
+                try:
+                    _write_all(fd, buf, padded)
+                except OSError as e:
+                    if e.errno == errno.EINVAL:
+                        return False
+                    raise
+                continue
+            pending = io.submit(_write_all, fd, buf, padded)
+        if pending is not None:
+            pending.result()
+        os.ftruncate(fd, nbytes)
         os.fsync(fd)
         return True
     finally:
-        buf.close()
+        io.shutdown(wait=True)
+        for b in bufs:
+            b.close()
         os.close(fd)
+
+
+def _fill(bufs: list[mmap.mmap], chunks: Chunks) -> Iterator[int]:
+    """Copy ``chunks`` into ``bufs[0]``, ``bufs[1]``, ``bufs[0]``... yielding each buffer's fill
+    (``_CHUNK``, the last one less) once it is full. The caller must be done with a buffer before
+    asking for the one after the next."""
+    i, filled = 0, 0
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while len(view):
+            n = min(_CHUNK - filled, len(view))
+            bufs[i % 2][filled:filled + n] = view[:n]
+            filled += n
+            view = view[n:]
+            if filled == _CHUNK:
+                yield filled
+                i, filled = i + 1, 0
+    if filled or i == 0:
+        yield filled
+
+
+def _write_buffered(f: BinaryIO, chunks: Chunks) -> None:
+    for chunk in chunks:
+        f.write(chunk)
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def _write_all(fd: int, buf: mmap.mmap, length: int) -> None:
@@ -129,15 +202,13 @@ class LocalStorage:
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
-    def _write_temp(self, path: Path, data: bytes) -> str:
+    def _write_temp(self, path: Path, chunks: Chunks, nbytes: int) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                if not (len(data) >= DIRECT_MIN_BYTES and _write_direct(tmp, data)):
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                if not (nbytes >= DIRECT_MIN_BYTES and _write_direct(tmp, chunks, nbytes)):
+                    _write_buffered(f, chunks)
         except BaseException:
             os.unlink(tmp)
             raise
@@ -153,12 +224,25 @@ class LocalStorage:
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        os.replace(self._write_temp(path, data), path)
+        os.replace(self._write_temp(path, [data], len(data)), path)
         self._fsync_dir(path.parent)
+
+    def put_chunks(self, key: str, chunks: Chunks) -> str:
+        path = self._path(key)
+        digest = Digest()
+        for chunk in chunks:
+            digest.feed(chunk)
+        try:
+            tmp = self._write_temp(path, chunks, sum(len(memoryview(c).cast("B")) for c in chunks))
+        finally:
+            sha256 = digest.hexdigest()
+        os.replace(tmp, path)
+        self._fsync_dir(path.parent)
+        return sha256
 
     def put_new(self, key: str, data: bytes) -> bool:
         path = self._path(key)
-        tmp = self._write_temp(path, data)
+        tmp = self._write_temp(path, [data], len(data))
         try:
             os.link(tmp, path)
         except FileExistsError:

@@ -2,25 +2,65 @@
 
 ``occurrences_sha256`` digests the update's occurrence spans in global order
 (``<epoch>/<shard>:<line>[<start>:<end>]``); ``params_sha256`` digests every
-parameter, persistent buffer and EMA weight after the update.
+parameter, persistent buffer and EMA weight after the update (rank 0's).
+
+Trace version 2 adds the stages in between, so a divergence can be traced to where it
+starts: per micro-batch (``blocks``) the batch as the model receives it (after transform and
+collate: every tensor's bytes) and the loss value; per rank (``ranks``) the gradient the
+optimizer step is given (after synchronisation, unscaling and clipping) and the parameters
+after the step. A micro-batch is keyed by its block in the update's global batch (rank r,
+microstep m trains block ``m * world_size + r``), which holds the same sequences at any world
+size, so blocks compare across an elastic world change. Version 1 lines (no stage digests)
+still read; a line of a version this reader does not know is refused, naming both.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from spotrun.trainer.data.packer import Span
 
+TRACE_VERSION = 2  # 1: occurrences and parameters only; 2: the stage digests (blocks, ranks)
+DIGEST_HEX = 64  # characters of one sha256 hex digest
+
+
+class TraceError(ValueError):
+    """A trace file this reader cannot compare; the message names the line and the fix."""
+
+
+class BlockDigests(BaseModel):
+    """One micro-batch of an update: the batch the model received and the loss it gave."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block: int  # index in the update's global batch: microstep * world_size + rank
+    rank: int
+    microstep: int
+    batch_sha256: str  # every tensor of the collated batch (name, dtype, shape, bytes) and its plain leaves
+    loss_sha256: str  # the loss tensor's bytes, as the step returned it
+
+
+class RankDigests(BaseModel):
+    """One rank's view of the end of an update."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int
+    grad_sha256: str  # every gradient the optimizer step is given (synchronised, unscaled, clipped)
+    params_sha256: str  # every parameter, persistent buffer and EMA weight after the step
+
 
 class UpdateRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    trace_version: int = 1  # absent in version 1 lines
     update: int
     attempt: int
     occurrences_sha256: str
@@ -32,6 +72,9 @@ class UpdateRecord(BaseModel):
     metrics: dict[str, float] = {}  # the job's own named values (the step's second result)
     occurrences: list[str] | None = None  # the span ids themselves, when asked for
     sequence_starts: list[int] | None = None  # index in ``occurrences`` where each sequence starts
+    world_size: int | None = None  # the ranks that trained this update (version 2)
+    blocks: list[BlockDigests] | None = None  # every micro-batch of the update, in block order (version 2)
+    ranks: list[RankDigests] | None = None  # every rank, in rank order (version 2)
 
 
 def span_ids(batch: list[tuple[Span, ...]], occurrence_id: Callable[[Span], str]) -> tuple[list[str], list[int]]:
@@ -48,13 +91,67 @@ def digest_strings(items: list[str]) -> str:
     return hashlib.sha256("\n".join(items).encode()).hexdigest()
 
 
-def digest_tensors(named: dict[str, torch.Tensor]) -> str:
+def digest_tensors(named: Mapping[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(named):
         t = named[name].detach().to("cpu").contiguous().reshape(-1)
         h.update(name.encode() + b"\0" + str(t.dtype).encode() + b"\0")
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")  # the buffer itself: no copy
     return h.hexdigest()
+
+
+def digest_batch(batch: Any) -> str:
+    """sha256 of a (nested) batch as the model receives it: every tensor's path, dtype, shape and
+    bytes; numbers, strings, booleans and None by value; any other leaf by its type name only (its
+    repr may hold a memory address, which would make equal batches differ)."""
+    h = hashlib.sha256()
+    _feed(h, "", batch)
+    return h.hexdigest()
+
+
+def _feed(h: Any, path: str, item: Any) -> None:
+    if isinstance(item, torch.Tensor):
+        t = item.detach().to("cpu").contiguous()
+        h.update(f"{path}\0tensor\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+    elif isinstance(item, Mapping):
+        h.update(f"{path}\0map\0{len(item)}\0".encode())
+        for key in sorted(item, key=str):
+            _feed(h, f"{path}/{key}", item[key])
+    elif isinstance(item, (list, tuple)):
+        h.update(f"{path}\0seq\0{len(item)}\0".encode())
+        for i, v in enumerate(item):
+            _feed(h, f"{path}/{i}", v)
+    elif item is None or isinstance(item, (bool, int, float, str, bytes)):
+        h.update(f"{path}\0{type(item).__name__}\0{item!r}\0".encode())
+    else:
+        h.update(f"{path}\0{type(item).__name__}\0".encode())
+
+
+def pack_stages(blocks: Sequence[BlockDigests], ranks: Sequence[RankDigests]) -> bytes:
+    """One rank's stage digests as fixed-length bytes (every rank's have the same length: the
+    same number of microsteps), for one all-gather across the ranks."""
+    hexes = [d for b in blocks for d in (b.batch_sha256, b.loss_sha256)]
+    hexes += [d for r in ranks for d in (r.grad_sha256, r.params_sha256)]
+    return "".join(hexes).encode()
+
+
+def unpack_stages(payloads: Sequence[bytes], accum_steps: int) -> tuple[list[BlockDigests], list[RankDigests]]:
+    """Every rank's :func:`pack_stages` payload (index = rank) as the update's blocks (in block
+    order) and ranks."""
+    world = len(payloads)
+    blocks: list[BlockDigests] = []
+    ranks: list[RankDigests] = []
+    for rank, payload in enumerate(payloads):
+        text = payload.decode()
+        hexes = [text[i:i + DIGEST_HEX] for i in range(0, len(text), DIGEST_HEX)]
+        if len(hexes) != 2 * accum_steps + 2:
+            raise ValueError(f"rank {rank} sent {len(hexes)} stage digests, expected {2 * accum_steps + 2}")
+        for m in range(accum_steps):
+            blocks.append(BlockDigests(block=m * world + rank, rank=rank, microstep=m,
+                                       batch_sha256=hexes[2 * m], loss_sha256=hexes[2 * m + 1]))
+        ranks.append(RankDigests(rank=rank, grad_sha256=hexes[-2], params_sha256=hexes[-1]))
+    return sorted(blocks, key=lambda b: b.block), ranks
 
 
 class TraceWriter:
@@ -75,7 +172,17 @@ class TraceWriter:
 
 
 def read_trace(path: str | Path) -> list[UpdateRecord]:
-    return [UpdateRecord.model_validate_json(line) for line in Path(path).read_text().splitlines() if line]
+    """Every line of a trace file; a line of an unknown trace version is a :class:`TraceError`."""
+    records = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line:
+            continue
+        version = json.loads(line).get("trace_version", 1)
+        if not isinstance(version, int) or not 1 <= version <= TRACE_VERSION:
+            raise TraceError(f"{path} line {n}: trace version {version!r}, this spotrun reads versions 1 to "
+                             f"{TRACE_VERSION}; compare it with the spotrun that wrote it, or record it again")
+        records.append(UpdateRecord.model_validate_json(line))
+    return records
 
 
 def latest_per_update(records: list[UpdateRecord]) -> dict[int, UpdateRecord]:

@@ -10,7 +10,7 @@ in a job folder cannot make the dashboard read ``/etc/passwd``.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlparse, urlunparse
 
@@ -36,6 +36,9 @@ class _RefusesWrites:
         raise ReadOnlyError("the dashboard is read-only")
 
     def put_new(self, key: str, data: bytes) -> bool:
+        raise ReadOnlyError("the dashboard is read-only")
+
+    def put_chunks(self, key: str, chunks: Sequence[bytes | memoryview]) -> str:
         raise ReadOnlyError("the dashboard is read-only")
 
     def delete_prefix(self, prefix: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import torch
@@ -83,6 +84,54 @@ def registered_counter(ctx: spotrun.BuildContext) -> spotrun.Job:
 
 def unregistered_counter(ctx: spotrun.BuildContext) -> spotrun.Job:
     return counter_job(ctx, register=False)
+
+
+# -- broken jobs, each diverging after a restart at its own stage (verify names it) --------------
+
+
+class Points:
+    """A fixed map-style regression dataset: 64 (features, target) pairs."""
+
+    def __init__(self, seed: int, n: int = 64, width: int = 8) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, width, generator=g)
+        self.y = (self.x * torch.linspace(-1, 1, width)).sum(1, keepdim=True)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def jitter_from_global_random(sample: tuple[torch.Tensor, torch.Tensor], generator: torch.Generator):
+    """The broken augmentation: noise from Python's global ``random`` instead of ``generator``. In a
+    prefetch worker (data.workers >= 1) that stream is the worker's own, seeded by the loader when
+    the worker starts: a restarted worker draws it from its beginning again, where the
+    uninterrupted run's worker had moved on, and no bundle holds it."""
+    x, y = sample
+    return x + random.gauss(0.0, 0.1), y
+
+
+def global_random_augmentation(ctx: spotrun.BuildContext) -> spotrun.Job:
+    """Diverges at the batch: the same records, transformed with other noise after a restart."""
+    return spotrun.Job(
+        model=lambda: nn.Linear(8, 1),
+        data=spotrun.MapData(Points(ctx.seed), transform=jitter_from_global_random),
+        step=regression,
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
+    )
+
+
+def adamw_points(ctx: spotrun.BuildContext) -> spotrun.Job:
+    """A faithful job whose optimizer has state (AdamW moments): dropping them at a restore (verify
+    --mutate optimizer_moments) diverges at the parameters, after an equal batch, loss and gradient."""
+    return spotrun.Job(
+        model=lambda: nn.Linear(8, 1),
+        data=spotrun.MapData(Points(ctx.seed)),
+        step=regression,
+        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
+    )
 
 
 # -- bad input: each must be refused before any update, naming the problem --------------------

@@ -15,6 +15,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from spotrun.orchestrator.divergence import explain, first_stage
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import run_on_ray
 from spotrun.orchestrator.ledger import (
@@ -140,9 +141,20 @@ def test_elastic_restarts_smaller_with_same_occurrences(cluster, reference, tmp_
     assert sorted(final) == sorted(ref)
     for u, r in final.items():  # the same occurrences make every update, whatever the world size
         assert (r.occurrences_sha256, r.n_occurrences) == (ref[u].occurrences_sha256, ref[u].n_occurrences)
+    # where the runs part: not the batch or the loss (the same micro-batches, the same dropout
+    # masks), the gradient (summed in another order at one rank): what elastic allows
+    u = next(u for u in sorted(final) if first_stage(ref[u], final[u]) is not None)
+    stage = first_stage(ref[u], final[u])
+    assert stage is not None and stage.stage == "gradient", (u, stage)
+    assert (final[u].attempt, final[u].world_size, ref[u].world_size) == (2, 1, 2)
+    d = explain(u, stage, declared="exact-data", world_sizes=(2, 1), attempt=2, events=events, fired=[])
+    assert d.allowed_by_policy and "the world size changed (2 -> 1 ranks)" in d.reading
+    assert d.restore is not None and d.restore["fault"] == "node-lost (rank 1)"
+    assert (d.restore["world_size_before"], d.restore["world_size_after"]) == (2, 1)
     a, b = final_params(ref_spec), final_params(spec)
     diff = max(float((a[k] - b[k]).abs().max()) for k in a)
-    print(f"elastic 2->1 with dropout: max |param difference| {diff:.3g}")
+    print(f"elastic 2->1 with dropout: max |param difference| {diff:.3g}; first difference at update {u}: "
+          f"{stage.stage}")
     assert diff <= TOLERANCE, f"parameters drifted {diff:g} > {TOLERANCE:g}"
 
 

@@ -41,6 +41,19 @@ def deny_put_policy(bucket: str, prefix: str) -> str:
 # -- the protocol ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("size", [1000, 7 * MiB])  # one put_object; a multipart upload (SMALL_PARTS)
+def test_put_chunks_stores_the_concatenation_and_returns_its_sha256(moto, bucket, size):
+    import hashlib
+    import os
+
+    s = storage(moto, bucket, transfer=SMALL_PARTS)
+    head, body = os.urandom(24), os.urandom(size)
+    digest = s.put_chunks("b/rank-0/model.safetensors", [head, memoryview(body)])
+    assert s.get("b/rank-0/model.safetensors") == head + body
+    assert digest == hashlib.sha256(head + body).hexdigest()
+
+
+
 def test_put_get_exists_list_delete_prefix(moto, bucket):
     s = open_storage(f"s3://{bucket}/some/prefix", moto.url)
     assert isinstance(s, S3Storage) and s.uri == f"s3://{bucket}/some/prefix"

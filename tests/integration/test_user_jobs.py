@@ -54,13 +54,17 @@ def test_losing_a_registered_object_at_restore_fails_verify(tmp_path, category):
 
 
 def test_state_outside_the_registered_objects_fails_verify_naming_the_update(tmp_path):
+    """A loss-scale counter kept outside ``state``: a restart resets it, so the same batch gives
+    another loss, and verify names that stage (nothing registered was lost: the oracle is silent)."""
     code, report, err = verify(tmp_path, str(ROOT / "configs/tiny.yaml"), "--kills", "4", "--no-ray",
                                sets=(*SHORT, "job.entrypoint=tests.helpers.jobs:unregistered_counter"))
     assert code == 1, err[-3000:]
     assert report["verdict"] == "fail" and report["restore_oracle"] == []
     first_kill = report["faults"][0]["update"]
     d = report["first_divergence"]
-    assert d["what"] == "params" and 1 < d["update"] <= first_kill + 1, (d, report["faults"])
+    assert d["stage"] == "loss" and 1 < d["update"] <= first_kill + 1, (d, report["faults"])
+    assert d["reading"].startswith("same batch, different loss") and d["restore_oracle"] == []
+    assert d["restore"]["attempt"] > 1 and d["rank"] == 0
 
 
 def readme_block(first_line: str) -> str:

@@ -24,6 +24,7 @@ from tests.conftest import ROOT
     ("bench.training_overhead", []),
     ("bench.restart_cost", ["--no-ray"]),
     ("bench.steady_speed", ["--json"]),
+    ("bench.trace_cost", []),
 ])
 def test_bench_runs_in_quick_mode(tmp_path, module, extra):
     r = subprocess.run([sys.executable, "-m", module, "--quick", "--out", str(tmp_path), *extra],

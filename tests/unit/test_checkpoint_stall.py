@@ -27,11 +27,18 @@ class GatedStorage:
         self.gate = threading.Event()
         self.held = threading.Event()  # a put of bundle 1 is waiting
 
-    def put(self, key: str, data: bytes) -> None:
+    def _hold(self, key: str) -> None:
         if "/u0000000001-" in key:
             self.held.set()
             self.gate.wait(timeout=60)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._hold(key)
         self.inner.put(key, data)
+
+    def put_chunks(self, key: str, chunks) -> str:
+        self._hold(key)
+        return self.inner.put_chunks(key, chunks)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

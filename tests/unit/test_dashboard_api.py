@@ -71,7 +71,7 @@ def test_bundles_published_orphaned_and_checksum_states(client):
     rows = {r["name"]: r for r in client.get(f"/api/jobs/{JOB}/bundles").json()}
     assert list(rows) == ["u0000000012-a1", "u0000000010-a1", "u0000000007-a1", "u0000000005-a1"]
     assert rows["u0000000007-a1"]["status"] == "orphaned" and rows["u0000000007-a1"]["checksum"] == "n/a"
-    assert rows["u0000000007-a1"]["files"] == 4
+    assert rows["u0000000007-a1"]["files"] == 6  # model, optimizer: a skeleton and a tensor file each; state, rng
     assert rows["u0000000012-a1"]["checksum"] == "unverified"  # verified on demand only
     assert rows["u0000000010-a1"]["checksum"] == "corrupt" and "error" in rows["u0000000010-a1"]
     good = rows["u0000000012-a1"]

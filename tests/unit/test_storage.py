@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import random
 import threading
 from pathlib import Path
 
@@ -240,7 +242,7 @@ def test_large_files_go_to_disk_with_direct_io_and_read_back_exactly(tmp_path, m
     used = []
     real = storage_module._write_direct
     monkeypatch.setattr(storage_module, "DIRECT_MIN_BYTES", 1)  # every put takes the direct path
-    monkeypatch.setattr(storage_module, "_write_direct", lambda p, d: used.append(real(p, d)) or used[-1])
+    monkeypatch.setattr(storage_module, "_write_direct", lambda p, c, n: used.append(real(p, c, n)) or used[-1])
     s = LocalStorage(tmp_path)
     for size in (1, 4095, 4096, 4097, (16 << 20) + 3):
         blob = os.urandom(size)
@@ -248,6 +250,23 @@ def test_large_files_go_to_disk_with_direct_io_and_read_back_exactly(tmp_path, m
         assert s.get(f"d/{size}") == blob, size
     assert used == [True] * 5
     assert sorted(os.listdir(tmp_path / "d")) == sorted(str(n) for n in (1, 4095, 4096, 4097, (16 << 20) + 3))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_put_chunks_writes_the_concatenation_and_returns_its_sha256(tmp_path, monkeypatch, direct):
+    """Chunks of uneven sizes, straddling the two 16 MiB staging buffers (filled three times, so one
+    is reused after the other was written): the file is their concatenation, the digest its sha256."""
+    import spotrun.trainer.storage as storage_module
+
+    monkeypatch.setattr(storage_module, "DIRECT_MIN_BYTES", 1 if direct else 1 << 40)
+    rng = random.Random(7)
+    chunks = [rng.randbytes(n) for n in (24, 10 << 20, 0, (20 << 20) + 5, 4096, (9 << 20) + 1)]
+    s = LocalStorage(tmp_path)
+    digest = s.put_chunks("b/file", [memoryview(c) for c in chunks])
+    whole = b"".join(chunks)
+    assert s.get("b/file") == whole
+    assert digest == hashlib.sha256(whole).hexdigest()
+    assert os.listdir(tmp_path / "b") == ["file"]
 
 
 def test_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch):
