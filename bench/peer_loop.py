@@ -114,10 +114,12 @@ class Worker:
         dataset = ChunkDataset(config["shards"], config["vocab"], config["seq_len"])
         self.vocab_size = dataset.tokenizer.size
         model = build_network(ModelSpec(**config["model"]), self.vocab_size, config["seq_len"])
-        self.model = ray.train.torch.prepare_model(model)
+        self.model = ray.train.torch.prepare_model(model)  # DDP only at 2 workers or more
+        self.net = getattr(self.model, "module", self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=config["lr"])
         loader = DataLoader(dataset, batch_size=config["micro_batch"], shuffle=True,
                             num_workers=config["workers"], drop_last=True,
+                            persistent_workers=config.get("persistent_workers", False) and config["workers"] > 0,
                             worker_init_fn=die_with_parent if config["loader_fix"] else None)
         self.loader = ray.train.torch.prepare_data_loader(loader)
         self.steps_per_epoch = len(self.loader) // config["accum_steps"]
@@ -133,7 +135,7 @@ class Worker:
             return
         with checkpoint.as_directory() as d:
             state = torch.load(Path(d) / "state.pt", weights_only=True)
-        self.model.module.load_state_dict(state["model"])
+        self.net.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.step, self.epoch, self.step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
 
@@ -158,7 +160,8 @@ class Worker:
         ids, losses = [], []
         for m in range(c["accum_steps"]):
             x, y, idx = next(batches)
-            sync = contextlib.nullcontext() if m == c["accum_steps"] - 1 else self.model.no_sync()
+            last = m == c["accum_steps"] - 1 or self.world == 1
+            sync = contextlib.nullcontext() if last else self.model.no_sync()
             with sync:
                 loss = F.cross_entropy(self.model(x).reshape(-1, self.vocab_size), y.reshape(-1))
                 (loss / c["accum_steps"]).backward()
@@ -183,7 +186,7 @@ class Worker:
         checkpoint = None
         if self.rank == 0:
             d = Path(tempfile.mkdtemp(dir=self.staging))  # Ray Train deletes it once uploaded (ASYNC)
-            torch.save({"model": self.model.module.state_dict(), "optimizer": self.opt.state_dict(),
+            torch.save({"model": self.net.state_dict(), "optimizer": self.opt.state_dict(),
                         "step": self.step, "epoch": epoch, "step_in_epoch": in_epoch}, d / "state.pt")
             checkpoint = ray.train.Checkpoint.from_directory(d)
         ray.train.report({"loss": loss, "step": self.step}, checkpoint=checkpoint,

@@ -18,6 +18,7 @@ median (min–max) over the repetitions.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,9 @@ def run(shape: Shape, scratch: Path) -> dict:
 
     fair: dict[str, dict[str, list[dict]]] = {str(k): {SPOTRUN.label: [], PEER.label: []} for k in shape.intervals}
     variants: dict[str, list[dict]] = {PEER.label: [], **{v.label: [] for v in VARIANTS}}
+    # spotrun's ranks undo Ray's worker niceness 15 (orchestrator/priority.py); Ray Train's workers
+    # get niceness 0 too, as a user can give them, so that neither side yields the CPU to the other.
+    os.environ["RAY_worker_niceness"] = "0"
     ray.init(address="local", num_cpus=WORLD + 1, include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
     try:
@@ -142,6 +146,7 @@ def run(shape: Shape, scratch: Path) -> dict:
                 variants[system.label].append(restart_figures(killed, refs[(PEER.label, first)], shape.kill_at))
     finally:
         ray.shutdown()
+        os.environ.pop("RAY_worker_niceness", None)
     return {"shape": shape.__dict__, "fast_poll_s": FAST_POLL_S, "fair": fair, "variants": variants}
 
 

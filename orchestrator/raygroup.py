@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost
 from spotrun.orchestrator.notices import ImdsWatcher, Notice, install_signal_notices
+from spotrun.orchestrator.priority import run_at_normal_priority
 from spotrun.trainer.bundle import BundleError
 from spotrun.trainer.collective import Collective, LocalCollective, TorchCollective
 from spotrun.trainer.data.planner import RestoreMode
@@ -86,6 +87,7 @@ class RankActor:
         """Pick the device (refusing a GPU this torch cannot see), form the process group, build the
         rank. Returns the device, its GPU model, and where the time went."""
         t0 = time.perf_counter()
+        run_at_normal_priority()  # before the process group's threads start: they inherit it
         spec = JobSpec.model_validate_json(spec_json)
         self.rank, self.grace_s = rank, spec.preemption.grace_s
         assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
@@ -119,6 +121,7 @@ class RankActor:
 
     def run(self) -> str:
         runner = self._runner()
+        run_at_normal_priority()  # this thread of the actor's pool too; the loader workers fork from it
         try:
             return runner.run()
         finally:

@@ -1,4 +1,4 @@
-"""What the ranks of one attempt do together: gradient sync and agreeing on a boundary.
+"""What the ranks of one attempt do together: gradient sync, and agreeing on a boundary and the update's mean loss.
 
 ``LocalCollective`` is the world of one. ``TorchCollective`` uses a
 ``torch.distributed`` process group (gloo on CPU, nccl on GPU). Gradients are
@@ -21,13 +21,13 @@ class Collective(Protocol):
     rank: int
     world_size: int
 
-    def sync_gradients(self, model: nn.Module) -> None: ...
+    def sync_gradients(self, model: nn.Module, riders: list[float]) -> list[float]:
+        """Average the gradients over the ranks; in the same collective, sum ``riders`` (the
+        update's loss, metrics and boundary flags) and return their sums."""
 
-    def agree(self, flags: list[bool]) -> list[bool]:
-        """Element-wise OR of every rank's flags; all ranks get the same answer."""
-
-    def mean(self, values: list[float]) -> list[float]:
-        """Element-wise mean over the ranks (one collective for all of them)."""
+    def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
+        """The element-wise mean of ``values`` over the ranks and the element-wise OR of every rank's
+        ``flags``, in one collective; every rank gets the same answer."""
 
     def gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data`` (the same length on every rank), indexed by rank, on every rank."""
@@ -39,14 +39,11 @@ class LocalCollective:
     rank = 0
     world_size = 1
 
-    def sync_gradients(self, model: nn.Module) -> None:
-        return None
+    def sync_gradients(self, model: nn.Module, riders: list[float]) -> list[float]:
+        return list(riders)
 
-    def agree(self, flags: list[bool]) -> list[bool]:
-        return list(flags)
-
-    def mean(self, values: list[float]) -> list[float]:
-        return list(values)
+    def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
+        return list(values), list(flags)
 
     def gather_bytes(self, data: bytes) -> list[bytes]:
         return [data]
@@ -64,10 +61,19 @@ class TorchCollective:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
 
-    def sync_gradients(self, model: nn.Module) -> None:
+    def sync_gradients(self, model: nn.Module, riders: list[float]) -> list[float]:
+        # The riders travel at the end of the gradients' flat buffer: one synchronisation point per
+        # update, as DDP's all-reduce is, instead of a second collective of their own. Gradients
+        # below float32 would round them, so those get a float64 collective of their own.
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        dtype = grads[0].dtype if grads else torch.float64
+        ride = dtype in (torch.float32, torch.float64)
+        extra = torch.tensor(riders, dtype=dtype if ride else torch.float64, device=self.device)
+        flat = torch.cat([*(g.reshape(-1) for g in grads), *([extra] if ride else [])])
         dist.all_reduce(flat)
+        if not ride:
+            dist.all_reduce(extra)
+        sums = (flat[flat.numel() - len(riders):] if ride else extra).tolist()
         flat /= self.world_size
         offset = 0
         for g in grads:
@@ -77,16 +83,17 @@ class TorchCollective:
         for buf in model.buffers():
             if buf.is_floating_point() or buf.dtype in (torch.int64, torch.int32):
                 dist.broadcast(buf, src=0)
+        return sums
 
-    def agree(self, flags: list[bool]) -> list[bool]:
-        t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [bool(v) for v in t.tolist()]
-
-    def mean(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+    def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
+        # One float64 sum: a flag is raised on some rank iff its sum of 0s and 1s is positive (exact
+        # in float64); how the values are summed depends only on the world size and the tensor's
+        # length, both fixed for a job, so a metric is the same on every run at this world size. Each collective is a
+        # synchronisation point of every rank: one per update instead of two.
+        t = torch.tensor([*values, *(float(f) for f in flags)], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
-        return [v / self.world_size for v in t.tolist()]
+        sums = t.tolist()
+        return [v / self.world_size for v in sums[:len(values)]], [v > 0 for v in sums[len(values):]]
 
     def gather_bytes(self, data: bytes) -> list[bytes]:
         mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)

@@ -33,7 +33,11 @@ from spotrun.trainer.trace import (
     span_ids,
 )
 
-GradSync = Callable[[torch.nn.Module], None]
+# Syncs the gradients and sums ``riders`` (the update's loss, metrics and boundary flags) over the
+# ranks in the same collective; returns the riders' sums.
+GradSync = Callable[[torch.nn.Module, list[float]], list[float]]
+# The rank's boundary flags for an update (checkpoint here, stop after it, abort), read at the sync.
+BoundaryFlags = Callable[[int], list[bool]]
 
 
 def autocast(precision: str, device: str) -> contextlib.AbstractContextManager:
@@ -101,6 +105,8 @@ class TrainLoop:
         # compares.
         self.digests = digests
         self.metric_names: list[str] | None = None  # fixed by the first microstep
+        # The flags every rank agreed on at the last update's gradient sync (None: no sync carried them).
+        self.agreed_flags: list[bool] | None = None
         self._grad_digest = ""  # set by _step when digests are on
 
     def grad_digest(self) -> str:
@@ -113,8 +119,12 @@ class TrainLoop:
             named.update({f"ema.{k}": v for k, v in st.ema.state_dict().items()})
         return digest_tensors(named)
 
-    def run_update(self) -> UpdateRecord:
+    def run_update(self, flags: BoundaryFlags | None = None) -> UpdateRecord:
+        """One update. With a gradient sync and ``flags``, the update's loss and metrics are averaged
+        over the ranks and the flags OR-ed in the gradients' own collective (``agreed_flags``); without
+        either, the record holds this rank's own values and ``agreed_flags`` is None."""
         st = self.state
+        self.agreed_flags = None
         update = st.counters.value.attempted_updates + 1
         _wait_for_copies(st.pending_user_copy)  # the step may change registered state
         st.pending_user_copy = None
@@ -153,7 +163,17 @@ class TrainLoop:
             raise ValueError(f"an update needs at least one microstep (accum_steps={self.accum_steps})")
         self.faults.hit("before_update", update)
         lr = st.optimizer.param_groups[0]["lr"]
-        applied = self._step()
+        mean_loss = float(torch.stack(losses).float().mean())
+        means = {k: v / self.accum_steps for k, v in sums.items()}
+        names = sorted(means)
+        riders = [mean_loss, *(means[n] for n in names)] if flags is not None else []
+        applied, synced = self._step(riders, flags)
+        if synced is not None and flags is not None:
+            # Summed in the gradients' collective, so in their precision (float32: 7 digits), in the
+            # same order on every run at this world size.
+            mean_loss, *values = (v / st.world_size for v in synced[:len(riders)])
+            means = dict(zip(names, values, strict=True))
+            self.agreed_flags = [v > 0 for v in synced[len(riders):]]  # an OR: a sum of 0s and 1s, exact
         # The cursor travels with the batch: the state after the update just consumed.
         st.planner_state = plan.planner_after
         self._count(applied)
@@ -166,10 +186,10 @@ class TrainLoop:
             occurrences_sha256=digest_strings(ids),
             n_occurrences=len(ids),
             params_sha256=params,
-            loss=float(torch.stack(losses).float().mean()),
+            loss=mean_loss,
             lr=lr,
             applied=applied,
-            metrics={k: v / self.accum_steps for k, v in sums.items()},
+            metrics=means,
             occurrences=ids if self.record_ids else None,
             sequence_starts=starts if self.record_ids else None,
             world_size=st.world_size,
@@ -190,11 +210,15 @@ class TrainLoop:
         if bad and self.state.spec.train.precision != "fp16":
             raise JobError(f"the job's step returned non-finite metrics {bad}")
 
-    def _step(self) -> bool:
-        """Sync, unscale, clip, step. True iff the parameters changed (no overflow skip)."""
+    def _step(self, riders: list[float], flags: BoundaryFlags | None) -> tuple[bool, list[float] | None]:
+        """Sync, unscale, clip, step. True iff the parameters changed (no overflow skip); with a
+        gradient sync, also the sums over the ranks of ``riders`` and then of the boundary flags,
+        carried by the gradients' own collective (None without a sync)."""
         st, spec = self.state, self.state.spec
+        sums = None
         if self.grad_sync is not None:
-            self.grad_sync(st.model)
+            raised = flags(st.counters.value.attempted_updates + 1) if flags is not None else []  # read late
+            sums = self.grad_sync(st.model, [*riders, *(float(f) for f in raised)])
         _wait_for_copies(st.pending_copy)  # the step overwrites what the capture copies
         st.pending_copy = None
         st.scaler.unscale_(st.optimizer)
@@ -210,7 +234,7 @@ class TrainLoop:
         applied = scale_before is None or st.scaler.get_scale() >= scale_before
         if applied and st.ema is not None:
             st.ema.update(st.model)
-        return applied
+        return applied, sums
 
     def _count(self, applied: bool) -> None:
         st, spec = self.state, self.state.spec

@@ -1,8 +1,9 @@
 """One rank's attempt: updates, the checkpoint barrier, background writes, and reports.
 
-After every update the ranks agree, through one small collective, on two flags:
-*checkpoint here* and *stop after it*. A flag is raised by the schedule
-(``checkpoint.every_updates``, the last update) or by the supervisor
+After every update the ranks agree on three flags, *checkpoint here*, *stop after it* and
+*abort*, and average the update's loss and metrics, in the gradients' own all-reduce (a small
+collective of their own where no gradient sync runs: one rank, or DDP's sync).
+A flag is raised by the schedule (``checkpoint.every_updates``, the last update) or by the supervisor
 (:meth:`RankRunner.request`, e.g. on a preemption notice), so every rank takes
 the same boundary even though a request reaches each rank at a different time.
 
@@ -29,7 +30,8 @@ from spotrun.trainer.data.feed import TokenFeed
 from spotrun.trainer.data.growth import GrowthRecords
 from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.faults import FaultLog
-from spotrun.trainer.metrics import MetricSink, metrics_dir, open_sinks, points_of
+from spotrun.trainer.metric_writer import BackgroundWriter
+from spotrun.trainer.metrics import MetricSink, NullSink, metrics_dir, open_sinks, points_of
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.state import CopiesDone
@@ -86,10 +88,11 @@ class RankRunner:
             self.session.feed.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
         self.session.faults.record_to(FaultLog(self.storage, spec.job_id))  # verify counts what fired
         self.writer = BundleWriter(self.storage, self.session.faults)
-        # Rank 0 writes the metric points; each upserts by <job>/<update>/<name>.
-        self.metrics: MetricSink = open_sinks(
-            spec.metrics.sinks if rank == 0 else (),
-            metrics_dir(spec.storage, spec.job_id, spec.metrics.local_dir), self.storage)
+        # Rank 0 writes the metric points, off the training thread; each upserts by <job>/<update>/<name>.
+        self.metrics: MetricSink = NullSink()
+        if rank == 0 and spec.metrics.sinks:
+            self.metrics = BackgroundWriter(open_sinks(
+                spec.metrics.sinks, metrics_dir(spec.storage, spec.job_id, spec.metrics.local_dir), self.storage))
         self._lock = threading.Lock()
         self._checkpoint_requested = False
         self._stop_requested = False
@@ -144,12 +147,16 @@ class RankRunner:
         state = "finished"
         try:
             while not s.done:
-                record = s.run_update()
+                record = s.run_update(self._flags)
                 if self.trace:
                     self._gather_stages(record)
                 names = sorted(record.metrics)
-                record.loss, *values = self.collective.mean([record.loss, *(record.metrics[n] for n in names)])
-                record.metrics = dict(zip(names, values, strict=True))
+                agreed = s.agreed_flags  # the flags, loss and metrics rode with the gradients
+                if agreed is None:  # no gradient sync (one rank, or DDP's own): a collective of their own
+                    (record.loss, *values), agreed = self.collective.mean_and_agree(
+                        [record.loss, *(record.metrics[n] for n in names)], self._flags(record.update))
+                    record.metrics = dict(zip(names, values, strict=True))
+                checkpoint, stop, abort = agreed
                 self.metrics.write(points_of(self.spec.job_id, record.update, self.attempt, self.lineage_id,
                                              {"loss": record.loss, "lr": record.lr, "applied": record.applied,
                                               **record.metrics}))
@@ -157,9 +164,6 @@ class RankRunner:
                     if self.rank == 0:
                         self._report.records.append(record)
                     self._report.last_update = record.update
-                    wanted = [self._checkpoint_requested, self._stop_requested, self._abort_requested]
-                scheduled = record.update % self.spec.checkpoint.every_updates == 0 or s.done
-                checkpoint, stop, abort = self.collective.agree([wanted[0] or scheduled, wanted[1], wanted[2]])
                 if abort:
                     state = "aborted"
                     break
@@ -180,6 +184,13 @@ class RankRunner:
             self._report.state = state
         return state
 
+    def _flags(self, update: int) -> list[bool]:
+        """This rank's boundary flags for ``update``: checkpoint (asked for, or scheduled), stop, abort."""
+        with self._lock:
+            wanted = [self._checkpoint_requested, self._stop_requested, self._abort_requested]
+        scheduled = update % self.spec.checkpoint.every_updates == 0 or update >= self.spec.train.updates
+        return [wanted[0] or scheduled, wanted[1], wanted[2]]
+
     def _gather_stages(self, record: UpdateRecord) -> None:
         """Every rank's stage digests into ``record`` (one all-gather; only rank 0's is reported)."""
         payloads = self.collective.gather_bytes(pack_stages(record.blocks or [], record.ranks or []))
@@ -194,7 +205,10 @@ class RankRunner:
         s = self.session
         key = bundle_dir(self.spec.job_id, update, self.attempt)
         prefetched = s.prefetched_ahead
-        self.metrics.flush()  # before the stall is timed: the s3 sink's one request per interval
+        # Every point up to this update is in the sink before this bundle can be published (a kill
+        # loses only points the restart replays). Before the stall is timed: the background
+        # writer's last batch and the s3 sink's one request per interval.
+        self.metrics.flush()
         t0 = time.perf_counter()
         self._collect(self.writer.wait())
         waited = time.perf_counter() - t0

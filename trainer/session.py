@@ -26,7 +26,7 @@ from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.inventory import DATA_CATEGORIES, categories_of, roundtrip_mismatches
 from spotrun.trainer.job import build_job
-from spotrun.trainer.loop import GradSync, TrainLoop
+from spotrun.trainer.loop import BoundaryFlags, GradSync, TrainLoop
 from spotrun.trainer.rng import seed_all
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.state import Capture, TrainState
@@ -153,10 +153,17 @@ class TrainSession:
     def done(self) -> bool:
         return self.counters.attempted_updates >= self.spec.train.updates
 
-    def run_update(self) -> UpdateRecord:
+    def run_update(self, flags: BoundaryFlags | None = None) -> UpdateRecord:
+        """One update; with ``flags`` and a gradient sync, see :attr:`agreed_flags`."""
         if self._loop is None:
             raise RuntimeError("call start() before run_update()")
-        return self._loop.run_update()
+        return self._loop.run_update(flags)
+
+    @property
+    def agreed_flags(self) -> list[bool] | None:
+        """The boundary flags every rank agreed on in the last update's gradient sync (and its
+        record's loss and metrics are the ranks' means); None when no sync carried them."""
+        return self._loop.agreed_flags if self._loop is not None else None
 
     @property
     def prefetched_ahead(self) -> int:

@@ -23,6 +23,7 @@ from tests.conftest import ROOT
     ("bench.checkpoint_stall", []),
     ("bench.training_overhead", []),
     ("bench.restart_cost", ["--no-ray"]),
+    ("bench.steady_speed", ["--json"]),
     ("bench.trace_cost", []),
 ])
 def test_bench_runs_in_quick_mode(tmp_path, module, extra):
@@ -36,6 +37,31 @@ def test_bench_runs_in_quick_mode(tmp_path, module, extra):
     assert "_Measured " in md and " cores, " in md  # each section says when and on what it ran
     assemble(tmp_path, tmp_path / "RESULTS.md", 1.0, [], ran=(section.stem,))
     assert md in (tmp_path / "RESULTS.md").read_text()
+    if "--json" in extra:  # the last line of stdout is the document, one row per job and world size
+        rows = json.loads(r.stdout.strip().splitlines()[-1])["jobs"]
+        assert rows and {"name", "world_size", "plain_updates_per_s", "spotrun_updates_per_s", "ratio"} <= set(rows[0])
+        assert rows[0]["ratio"] == pytest.approx(rows[0]["spotrun_updates_per_s"] / rows[0]["plain_updates_per_s"])
+
+
+def test_steady_speed_ratios_are_paired_and_verdicts_name_the_jobs_below_target():
+    """Each repetition's spotrun rate over the same round's plain (or Ray Train) rate, the median of
+    those; a job below 98 % is named in the verdict, and a job without a Ray Train run has no such ratio."""
+    from bench.steady_speed import PLAIN, RAY_TRAIN, SPOTRUN, summary, tables
+
+    results = {"shape": {"timed": 150, "warmup": 10, "reps": 3}, "uptime_before": "u0", "uptime_after": "u1",
+               "rates": {"tiny/2": {PLAIN: [100.0, 50.0, 80.0], SPOTRUN: [99.0, 49.0, 60.0],
+                                    RAY_TRAIN: [90.0, 45.0, 80.0]},
+                         "digits/1": {PLAIN: [200.0, 200.0, 200.0], SPOTRUN: [198.0, 199.0, 197.0]}}}
+    rows = {(r["name"], r["world_size"]): r for r in summary(results)}
+    assert rows["tiny", 2]["ratio"] == pytest.approx(0.98)  # median of 0.99, 0.98, 0.75: not 79 / 80
+    assert rows["tiny", 2]["ratio_vs_ray_train"] == pytest.approx(49 / 45)
+    assert "ratio_vs_ray_train" not in rows["digits", 1] and rows["digits", 1]["ratio"] == pytest.approx(0.99)
+    table, verdicts = tables(results)
+    assert "**MET**" in verdicts[0] and "**MET**" in verdicts[1]
+    results["rates"]["digits/1"][SPOTRUN] = [150.0, 190.0, 190.0]
+    _, verdicts = tables(results)
+    assert "**NOT MET** (digits ×1 95.0 %)" in verdicts[0]
+    assert "uptime before: u0" in table.notes[1]
 
 
 def _run(steps: list[tuple[int, int, float, list[str]]], killed_at=None, restarts=0, upsert=True) -> Run:
