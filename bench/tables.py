@@ -109,6 +109,19 @@ def mib(n: int | float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+@dataclass(frozen=True)
+class Job:
+    """A real job a bench times: its config and overrides, how many updates (the first ``warmup``
+    outside the timed window), and how many repetitions."""
+
+    label: str
+    config: str
+    sets: tuple[str, ...]
+    updates: int
+    warmup: int
+    reps: int
+
+
 @dataclass
 class Section:
     """One bench's part of RESULTS.md."""

@@ -16,26 +16,14 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.tables import ROOT, Section, Stopwatch, Table, cli, fmt, median, pct, ratio, work_folder
+from bench.tables import ROOT, Job, Section, Stopwatch, Table, cli, fmt, median, pct, ratio, work_folder
 from spotrun.orchestrator.launch import run_in_process
 from spotrun.orchestrator.specfile import load_spec
 from spotrun.trainer import loop
 from spotrun.trainer.metrics import SqliteSink, metrics_dir
-
-
-@dataclass(frozen=True)
-class Job:
-    label: str
-    config: str
-    sets: tuple[str, ...]
-    updates: int
-    warmup: int
-    reps: int
-
 
 FULL = (
     Job("tiny (1-layer GPT, micro-batch 4 × 2, seq 32)", "configs/tiny.yaml", ("data.workers=1",), 200, 10, 5),

@@ -13,26 +13,14 @@ the same bench.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from bench.tables import ROOT, Section, Stopwatch, Table, cli, fmt, median, pct, ratio, work_folder
+from bench.tables import ROOT, Job, Section, Stopwatch, Table, cli, fmt, median, pct, ratio, work_folder
 from spotrun.orchestrator.launch import run_in_process
 from spotrun.orchestrator.ledger import BundlePublished, Ledger
 from spotrun.orchestrator.specfile import load_spec
 from spotrun.trainer.metrics import SqliteSink, metrics_dir
 from spotrun.trainer.storage import open_storage
-
-
-@dataclass(frozen=True)
-class Job:
-    label: str
-    config: str
-    sets: tuple[str, ...]
-    updates: int
-    warmup: int
-    reps: int
-
 
 FULL = (
     Job("tiny (1-layer GPT, micro-batch 4 × 2)", "configs/tiny.yaml", ("data.workers=1",), 300, 10, 3),

@@ -44,6 +44,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -364,8 +365,14 @@ class S3Storage:
 
     def get(self, key: str) -> bytes:
         k = self._key(key)
-        try:
+        with self._reading(key):
             return self._run(lambda: self._read(k))
+
+    @contextmanager
+    def _reading(self, key: str) -> Iterator[None]:
+        """A missing key as FileNotFoundError, any other failure to read as a StorageError."""
+        try:
+            yield
         except ClientError as e:
             if _not_found(e):
                 raise FileNotFoundError(f"{self.uri}/{key}: no such key") from e
@@ -377,14 +384,8 @@ class S3Storage:
         """One ``GetObject`` streamed ``chunk_bytes`` at a time; opening it is retried, a failure
         mid-stream is a :class:`StorageError` (the caller reads again: nothing was half-used)."""
         k = self._key(key)
-        try:
+        with self._reading(key):
             body = self._run(lambda: self._client.get_object(Bucket=self.bucket, Key=k)["Body"])
-        except ClientError as e:
-            if _not_found(e):
-                raise FileNotFoundError(f"{self.uri}/{key}: no such key") from e
-            raise self._fail("read", key, e) from e
-        except (BotoCoreError, *TRANSIENT_EXCEPTIONS) as e:
-            raise self._fail("read", key, e) from e
         try:
             yield from body.iter_chunks(chunk_bytes)
         except (ClientError, BotoCoreError, *TRANSIENT_EXCEPTIONS) as e:
