@@ -82,17 +82,39 @@ class _Figures:
         self._seen: tuple[float, int] | None = None  # (clock, update) at the last report
         self._lost_at: float | None = None  # clock when a loss was recorded, for the restart's downtime
         self._rejected: list[str] = []  # bundles refused before the restore that follows
+        self._loss: WorkerLost | None = None  # the last loss, for a restart that finds no bundle
+        # A restart's line when no bundle was published before the loss: the attempt's start is
+        # recorded before its Restored event, so the line waits for the next event or report.
+        self._fresh: str | None = None
+
+    def lines(self, e: _Event) -> list[str]:
+        """The lines an event brings: a fresh start's line it confirms, then its own."""
+        out = [] if isinstance(e, Restored) else self.pending()
+        self._fresh = None
+        line = self.line(e)
+        return [*out, line] if line else out
+
+    def pending(self) -> list[str]:
+        """A restart from the beginning that nothing contradicted (no Restored followed its start)."""
+        fresh, self._fresh = self._fresh, None
+        if fresh is not None:
+            self._lost_at = None
+        return [fresh] if fresh else []
 
     def line(self, e: _Event) -> str | None:
         """The log line an event deserves (None: it only changes the figures)."""
         if isinstance(e, AttemptStarted):
             self.attempt, self.world_size, self._seen = e.attempt, e.world_size, None
+            if self._lost_at is not None and self._loss is not None:
+                self._fresh = (f"restart: attempt {e.attempt} started from the beginning (no bundle was published "
+                               f"before the loss); cause {self._loss.cause}; lost updates {self._loss.last_update}; "
+                               f"downtime {time.monotonic() - self._lost_at:.1f}s")
             return None
         if isinstance(e, BundlePublished):
             self.bundle = f"{_name(e.bundle)} (update {e.update})"
             return None
         if isinstance(e, WorkerLost):
-            self._lost_at = time.monotonic()
+            self._lost_at, self._loss = time.monotonic(), e
             rank = "the driver" if e.rank is None else f"rank {e.rank}"
             return (f"attempt {e.attempt}: {rank} lost ({e.cause}) after update {e.last_update}"
                     + (f": {e.detail}" if e.detail else ""))
@@ -151,13 +173,14 @@ class PlainProgress:
         self.out.flush()
 
     def event(self, e: _Event) -> None:
-        line = self.figures.line(e)
-        if line:
+        for line in self.figures.lines(e):
             self._print(line)
             self._printed = min(self._printed, self.figures.done)
 
     def updates(self, records: Sequence[UpdateRecord], world_size: int) -> None:
         f = self.figures
+        for line in f.pending():
+            self._print(line)
         f.absorb(records, world_size)
         if records and (f.done - self._printed >= self.every or f.done == f.total):
             self._printed = f.done
@@ -178,12 +201,13 @@ class LiveProgress:
         self.bar.start()
 
     def event(self, e: _Event) -> None:
-        line = self.figures.line(e)
-        if line:
+        for line in self.figures.lines(e):
             self.bar.console.print(escape(line), highlight=False, soft_wrap=True)
         self._redraw()
 
     def updates(self, records: Sequence[UpdateRecord], world_size: int) -> None:
+        for line in self.figures.pending():
+            self.bar.console.print(escape(line), highlight=False, soft_wrap=True)
         self.figures.absorb(records, world_size)
         self._redraw()
 

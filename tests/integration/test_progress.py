@@ -48,9 +48,11 @@ def test_terminal_shows_the_bar_and_a_restart_after_a_rank_is_killed(tmp_path):
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)  # the bar redraws itself with escape codes
     assert "━" in text and re.search(r"updates\s.*16/16", text)  # rich's bar, drawn to the end
     assert re.search(r"attempt 1: rank 0 lost \(process-exit\) after update \d+", text), text[-3000:]
-    # bundle 8 is written in the background: the kill may come before it is published
-    assert re.search(r"restart: attempt 2 restored u00000000(04|08)-a1 \(update [48], exact\); cause process-exit; "
-                     r"lost updates \d+; downtime [\d.]+s", text)
+    # bundles 4 and 8 are written in the background: on a loaded machine the kill may come before
+    # either is published, and the restart then starts from the beginning
+    assert re.search(r"restart: attempt 2 (restored u00000000(04|08)-a1 \(update [48], exact\)|started from the "
+                     r"beginning \(no bundle was published before the loss\)); cause process-exit; "
+                     r"lost updates \d+; downtime [\d.]+s", text), text[-3000:]
     assert "attempt 2  world 1" in text
     assert not re.search(r"^update \d+/16", text, re.M)  # no plain lines on a terminal
 
