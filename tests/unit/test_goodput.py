@@ -101,7 +101,7 @@ def test_a_job_that_never_started_has_no_goodput():
 
 def test_history_reports_goodput_from_the_jobs_own_ledger_and_points(spec_factory):
     spec = spec_factory("train.updates=6", "checkpoint.every_updates=3", "model.kind=mlp", "data.workers=0",
-                        "cost.usd_per_rank_hour=2.5", job_id="gp")
+                        "cost.usd_per_rank_hour=3600", job_id="gp")  # $1 a second: cents in a second-long job
     run_in_process(spec)
     g = history(LocalStorage(spec.storage[len("file://"):]), "gp")["goodput"]
     assert g["productive_updates"] == 6 and g["replayed_updates"] == 0
