@@ -200,18 +200,19 @@ class RankRunner:
         """Capture the state at this boundary and hand it to the background writer.
 
         The stall is everything the loop waits for here, from the first line to the hand-off:
-        the previous write finishing (the capture reuses the host buffers it reads), the capture,
-        rank 0's manifest draft. Rank 0's figures go into the manifest."""
+        the metric points reaching their sinks, the previous write finishing (the capture reuses
+        the host buffers it reads), the capture, rank 0's manifest draft. Rank 0's figures go into the manifest."""
         s = self.session
         key = bundle_dir(self.spec.job_id, update, self.attempt)
         prefetched = s.prefetched_ahead
-        # Every point up to this update is in the sink before this bundle can be published (a kill
-        # loses only points the restart replays). Before the stall is timed: the background
-        # writer's last batch and the s3 sink's one request per interval.
-        self.metrics.flush()
         t0 = time.perf_counter()
+        # Every point up to this update is in the sink before this bundle can be published (a kill
+        # loses only points the restart replays). The loop waits for it because of the checkpoint,
+        # so it is stall: the background writer's last batch and the s3 sink's one request per interval.
+        self.metrics.flush()
+        t1 = time.perf_counter()
         self._collect(self.writer.wait())
-        waited = time.perf_counter() - t0
+        waited = time.perf_counter() - t1
         capture = s.capture()
         draft = None
         if self.rank == 0:
