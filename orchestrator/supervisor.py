@@ -237,7 +237,9 @@ class Supervisor:
 
         def restore() -> None:
             for sig, h in old.items():
-                signal.signal(sig, h)
+                # getsignal gives None for a handler installed outside Python (an embedding
+                # process); signal.signal refuses None, and the default is what such a process had
+                signal.signal(sig, signal.SIG_DFL if h is None else h)
 
         return restore
 

@@ -233,3 +233,26 @@ def test_the_drivers_stop_wins_over_a_ranks_drain(spec_factory, tmp_path):
     assert outcome.state == "stopped" and outcome.restarts == 0, outcome
     assert [e.action for e in events if isinstance(e, NoticeSeen)] == ["emergency-checkpoint"] * 2
     assert len([e for e in events if isinstance(e, NoticeHandled)]) == 1
+
+
+def test_driver_signal_handlers_are_restored_even_when_python_did_not_install_them(monkeypatch):
+    """signal.getsignal answers None for a handler set outside Python (an embedding process);
+    restoring must put the default back rather than fail on signal.signal(sig, None)."""
+    import signal
+    from types import SimpleNamespace
+
+    from spotrun.orchestrator.supervisor import Supervisor
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    real = signal.getsignal
+    monkeypatch.setattr(signal, "getsignal", lambda s: None if s == signal.SIGTERM else real(s))
+    fake = SimpleNamespace(spec=SimpleNamespace(preemption=SimpleNamespace(grace_s=1.0)), notify=lambda n: None)
+    try:
+        restore = Supervisor._watch_driver_signals(fake)  # type: ignore[arg-type]
+        assert real(signal.SIGTERM) not in (signal.SIG_DFL, before[signal.SIGTERM])
+        restore()
+        assert real(signal.SIGTERM) == signal.SIG_DFL
+        assert real(signal.SIGINT) == before[signal.SIGINT]
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
