@@ -186,7 +186,7 @@ def _final_model(storage, job: str):
     if newest is None:
         return None, None
     bundle = load_bundle(storage, newest.key, None)
-    return bundle.payloads["rank-0/model.pt"], bundle.manifest.counters
+    return bundle.whole("model.pt"), bundle.manifest.counters
 
 
 def final_bundle_diff(storage, ref_job: str, chaos_job: str) -> tuple[float, bool]:
@@ -205,8 +205,8 @@ def first_differing_tensor(storage, ref_job: str, chaos_job: str, update: int) -
     if not common:
         return "parameter digest differs (no common bundle to name the tensor)"
     u = common[0]
-    a = load_bundle(storage, ref[u], None).payloads["rank-0/model.pt"]
-    b = load_bundle(storage, chaos[u], None).payloads["rank-0/model.pt"]
+    a = load_bundle(storage, ref[u], None).whole("model.pt")
+    b = load_bundle(storage, chaos[u], None).whole("model.pt")
     for part in ("model", "ema"):
         for name in sorted(a[part]):
             if not a[part][name].equal(b[part][name]):

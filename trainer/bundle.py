@@ -60,6 +60,7 @@ from spotrun.trainer.manifest import (
     WorldInfo,
     parse_manifest,
 )
+from spotrun.trainer.sharding import Pieces, ShardError
 from spotrun.trainer.state import Capture, TrainState
 from spotrun.trainer.storage import Storage
 from spotrun.trainer.tensorfile import TensorFileError, join, split
@@ -199,7 +200,8 @@ def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lin
                       prefetched_ahead=prefetched_ahead, source_offsets=source_offsets or {},
                       repeats_on_restore=state.planner_state["low_water"]["repeats"]),
         world=WorldInfo(size=state.world_size, accum_steps=accum_steps,
-                        micro_batch=spec.train.micro_batch, policy=spec.world.policy),
+                        micro_batch=spec.train.micro_batch, policy=spec.world.policy,
+                        parallelism=spec.train.parallelism),
         precision=Precision(stored="fp32", compute=spec.train.precision,
                             master_weights="the fp32 parameters are the masters"),
         versions=versions(state.device),
@@ -386,6 +388,14 @@ class LoadedBundle:
     manifest: Manifest
     payloads: dict[str, Any]
 
+    def whole(self, name: str) -> dict[str, Any]:
+        """The payload ``name`` (``model.pt``, ``optimizer.pt``) with every tensor whole, as one rank
+        holding every row would have written it: a sharded bundle's shards put together."""
+        try:
+            return Pieces(self.payloads, name, f"bundle {self.key}").whole()
+        except ShardError as e:
+            raise BundleCorrupt(str(e)) from e
+
 
 def read_manifest(storage: Storage, bundle_key: str) -> Manifest:
     where = f"bundle {bundle_key}"
@@ -397,13 +407,18 @@ def read_manifest(storage: Storage, bundle_key: str) -> Manifest:
 
 
 def load_bundle(storage: Storage, bundle_key: str, desc: Description | None, *,
-                same_job: bool = True) -> LoadedBundle:
-    """Verify then deserialise a published bundle. Raises a :class:`BundleError` or ``ManifestError``."""
+                same_job: bool = True, want: Callable[[Manifest, str], bool] | None = None) -> LoadedBundle:
+    """Verify then deserialise a published bundle. Raises a :class:`BundleError` or ``ManifestError``.
+
+    ``want(manifest, path)`` picks the files to read (default: all): a rank of a sharded job reads
+    its own shard, not every rank's. Whatever is read is verified against the manifest first."""
     manifest = read_manifest(storage, bundle_key)
     if desc is not None:
         check_compatible(manifest, desc, f"bundle {bundle_key}", same_job=same_job)
     blobs = {}
     for f in manifest.files:
+        if want is not None and not want(manifest, f.path):
+            continue
         key = f"{bundle_key}/{f.path}"
         try:
             blob = storage.get(key)

@@ -4,7 +4,8 @@
 ``torch.distributed`` process group (gloo on CPU, nccl on GPU). Gradients are
 summed in one flat buffer and averaged, and rank 0's persistent buffers are
 broadcast after every update (as DDP does), so every replica stays identical
-and rank 0's copy is the whole model state.
+and rank 0's copy is the whole model state. A sharded model (FSDP) has had its
+gradients reduce-scattered in backward: only the riders and the buffers travel.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class Collective(Protocol):
         """Average the gradients over the ranks; in the same collective, sum ``riders`` (the
         update's loss, metrics and boundary flags) and return their sums."""
 
+    def sync_sharded(self, model: nn.Module, riders: list[float]) -> list[float]:
+        """FSDP reduced the gradients during backward: sum ``riders`` over the ranks, and broadcast
+        rank 0's buffers as :meth:`sync_gradients` does, in one rendezvous of the ranks."""
+
     def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
         """The element-wise mean of ``values`` over the ranks and the element-wise OR of every rank's
         ``flags``, in one collective; every rank gets the same answer."""
@@ -40,6 +45,9 @@ class LocalCollective:
     world_size = 1
 
     def sync_gradients(self, model: nn.Module, riders: list[float]) -> list[float]:
+        return list(riders)
+
+    def sync_sharded(self, model: nn.Module, riders: list[float]) -> list[float]:
         return list(riders)
 
     def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
@@ -80,10 +88,14 @@ class TorchCollective:
             n = g.numel()
             g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
-        for buf in model.buffers():
-            if buf.is_floating_point() or buf.dtype in (torch.int64, torch.int32):
-                dist.broadcast(buf, src=0)
+        _broadcast_buffers(model)
         return sums
+
+    def sync_sharded(self, model: nn.Module, riders: list[float]) -> list[float]:
+        t = torch.tensor(riders, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        _broadcast_buffers(model)
+        return t.tolist()
 
     def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
         # One float64 sum: a flag is raised on some rank iff its sum of 0s and 1s is positive (exact
@@ -104,3 +116,10 @@ class TorchCollective:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _broadcast_buffers(model: nn.Module) -> None:
+    """Rank 0's persistent buffers (batch-norm statistics, ...) on every rank, as DDP keeps them."""
+    for buf in model.buffers():
+        if buf.is_floating_point() or buf.dtype in (torch.int64, torch.int32):
+            dist.broadcast(buf, src=0)

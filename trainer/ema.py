@@ -5,9 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from spotrun.trainer.sharding import local
+
 
 class EMA:
-    """``ema <- decay * ema + (1 - decay) * param`` after every applied update."""
+    """``ema <- decay * ema + (1 - decay) * param`` after every applied update.
+
+    Each shadow tensor is placed like its parameter: sharded under FSDP, so the update needs no
+    communication."""
 
     def __init__(self, model: nn.Module, decay: float) -> None:
         self.decay = decay
@@ -25,5 +30,5 @@ class EMA:
         missing = set(self.shadow) ^ set(state)
         if missing:
             raise ValueError(f"EMA state names differ from the model's: {sorted(missing)}")
-        for n, t in state.items():
-            self.shadow[n].copy_(t)
+        for n, t in state.items():  # a sharded shadow takes the rows this rank holds
+            local(self.shadow[n]).copy_(local(t))

@@ -21,6 +21,7 @@ from spotrun.trainer.data.listing import scan
 from spotrun.trainer.data.planner import Planner
 from spotrun.trainer.data.stream import StreamPlanner
 from spotrun.trainer.ema import EMA
+from spotrun.trainer.sharding import full, is_sharded, local
 from spotrun.trainer.state import TrainState
 
 ORACLE_TRACE = "per-update occurrence digest and parameter digest equal the uninterrupted run"
@@ -42,6 +43,7 @@ class Category:
     undetectable: str = ""  # why no oracle can see it, where that is so
     applies: Callable[[TrainState], bool] = _always  # does this job have the category at all
     skip: str = ""  # a registered state object whose restore a drop skips
+    min_ranks: int = 1  # the fewest ranks a job needs to have the category (sharding needs two)
 
 
 # A drop runs only on a job its category ``applies`` to; these name the part it changes, and refuse
@@ -75,7 +77,8 @@ def _token_feed(st: TrainState) -> TokenFeed:
 def _reinit_params(st: TrainState) -> None:
     with torch.no_grad():
         for p in st.model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p) * 0.01)
+            mine = local(p)  # a sharded parameter: this rank's rows
+            mine.add_(torch.randn(mine.shape, generator=torch.Generator().manual_seed(1)).to(mine) * 0.01)
 
 
 def _reset_ema(st: TrainState) -> None:
@@ -150,6 +153,21 @@ def _eval_mode(st: TrainState) -> None:
     st.model.eval()
 
 
+def _rank0_rows(st: TrainState) -> None:
+    # a build that restores every rank from rank 0's shard (the layout ignored): each rank's rows of
+    # every sharded parameter become the first rows of the whole tensor
+    if not any(is_sharded(p) for p in st.model.parameters()):
+        raise ValueError("the shard_rows category applies to a sharded job (train.parallelism=fsdp, 2+ ranks)")
+    with torch.no_grad():
+        for p in st.model.parameters():
+            whole, mine = full(p), local(p)
+            mine.copy_(whole[:mine.shape[0]])
+
+
+def _sharded(st: TrainState) -> bool:
+    return any(is_sharded(p) for p in st.model.parameters())
+
+
 def _is(kind: str) -> Callable[[TrainState], bool]:
     return lambda st: st.feed.kind == kind
 
@@ -165,7 +183,8 @@ _DERIVED = ("re-derived at the start of every microstep from (seed, update, micr
 
 CATEGORIES: tuple[Category, ...] = (
     Category("model_params", "TrainState.model",
-             "rank-0/model.pt ['model'] (the tensors' bytes in rank-0/model.safetensors)",
+             "rank-0/model.pt ['model'] (the tensors' bytes in rank-0/model.safetensors; fsdp: every rank's "
+             "rank-<r>/model.pt, its rows)",
              "model.load_state_dict(strict=True) after the name/shape check", ORACLE_TRACE, _reinit_params),
     Category("ema", "TrainState.ema", "rank-0/model.pt ['ema'] (fp32 tensors)",
              "EMA.load_state_dict (names must match the model's)",
@@ -224,6 +243,14 @@ CATEGORIES: tuple[Category, ...] = (
              "occurrence digest per update", _drop_remainder,
              needs="a boundary where an occurrence straddles two updates (nearly every boundary)",
              applies=_is("token")),
+    Category("shard_rows", "FSDP2's dim-0 shards (train.parallelism=fsdp): each rank's rows of every parameter, "
+             "EMA weight and optimizer moment",
+             "rank-<r>/model.pt and rank-<r>/optimizer.pt ['layout'] (each sharded tensor's rows [start, stop) and "
+             "whole shape; the rows in that rank's .safetensors)",
+             "each rank puts together the rows it holds now from the shards that cover them: its own at the same "
+             "world size, any overlapping ones at another; rows in no shard are a torn bundle, refused",
+             "the restore oracle on every rank (its shard equals the bundle's) and " + ORACLE_TRACE, _rank0_rows,
+             needs="train.parallelism=fsdp on 2 or more ranks", applies=_sharded, min_ranks=2),
     Category("counters", "CountersState", "rank-0/state.json ['counters'] and the manifest",
              "CountersState.load_state_dict; read under loop_convention",
              "update numbering and counters in the trace and the next manifest", _reset_counters),
@@ -267,12 +294,15 @@ def categories_of(state: TrainState) -> dict[str, Category]:
 # Where each category sits in a capture: (file, path of keys) -> category. A path prefix
 # covers everything below it; "*" matches any key at that level.
 LOCATIONS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("rank-0/model.pt", ("model",), "model_params"),
-    ("rank-0/model.pt", ("ema",), "ema"),
-    ("rank-0/optimizer.pt", ("state", "*", "step"), "optimizer_steps"),
-    ("rank-0/optimizer.pt", ("state",), "optimizer_moments"),
-    ("rank-0/optimizer.pt", ("param_groups",), "scheduler"),  # the live lr is the schedule's
-    ("rank-0/optimizer.pt", ("scheduler",), "scheduler"),
+    # rank 0's files, or under fsdp every rank's (its shard)
+    ("rank-*/model.pt", ("model",), "model_params"),
+    ("rank-*/model.pt", ("ema",), "ema"),
+    ("rank-*/model.pt", ("layout",), "shard_rows"),
+    ("rank-*/optimizer.pt", ("state", "*", "step"), "optimizer_steps"),
+    ("rank-*/optimizer.pt", ("state",), "optimizer_moments"),
+    ("rank-*/optimizer.pt", ("param_groups",), "scheduler"),  # the live lr is the schedule's
+    ("rank-*/optimizer.pt", ("scheduler",), "scheduler"),
+    ("rank-*/optimizer.pt", ("layout",), "shard_rows"),
     ("rank-0/state.json", ("counters",), "counters"),
     ("rank-0/state.json", ("scaler",), "grad_scaler"),
     ("rank-0/state.json", ("planner", "cursor"), "data_cursor"),

@@ -11,6 +11,7 @@ RNG, the update boundary and the bundle; the job brings pure pieces and register
   backward, accumulation, clipping, the grad scaler, the optimizer and scheduler steps and
   ``zero_grad``;
 - ``optimizer(model)`` and ``scheduler(optimizer, total_updates)`` build those two;
+- ``shard(model, mesh)`` (``train.parallelism: fsdp`` only) chooses the FSDP2 units;
 - ``state`` maps a name to any object with ``state_dict()``/``load_state_dict()`` whose state
   shapes later updates; each rank's copy is saved and restored (it must round-trip through
   ``torch.load(weights_only=True)``).
@@ -69,6 +70,10 @@ class Job:
     scheduler: Callable[[torch.optim.Optimizer, int], Any] | None = None
     state: Mapping[str, Stateful] = field(default_factory=dict)
     ema_decay: float | None = None  # keep an fp32 exponential moving average of the parameters
+    # train.parallelism=fsdp: shard(model, mesh) calls torch's fully_shard(module, mesh=mesh) on each
+    # submodule that should be a unit of its own (each transformer block, say); spotrun then wraps
+    # the root. None: each top-level child that holds parameters is a unit.
+    shard: Callable[[nn.Module, Any], None] | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "step", "optimizer"):
@@ -77,6 +82,9 @@ class Job:
         if self.scheduler is not None and not callable(self.scheduler):
             raise JobError("spotrun.Job(scheduler=...) must be a callable (optimizer, total_updates) -> scheduler, "
                            "or None")
+        if self.shard is not None and not callable(self.shard):
+            raise JobError("spotrun.Job(shard=...) must be a callable (model, mesh) -> None that calls "
+                           "fully_shard on submodules, or None")
         if self.ema_decay is not None and not 0 <= self.ema_decay < 1:
             raise JobError(f"spotrun.Job(ema_decay={self.ema_decay}) must be in [0, 1)")
         for name, obj in self.state.items():

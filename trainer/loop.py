@@ -16,11 +16,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.job import RESERVED_METRICS, JobError
 from spotrun.trainer.rng import microbatch_seed, seed_all
+from spotrun.trainer.sharding import gathered
 from spotrun.trainer.state import CopiesDone, TrainState
 from spotrun.trainer.trace import (
     TRACE_VERSION,
@@ -110,14 +112,16 @@ class TrainLoop:
         self._grad_digest = ""  # set by _step when digests are on
 
     def grad_digest(self) -> str:
-        return digest_tensors({n: p.grad for n, p in self.state.model.named_parameters() if p.grad is not None})
+        # whole tensors (sharded ones gathered: every rank calls this), so a digest is the model's, not a shard's
+        return digest_tensors(gathered({n: p.grad for n, p in self.state.model.named_parameters()
+                                        if p.grad is not None}))
 
     def params_digest(self) -> str:
         st = self.state
         named = dict(st.model.state_dict())
         if st.ema is not None:
             named.update({f"ema.{k}": v for k, v in st.ema.state_dict().items()})
-        return digest_tensors(named)
+        return digest_tensors(gathered(named))
 
     def run_update(self, flags: BoundaryFlags | None = None) -> UpdateRecord:
         """One update. With a gradient sync and ``flags``, the update's loss and metrics are averaged
@@ -148,6 +152,8 @@ class TrainLoop:
             sync: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
             if m < self.accum_steps - 1 and isinstance(trained, DistributedDataParallel):
                 sync = trained.no_sync()
+            if isinstance(trained, FSDPModule):  # reduce-scatter once, after the last microstep's backward
+                trained.set_requires_gradient_sync(m == self.accum_steps - 1)
             with sync:
                 loss, metrics = forward(st, batch)
                 self.faults.hit("backward", update, m)

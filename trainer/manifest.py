@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -19,10 +19,13 @@ from spotrun.trainer.data.listing import ShardInfo
 from spotrun.trainer.data.planner import Cursor
 from spotrun.trainer.storage import UnsafeKeyError, check_key
 
-SCHEMA_VERSION = 3  # 2: the job's code (entrypoint, fingerprint) and data kind; 3: tensors in <stem>.safetensors
+# 2: the job's code (entrypoint, fingerprint) and data kind; 3: tensors in <stem>.safetensors;
+# 4: world.parallelism, and sharded bundles (every rank's model.pt/optimizer.pt with a layout)
+SCHEMA_VERSION = 4
 # Schemas this release reads: a schema-2 bundle holds its tensors inside the .pt files, which the
-# loader reads as before (a .pt without a tensor file beside it is a whole payload).
-READABLE_SCHEMAS = (2, 3)
+# loader reads as before (a .pt without a tensor file beside it is a whole payload); schemas 2 and 3
+# are replicated bundles (no world.parallelism: "ddp").
+READABLE_SCHEMAS = (2, 3, 4)
 _RANK_DIR = re.compile(r"^rank-(\d+)/")
 # The world side (fresh | exact | exact-data | fresh-epoch | new-experiment), then "+<data side>"
 # when the data side is not exact, e.g. "exact+bounded-repetition".
@@ -113,6 +116,8 @@ class WorldInfo(_M):
     accum_steps: int
     micro_batch: int
     policy: str
+    # ddp: rank 0's files hold the whole model and optimizer; fsdp: every rank's hold its shard of them
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
 
 
 class ManifestDraft(_M):

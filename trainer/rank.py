@@ -79,8 +79,7 @@ class RankRunner:
         self.trace = trace
         self.session = TrainSession(spec, rank=rank, world_size=world_size, attempt=attempt,
                                     restore_mode=restore_mode, drop=drop,
-                                    grad_sync=(collective.sync_gradients if world_size > 1
-                                               and spec.train.grad_sync == "allreduce" else None),
+                                    grad_sync=_grad_sync(spec, collective, world_size),
                                     record_ids=record_ids and rank == 0,
                                     digests=trace,  # every rank's stage digests reach rank 0's record
                                     device=device)
@@ -112,7 +111,8 @@ class RankRunner:
         belong to another job, and ``reset`` lists what the new lineage starts afresh."""
         # Another job's storage is assumed to sit behind the same endpoint as this job's.
         storage = open_storage(storage_uri, self.spec.storage_endpoint_url) if storage_uri else self.storage
-        bundle = load_bundle(storage, bundle_key, self.session.desc, same_job=storage_uri is None)
+        bundle = load_bundle(storage, bundle_key, self.session.desc, same_job=storage_uri is None,
+                             want=self.session.wants)
         seconds = self.session.restore(bundle)
         mismatches = [] if storage_uri is not None else self.session.roundtrip(bundle)
         if storage_uri is not None:
@@ -241,6 +241,17 @@ class RankRunner:
         with self._lock:
             self._report.bundles.append(report)
 
+
+
+def _grad_sync(spec: JobSpec, collective: Collective, world_size: int) -> Any:
+    """The loop's gradient sync, which also carries the update's riders: the flat all-reduce, or for a
+    sharded model (whose gradients FSDP reduced in backward) the riders alone; none for one rank or
+    DDP (its hooks sync, and the riders take a collective of their own)."""
+    if world_size == 1:
+        return None
+    if spec.train.parallelism == "fsdp":
+        return collective.sync_sharded
+    return collective.sync_gradients if spec.train.grad_sync == "allreduce" else None
 
 
 def _with_copy_wait(draft: dict[str, Any] | None, copies: Any) -> dict[str, Any] | None:

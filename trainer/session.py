@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from spotrun.trainer.bundle import Description, LoadedBundle, describe
+from spotrun.trainer.bundle import BundleCorrupt, Description, LoadedBundle, describe
 from spotrun.trainer.counters import CountersState
 from spotrun.trainer.data.feed import TokenFeed, bind
 from spotrun.trainer.data.listing import ShardInfo
@@ -27,7 +27,9 @@ from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.inventory import DATA_CATEGORIES, categories_of, roundtrip_mismatches
 from spotrun.trainer.job import build_job
 from spotrun.trainer.loop import BoundaryFlags, GradSync, TrainLoop
+from spotrun.trainer.manifest import Manifest
 from spotrun.trainer.rng import seed_all
+from spotrun.trainer.sharding import ShardError
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.state import Capture, TrainState
 from spotrun.trainer.trace import UpdateRecord
@@ -79,13 +81,29 @@ class TrainSession:
         if isinstance(self.feed, TokenFeed) and self.spec.data.order == "sequential" and bundle.manifest.data.shards:
             self.feed.resume(bundle.manifest.data.shards)  # the shards in the order it read them
         known = categories_of(self.state)
-        self.state.restore(bundle.payloads, skip=[known[d].skip for d in self.drop if known[d].skip])
+        try:
+            self.state.restore(bundle.payloads, skip=[known[d].skip for d in self.drop if known[d].skip])
+        except ShardError as e:  # the shards do not add up: an older bundle may still serve
+            raise BundleCorrupt(str(e)) from e
         for name in self.drop:  # a deliberately broken build (oracle tests, verify's mutants)
             drop = known[name].drop
             if drop is not None:
                 drop(self.state)
         self.state.planner_state = self.state.planner.state_dict()
         return time.perf_counter() - t0
+
+    def wants(self, manifest: Manifest, path: str) -> bool:
+        """Whether this rank's restore reads the bundle file ``path`` (:func:`load_bundle`'s ``want``):
+        its own files and rank 0's shared ones (state, stream); of the model and optimizer, a sharded
+        bundle's own shard when the world is the same, and otherwise every rank's (the rows this rank
+        now holds may sit in any of them; a replicated bundle has them in rank 0's alone)."""
+        rank_dir, _, name = path.partition("/")
+        rank = int(rank_dir.removeprefix("rank-")) if rank_dir.startswith("rank-") else -1
+        if rank == self.rank:
+            return True
+        if name.startswith(("model.", "optimizer.")):
+            return not (manifest.world.parallelism == "fsdp" and manifest.world.size == self.world_size)
+        return rank == 0 and name.startswith(("state.", "stream."))
 
     def roundtrip(self, bundle: LoadedBundle) -> list[str]:
         """The restore oracle: capture right after :meth:`restore` and name every state category

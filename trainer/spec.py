@@ -117,6 +117,10 @@ class TrainSpec(_Strict):
     # the model in torch's DistributedDataParallel (bucketed, overlapped with backward, no_sync on the
     # earlier microsteps; the step must call the model it is given, not its submodules). See README.
     grad_sync: Literal["allreduce", "ddp"] = "allreduce"
+    # "ddp": every rank holds the whole model, optimizer and EMA (replicas; rank 0 writes them).
+    # "fsdp": FSDP2 shards parameters, gradients, optimizer state and EMA over the ranks on dim 0
+    # (fully_shard per unit, see spotrun.Job(shard=...)), and every rank writes its own shard.
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
     # GPU: TF32 matmuls are faster and round inputs to 10 mantissa bits, differently on each GPU
     # generation; off unless allowed (bitwise restores hold either way on the same GPU model)
     allow_tf32: bool = False
@@ -125,6 +129,12 @@ class TrainSpec(_Strict):
     def _check(self) -> TrainSpec:
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} exceeds train.lr={self.lr}")
+        if self.parallelism == "fsdp" and self.grad_sync == "ddp":
+            raise ValueError("train.parallelism=fsdp reduces the gradients itself (reduce-scatter in backward); "
+                             "train.grad_sync=ddp applies to replicated models only: drop train.grad_sync")
+        if self.parallelism == "fsdp" and self.precision == "fp16":
+            raise ValueError("train.parallelism=fsdp does not take train.precision=fp16: its grad scaler is not "
+                             "shard-aware here. Use train.precision=bf16 (no scaler needed) or fp32")
         return self
 
 

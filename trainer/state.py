@@ -16,6 +16,10 @@ A capture is a host-memory copy of everything, split into bundle files:
 
 The model and optimizer are replicas across data-parallel ranks, so rank 0
 alone writes them; every rank writes its own random streams and registered state.
+Under ``train.parallelism: fsdp`` the parameters, EMA and optimizer state are sharded
+(:mod:`spotrun.trainer.sharding`): every rank writes ``rank-<r>/model.pt`` and
+``rank-<r>/optimizer.pt`` with its own rows of each sharded tensor and their layout, and
+a restore puts together the rows it holds now from whichever ranks' files cover them.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from spotrun.trainer.ema import EMA
 from spotrun.trainer.job import Job, JobError, check_weights_only
 from spotrun.trainer.optim import build_scaler, group_names, load_named_state, named_state
 from spotrun.trainer.rng import RngState, seed_all
+from spotrun.trainer.sharding import LAYOUT, Pieces, apply_fsdp, held_rows, is_sharded, layout_entry, like, local
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.stateful import check_version
 
@@ -174,10 +179,15 @@ class TrainState:
         if not isinstance(model, nn.Module):
             raise JobError(f"spotrun.Job(model=...) returned a {type(model).__name__}, not a torch.nn.Module")
         self.model = model.to(device)
+        # Sharded (fsdp) state: every rank writes its own rows of the model and optimizer. One rank
+        # has nothing to shard, so its model stays whole (and its bundle's layout spans every row).
+        self.sharded = spec.train.parallelism == "fsdp"
+        if self.sharded and world_size > 1:
+            apply_fsdp(self.model, job.shard, world_size, device)
         # The module the step is given: the model, or (train.grad_sync=ddp, several ranks) torch's DDP
         # around it, whose hooks average the gradients during backward. State is always the model's.
         self.trained: nn.Module = self.model
-        if spec.train.grad_sync == "ddp" and world_size > 1:
+        if spec.train.grad_sync == "ddp" and world_size > 1 and not self.sharded:
             self.trained = DistributedDataParallel(self.model, device_ids=None if device == "cpu" else [device])
         seed_all(rank_seed(spec.seed, rank))
         self.ema = EMA(self.model, job.ema_decay) if job.ema_decay is not None else None
@@ -232,9 +242,11 @@ class TrainState:
                     "objects": {n: self.host.copy_tree(f"user/{n}", o.state_dict()) for n, o in self.user.items()},
                 }
             self.pending_user_copy = self.host.done()
+        if self.rank == 0 or self.sharded:
+            with self.host.copies():
+                files.update(self._model_files())
         if self.rank == 0:
             with self.host.copies():
-                files.update(self._replicated())
                 if stream is not None:
                     files["rank-0/stream.pt"] = {"version": STATE_VERSION,
                                                  "stream": self.host.copy_tree("stream", stream)}
@@ -248,23 +260,33 @@ class TrainState:
         self.pending_copy = self.host.done()
         return Capture(self.counters.value.attempted_updates, self.rank, files, json_files, ready=self.pending_copy)
 
-    def _replicated(self) -> dict[str, dict[str, Any]]:
-        """The model, EMA, optimizer and scheduler: the same on every rank, so rank 0 writes them.
+    def _model_files(self) -> dict[str, dict[str, Any]]:
+        """The model, EMA, optimizer and scheduler: the same on every rank, so rank 0 writes them; or,
+        sharded, each rank its own rows of them, with their layout (:mod:`~spotrun.trainer.sharding`).
 
         Parameters, EMA and optimizer state change only in the next optimizer step, so their
         copies are deferred (:class:`HostBuffers`); buffers (batch-norm statistics, say) may change
         in the next forward, so they are copied now."""
         params = {id(p) for p in self.model.parameters()}
+        layout: dict[str, list[int]] = {}
+        model = self.model.state_dict(keep_vars=True)
+        layout.update({f"model/{k}": layout_entry(v) for k, v in model.items() if is_sharded(v)})
+        ema = _held("ema", self.ema.state_dict(), layout) if self.ema is not None else {}
+        opt_layout: dict[str, list[int]] = {}
+        optimizer = _held("", named_state(self.optimizer, self.group_names), opt_layout)
+        d = f"rank-{self.rank}"
         return {
-            "rank-0/model.pt": {
+            f"{d}/model.pt": {
                 "version": STATE_VERSION,
-                "model": {k: self.host.copy(f"model/{k}", v, defer=id(v) in params)
-                          for k, v in self.model.state_dict(keep_vars=True).items()},
-                "ema": self.host.copy_tree("ema", self.ema.state_dict(), defer=True) if self.ema is not None else {},
+                "model": {k: self.host.copy(f"model/{k}", local(v), defer=id(v) in params)
+                          for k, v in model.items()},
+                "ema": self.host.copy_tree("ema", ema, defer=True),
+                **({LAYOUT: layout} if self.sharded else {}),
             },
-            "rank-0/optimizer.pt": {
-                **self.host.copy_tree("optimizer", named_state(self.optimizer, self.group_names), defer=True),
+            f"{d}/optimizer.pt": {
+                **self.host.copy_tree("optimizer", optimizer, defer=True),
                 "scheduler": copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
+                **({LAYOUT: opt_layout} if self.sharded else {}),
             },
         }
 
@@ -273,17 +295,7 @@ class TrainState:
     def restore(self, payloads: dict[str, Any], skip: Iterable[str] = ()) -> None:
         """Load every owner from a bundle's payloads (already checksum-verified). ``skip`` names
         registered state objects whose restore is skipped (a deliberately broken build)."""
-        model = payloads["rank-0/model.pt"]
-        check_version("rank-0/model.pt", model, STATE_VERSION)
-        self.model.load_state_dict(model["model"], strict=True)
-        if self.ema is not None:
-            self.ema.load_state_dict(model["ema"])
-        # A copy: torch's load keeps same-dtype tensors as given, and the optimizer must own its state.
-        opt = dict(payloads["rank-0/optimizer.pt"])
-        scheduler = opt.pop("scheduler", None)
-        load_named_state(self.optimizer, self.group_names, _clone(opt))
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(scheduler)
+        self._restore_model(payloads)
         state = payloads["rank-0/state.json"]
         check_version("rank-0/state.json", state, STATE_VERSION)
         self.counters.load_state_dict(state["counters"])
@@ -311,6 +323,62 @@ class TrainState:
         else:
             # Another world size (elastic): this rank has no saved streams; derive fresh ones.
             seed_all(rank_seed(self.spec.seed, self.rank) + self.counters.value.attempted_updates)
+
+
+    def _restore_model(self, payloads: dict[str, Any]) -> None:
+        """The model, EMA, optimizer and scheduler: each tensor's rows this rank holds, put together
+        from the bundle's pieces (:class:`~spotrun.trainer.sharding.Pieces`: the one file of a
+        replicated bundle, or the shards of a sharded one, at any world size)."""
+        model = Pieces(payloads, "model.pt", "bundle")
+        check_version(f"rank-{model.files[0][0]}/model.pt", model.template, STATE_VERSION)
+        own = self.model.state_dict(keep_vars=True)
+        shadow = self.ema.state_dict() if self.ema is not None else {}
+        targets = {**{f"model/{k}": v for k, v in own.items()}, **{f"ema/{k}": v for k, v in shadow.items()}}
+        view = model.tree("", model.template, lambda key, t: held_rows(targets[key]) if key in targets else None)
+        if any(is_sharded(t) for t in own.values()):
+            missing = sorted(set(own) ^ set(view["model"]))
+            if missing:
+                raise ValueError(f"the bundle's model and this model differ in the tensors {missing}")
+            with torch.no_grad():  # into the rows this rank holds, in place (FSDP owns the storage)
+                for k, t in own.items():
+                    local(t).copy_(view["model"][k])
+        else:
+            self.model.load_state_dict(view["model"], strict=True)
+        if self.ema is not None:
+            self.ema.load_state_dict(view["ema"])
+        # A copy: torch's load keeps same-dtype tensors as given, and the optimizer must own its state.
+        opt_pieces = Pieces(payloads, "optimizer.pt", "bundle")
+        params = dict(self.model.named_parameters())
+
+        def rows(key: str, t: torch.Tensor) -> tuple[int, int] | None:
+            _, name, _ = key.split("/", 2) if key.startswith("state/") and key.count("/") >= 2 else ("", "", "")
+            p = params.get(name)
+            shape = opt_pieces.shape(key, t)
+            return held_rows(p) if p is not None and is_sharded(p) and shape == tuple(p.shape) else None
+
+        opt = _clone(opt_pieces.tree("", opt_pieces.template, rows))
+        for name, state in opt["state"].items():  # moments of a sharded parameter are sharded like it
+            p = params.get(name)
+            if p is not None and is_sharded(p):
+                opt["state"][name] = {k: like(p, v) if isinstance(v, torch.Tensor) and v.dim() else v
+                                      for k, v in state.items()}
+        scheduler = opt.pop("scheduler", None)
+        load_named_state(self.optimizer, self.group_names, opt)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(scheduler)
+
+
+def _held(key: str, obj: Any, layout: dict[str, list[int]]) -> Any:
+    """``obj`` with every sharded tensor replaced by the rows this rank holds, whose place in the
+    whole tensor goes into ``layout`` under its ``/``-joined path (``key`` is ``obj``'s own)."""
+    if is_sharded(obj):
+        layout[key] = layout_entry(obj)
+        return local(obj)
+    if isinstance(obj, dict):
+        return {k: _held(f"{key}/{k}" if key else str(k), v, layout) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_held(f"{key}/{i}" if key else str(i), v, layout) for i, v in enumerate(obj)]
+    return obj
 
 
 def _clone(obj: Any) -> Any:

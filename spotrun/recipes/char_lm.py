@@ -10,7 +10,8 @@ sequence length and masking probability from ``data``, and ``lr``, ``min_lr``,
 - loss: next-token cross-entropy;
 - optimizer: AdamW, weight decay on matrices only;
 - schedule: linear warmup to ``lr``, then cosine to ``min_lr`` at the last update;
-- an fp32 EMA of the parameters.
+- an fp32 EMA of the parameters;
+- under ``train.parallelism: fsdp``, each transformer block an FSDP2 unit.
 """
 
 from __future__ import annotations
@@ -38,7 +39,16 @@ def build(ctx: spotrun.BuildContext) -> spotrun.Job:
         optimizer=lambda model: adamw(model, t.lr, t.betas, t.weight_decay),
         scheduler=lambda opt, total: LambdaLR(opt, warmup_cosine(t.lr, t.min_lr, t.warmup_updates, total)),
         ema_decay=t.ema_decay,
+        shard=each_block,
     )
+
+
+def each_block(model: nn.Module, mesh: object) -> None:
+    """train.parallelism=fsdp: every transformer block its own FSDP unit (the root holds the rest)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in getattr(model, "blocks", ()):
+        fully_shard(block, mesh=mesh)
 
 
 def next_token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
