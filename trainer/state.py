@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -180,9 +181,10 @@ class TrainState:
             raise JobError(f"spotrun.Job(model=...) returned a {type(model).__name__}, not a torch.nn.Module")
         self.model = model.to(device)
         # Sharded (fsdp) state: every rank writes its own rows of the model and optimizer. One rank
-        # has nothing to shard, so its model stays whole (and its bundle's layout spans every row).
+        # has nothing to shard, so its model stays whole (and its bundle's layout spans every row); so
+        # does a session that plays every rank in one process (inspect --explain: no process group).
         self.sharded = spec.train.parallelism == "fsdp"
-        if self.sharded and world_size > 1:
+        if self.sharded and world_size > 1 and dist.is_initialized() and dist.get_world_size() == world_size:
             apply_fsdp(self.model, job.shard, world_size, device)
         # The module the step is given: the model, or (train.grad_sync=ddp, several ranks) torch's DDP
         # around it, whose hooks average the gradients during backward. State is always the model's.
@@ -205,6 +207,7 @@ class TrainState:
         self.user = dict(job.state)
         self.rng = RngState()
         self.host = HostBuffers(device)
+        self._layouts: dict[str, list[int]] = {}  # sharded tensors' layout entries, by path (see _layout_of)
         # Copies of the last capture the training stream must let finish before it overwrites
         # their sources (GPU only): the registered objects before the next step, the rest before
         # the next optimizer step (see TrainLoop).
@@ -270,10 +273,10 @@ class TrainState:
         params = {id(p) for p in self.model.parameters()}
         layout: dict[str, list[int]] = {}
         model = self.model.state_dict(keep_vars=True)
-        layout.update({f"model/{k}": layout_entry(v) for k, v in model.items() if is_sharded(v)})
-        ema = _held("ema", self.ema.state_dict(), layout) if self.ema is not None else {}
+        layout.update({f"model/{k}": self._layout_of(f"model/{k}", v) for k, v in model.items() if is_sharded(v)})
+        ema = self._held("ema", self.ema.state_dict(), layout) if self.ema is not None else {}
         opt_layout: dict[str, list[int]] = {}
-        optimizer = _held("", named_state(self.optimizer, self.group_names), opt_layout)
+        optimizer = self._held("", named_state(self.optimizer, self.group_names), opt_layout)
         d = f"rank-{self.rank}"
         return {
             f"{d}/model.pt": {
@@ -368,17 +371,25 @@ class TrainState:
             self.scheduler.load_state_dict(scheduler)
 
 
-def _held(key: str, obj: Any, layout: dict[str, list[int]]) -> Any:
-    """``obj`` with every sharded tensor replaced by the rows this rank holds, whose place in the
-    whole tensor goes into ``layout`` under its ``/``-joined path (``key`` is ``obj``'s own)."""
-    if is_sharded(obj):
-        layout[key] = layout_entry(obj)
-        return local(obj)
-    if isinstance(obj, dict):
-        return {k: _held(f"{key}/{k}" if key else str(k), v, layout) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_held(f"{key}/{i}" if key else str(i), v, layout) for i, v in enumerate(obj)]
-    return obj
+    def _layout_of(self, key: str, t: torch.Tensor) -> list[int]:
+        """The layout entry of the sharded tensor at ``key``, computed once: it is fixed by the shape and
+        the mesh, and the DTensor calls behind it cost the stall about 25 µs a tensor at every capture."""
+        entry = self._layouts.get(key)
+        if entry is None or entry[2:] != list(t.shape):
+            entry = self._layouts[key] = layout_entry(t)
+        return entry
+
+    def _held(self, key: str, obj: Any, layout: dict[str, list[int]]) -> Any:
+        """``obj`` with every sharded tensor replaced by the rows this rank holds, whose place in the
+        whole tensor goes into ``layout`` under its ``/``-joined path (``key`` is ``obj``'s own)."""
+        if is_sharded(obj):
+            layout[key] = self._layout_of(key, obj)
+            return local(obj)
+        if isinstance(obj, dict):
+            return {k: self._held(f"{key}/{k}" if key else str(k), v, layout) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._held(f"{key}/{i}" if key else str(i), v, layout) for i, v in enumerate(obj)]
+        return obj
 
 
 def _clone(obj: Any) -> Any:

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import pytest
 
+from spotrun.orchestrator.divergence import first_stage
 from spotrun.orchestrator.ledger import BundleRejected, Ledger, Restored
 from spotrun.trainer.bundle import list_bundles, read_manifest
 from spotrun.trainer.storage import open_storage
@@ -87,3 +88,25 @@ def test_a_torn_sharded_bundle_is_never_restored(tmp_path):
     final = latest_per_update(read_trace(trace))
     assert sorted(final) == list(range(1, 26))
     assert first_divergence(read_trace(ref_trace), list(final.values())) is None
+
+
+def test_init_from_a_replicated_bundle_into_a_sharded_job(tmp_path):
+    """--init-from a ddp bundle into an fsdp job: each rank cuts its rows from rank 0's whole tensors.
+    The first update then sees the parameters a ddp job initialised from the same bundle sees: the
+    same batches and losses (the gradients are reduced another way)."""
+    sets = ("world.size=2", "train.updates=10", "checkpoint.every_updates=5", "data.workers=1")
+    done = run_to_end(run_cmd(tmp_path / "runs", "base", tmp_path / "base.jsonl", *sets, ray=True))
+    assert done.returncode == 0, done.stderr
+    storage = open_storage(f"file://{tmp_path / 'runs'}")
+    bundle = next(r for r in list_bundles(storage, "base") if r.published)
+    traces = {}
+    for mode in ("ddp", "fsdp"):
+        traces[mode] = tmp_path / f"{mode}.jsonl"
+        cmd = [*run_cmd(tmp_path / "runs", f"ft-{mode}", traces[mode], *sets, f"train.parallelism={mode}",
+                        "train.updates=3", ray=True), "--init-from", f"file://{tmp_path / 'runs'}/{bundle.key}"]
+        done = run_to_end(cmd)
+        assert done.returncode == 0, done.stderr
+    ddp, fsdp = (read_trace(traces[m])[0] for m in ("ddp", "fsdp"))
+    assert ddp.update == fsdp.update == 1 and ddp.occurrences_sha256 == fsdp.occurrences_sha256
+    stage = first_stage(ddp, fsdp)
+    assert stage is None or stage.stage in ("gradient", "parameters"), stage
