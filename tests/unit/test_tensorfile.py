@@ -14,6 +14,7 @@ import torch
 
 from spotrun.orchestrator.launch import run_in_process
 from spotrun.trainer.bundle import BundleCorrupt, encode, load_bundle
+from spotrun.trainer.manifest import SCHEMA_VERSION
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.state import Capture
 from spotrun.trainer.storage import LocalStorage
@@ -117,6 +118,8 @@ def _rewrite(storage: LocalStorage, files: dict[str, bytes], schema: int) -> Non
     for path, blob in files.items():
         storage.put(f"{NEWEST}/{path}", blob)
     raw["schema_version"] = schema
+    if schema < 4:  # world.parallelism came with schema 4
+        raw["world"].pop("parallelism", None)
     raw["files"] = [{"path": p, "bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()} for p, b in files.items()]
     storage.put_new(f"{NEWEST}/manifest.json", json.dumps(raw).encode())
 
@@ -126,7 +129,7 @@ def test_a_job_writes_tensor_files_and_a_schema_2_bundle_of_the_same_state_resto
     schema 2 (whole payloads in .pt, no tensor file) load to bitwise the same payloads, and a session
     restores from the old one."""
     bundle = load_bundle(storage, NEWEST, None)
-    assert bundle.manifest.schema_version == 3
+    assert bundle.manifest.schema_version == SCHEMA_VERSION
     paths = [f.path for f in bundle.manifest.files]
     assert "rank-0/model.safetensors" in paths and "rank-0/optimizer.safetensors" in paths
     old = {p: _saved(v) if p.endswith(".pt") else json.dumps(v).encode() for p, v in bundle.payloads.items()}
