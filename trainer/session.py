@@ -29,7 +29,7 @@ from spotrun.trainer.job import build_job
 from spotrun.trainer.loop import BoundaryFlags, GradSync, TrainLoop
 from spotrun.trainer.manifest import Manifest
 from spotrun.trainer.rng import seed_all
-from spotrun.trainer.sharding import ShardError
+from spotrun.trainer.sharding import ShardError, rows_of
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.state import Capture, TrainState
 from spotrun.trainer.trace import UpdateRecord
@@ -94,16 +94,29 @@ class TrainSession:
 
     def wants(self, manifest: Manifest, path: str) -> bool:
         """Whether this rank's restore reads the bundle file ``path`` (:func:`load_bundle`'s ``want``):
-        its own files and rank 0's shared ones (state, stream); of the model and optimizer, a sharded
-        bundle's own shard when the world is the same, and otherwise every rank's (the rows this rank
-        now holds may sit in any of them; a replicated bundle has them in rank 0's alone)."""
+        its own files and rank 0's shared ones (state, stream); of the model and optimizer, a
+        replicated bundle's (rank 0's) or, sharded, those of the ranks whose rows overlap the rows
+        this rank holds now (its own alone at the same world size)."""
         rank_dir, _, name = path.partition("/")
         rank = int(rank_dir.removeprefix("rank-")) if rank_dir.startswith("rank-") else -1
-        if rank == self.rank:
-            return True
         if name.startswith(("model.", "optimizer.")):
-            return not (manifest.world.parallelism == "fsdp" and manifest.world.size == self.world_size)
-        return rank == 0 and name.startswith(("state.", "stream."))
+            if manifest.world.parallelism != "fsdp":
+                return rank == 0
+            return rank in self._overlapping(manifest)
+        return rank == self.rank or (rank == 0 and name.startswith(("state.", "stream.")))
+
+    def _overlapping(self, manifest: Manifest) -> set[int]:
+        """The ranks of a sharded bundle holding rows this rank holds now (every sharded tensor has a
+        parameter's shape: its moments and EMA weights follow it)."""
+        if not self.state.wrapped:  # an unsharded model holds every row
+            return set(range(manifest.world.size))
+        n, m = manifest.world.size, self.world_size
+        found = set()
+        for p in manifest.model.params:
+            dim0 = p.shape[0] if p.shape else 0
+            lo, hi = rows_of(dim0, m, self.rank)
+            found |= {r for r in range(n) if (b := rows_of(dim0, n, r))[0] < hi and lo < b[1]}
+        return found or {0}  # a rank that holds no rows at all still needs the unsharded values
 
     def roundtrip(self, bundle: LoadedBundle) -> list[str]:
         """The restore oracle: capture right after :meth:`restore` and name every state category

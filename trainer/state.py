@@ -184,7 +184,9 @@ class TrainState:
         # has nothing to shard, so its model stays whole (and its bundle's layout spans every row); so
         # does a session that plays every rank in one process (inspect --explain: no process group).
         self.sharded = spec.train.parallelism == "fsdp"
-        if self.sharded and world_size > 1 and dist.is_initialized() and dist.get_world_size() == world_size:
+        self.wrapped = (self.sharded and world_size > 1 and dist.is_initialized()
+                        and dist.get_world_size() == world_size)  # the model holds only its rows
+        if self.wrapped:
             apply_fsdp(self.model, job.shard, world_size, device)
         # The module the step is given: the model, or (train.grad_sync=ddp, several ranks) torch's DDP
         # around it, whose hooks average the gradients during backward. State is always the model's.

@@ -62,3 +62,23 @@ def test_spec_refuses_what_fsdp_cannot_keep():
         TrainSpec(parallelism="fsdp", grad_sync="ddp")
     with pytest.raises(ValueError, match="Use train.precision=bf16"):
         TrainSpec(parallelism="fsdp", precision="fp16")
+
+
+def test_a_rank_reads_the_shards_that_overlap_its_rows():
+    """A restore reads, of a sharded bundle's model and optimizer files, only the ranks whose rows
+    overlap the rows the rank holds now: its own at the same world size."""
+    from types import SimpleNamespace
+
+    from spotrun.trainer.manifest import TensorInfo
+    from spotrun.trainer.session import TrainSession
+
+    def wants(rank: int, world: int, saved: int, parallelism: str = "fsdp", wrapped: bool = True) -> list[int]:
+        manifest = SimpleNamespace(world=SimpleNamespace(size=saved, parallelism=parallelism),
+                                   model=SimpleNamespace(params=(TensorInfo(name="w", shape=(8, 3), dtype="float32"),)))
+        session = SimpleNamespace(rank=rank, world_size=world, state=SimpleNamespace(wrapped=wrapped))
+        session._overlapping = lambda m: TrainSession._overlapping(session, m)
+        return [r for r in range(saved) if TrainSession.wants(session, manifest, f"rank-{r}/model.safetensors")]
+
+    assert wants(1, 4, 4) == [1] and wants(0, 2, 4) == [0, 1] and wants(1, 2, 4) == [2, 3]
+    assert wants(0, 1, 4, wrapped=False) == [0, 1, 2, 3]  # one rank holds every row
+    assert wants(1, 2, 2, parallelism="ddp") == [0]  # a replicated bundle: rank 0's whole tensors
