@@ -33,9 +33,10 @@ import hashlib
 import os
 import re
 import struct
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 SHA256 = "sha256"
@@ -70,6 +71,30 @@ def chunk_bytes_of(algorithm: str) -> int | None:
     return n
 
 
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _chunk_pool() -> ThreadPoolExecutor:
+    """The process's threads for chunk hashes, shared by every digest (a bundle's files hash at
+    once on ``WORKERS`` threads, not on threads of their own, which cost more to start than a small
+    file takes to hash)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="digest")
+        return _pool
+
+
+def _forget_pool_after_fork() -> None:
+    """A forked child inherits the pool object but not its threads (nor, maybe, an unheld lock)."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
 def _sha256_of(pieces: list[memoryview]) -> bytes:
     h = hashlib.sha256()
     for p in pieces:
@@ -81,9 +106,10 @@ class FileDigest:
     """A file's digest under ``algorithm``, computed on threads while the caller goes on.
 
     Feed the file's bytes in order with :meth:`update` (pieces of any size: chunk boundaries need
-    not fall between them), then call :meth:`hexdigest` once. The hashing runs on the digest's own
-    pool, so a writer feeds every piece first and writes while they hash. Pieces are hashed where
-    they lie, not copied: they must stay unchanged until :meth:`hexdigest` (or :meth:`close`) returns.
+    not fall between them), then call :meth:`hexdigest` once. The chunks hash on the process's
+    shared pool (plain sha256 on a thread of the digest's own, which keeps its updates in order),
+    so a writer feeds every piece first and writes while they hash. Pieces are hashed where they
+    lie, not copied: they must stay unchanged until :meth:`hexdigest` (or :meth:`close`) returns.
 
     ``in_flight`` bounds the memory of a caller that reads the file as it hashes it: :meth:`update`
     then waits while more than that many tasks are queued, so at most ``in_flight + 1`` chunks of
@@ -94,9 +120,8 @@ class FileDigest:
         self.length = 0  # bytes fed so far
         self._chunk = chunk_bytes_of(algorithm)
         self._in_flight = in_flight
-        # plain sha256 is one sequential stream: one thread keeps its updates in order
-        workers = 1 if self._chunk is None else WORKERS
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="digest")
+        self._own = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") if self._chunk is None else None
+        self._pool = self._own or _chunk_pool()
         # plain sha256: the file's hash, updated by the tasks; chunked: the top hash, fed in order
         self._hash = hashlib.sha256() if self._chunk is None else hashlib.sha256(_TAG + struct.pack(">Q", self._chunk))
         self._pending: deque[Future[bytes | None]] = deque()  # in stream order; chunked: each chunk's sha256
@@ -131,7 +156,11 @@ class FileDigest:
 
     def close(self) -> None:
         """Stop hashing (what is queued is dropped, what runs finishes); the pieces are free after."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for task in self._pending:
+            task.cancel()
+        wait(self._pending)
+        if self._own is not None:
+            self._own.shutdown(wait=True)
 
     def _close_chunk(self) -> None:
         pieces, self._open, self._open_bytes = self._open, [], 0
