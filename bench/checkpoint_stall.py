@@ -12,7 +12,7 @@ about 10 MB, 100 MB and 1 GB:
   buffers, each file's chunked digest hashed on every core while it is written,
   ``LocalStorage.put_chunks``) versus ``dd`` with direct I/O and fsync writing as many
   16 MiB blocks to the same disk; and, side by side in the same run, the same writer
-  with one sha256 stream per file (the digest of manifest schema 3) and the writer of
+  with one sha256 stream per file (the digest of manifest schemas 2 to 4) and the writer of
   before issue 19 (``torch.save`` of each payload into memory, sha256 on a thread beside
   ``LocalStorage.put``).
 - **S3**: both writers over ``S3Storage`` to a local moto server versus a raw boto3
@@ -204,7 +204,7 @@ def write_parts(storage: Storage, capture: Capture) -> dict[str, dict[str, float
     """Where each writer's time goes, one file after another: serialise, hash, storage puts.
 
     chunked digest (the writer now) and one sha256 stream (the same writer with the digest of
-    manifest schema 3): serialise = ``encode`` (skeletons pickled, tensor-file headers; the
+    manifest schemas 2 to 4): serialise = ``encode`` (skeletons pickled, tensor-file headers; the
     tensors are views), hash = the file digests alone over the same chunks, put = ``put_chunks``
     (which hashes beside the write, so its own hash is inside put). before issue 19:
     ``torch.save`` into memory, sha256, ``put``."""
@@ -413,8 +413,8 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
                     f"`{' '.join(DD_BUFFERED)}`; both write whole 16 MiB blocks covering the bundle's bytes, "
                     "interleaved with the bundle writes (the two digests' writes take turns at going first). one "
                     "sha256 stream = the same writer with each file's digest one sha256 stream (on one core; manifest "
-                    "schema 3); before issue 19 = torch.save of each payload into memory, sha256 on a thread beside "
-                    "LocalStorage.put; all measured in the same run",
+                    "schemas 2 to 4); before issue 19 = torch.save of each payload into memory, sha256 on a thread "
+                    "beside LocalStorage.put; all measured in the same run",
                     f"the writer streams each tensor file from the host buffers, its digest ({DEFAULT}: the sha256 "
                     "of each 4 MiB chunk on a pool of threads, then the sha256 over those, trainer/digest.py) "
                     "computed beside the write, files of 256 MB and more with O_DIRECT through two aligned 16 MiB "
@@ -454,7 +454,7 @@ training-overhead table). Encoding, hashing and writing happen afterwards on the
 writer's background threads (which on two shared cores still compete with training for CPU).
 Bundles are written in the format of issue 19 (tensors as raw bytes in `.safetensors` files
 streamed from the host buffers, each file's digest sha256 over 4 MiB chunks hashed on every
-core, manifest schema 4); the "one sha256 stream" and "before issue 19" columns measure the
+core, manifest schema 5); the "one sha256 stream" and "before issue 19" columns measure the
 previous writers in the same run."""
 
 

@@ -2,7 +2,7 @@
 
 Two algorithms, named in the manifest per file (``FileEntry.digest``):
 
-- ``sha256``: sha256 of the whole byte stream. Manifests of schemas 2 and 3 hold only this one.
+- ``sha256``: sha256 of the whole byte stream. Manifests of schemas 2 to 4 hold only this one.
   It is sequential, so it runs on one core (~0.8-1.2 GB/s here), slower than the disk.
 - ``sha256-chunks-<N>``: the stream is cut into chunks of ``N`` bytes (the last one shorter; an
   empty file has none), each chunk's sha256 is computed on a small thread pool (``hashlib``

@@ -33,7 +33,7 @@ TREE = f"sha256-chunks-{CHUNK}"  # the digest's chunks as small as the reads: ma
 def root(tmp_path_factory):
     """A 2-update job (its files written by the bundle writer, with the default digest) whose one
     bundle also lists two 16 MiB files with their true size and digest: one under plain sha256 (as
-    schemas 2 and 3 have it), one under the chunked digest as ``put_chunks`` returned it for pieces
+    schemas 2 to 4 have it), one under the chunked digest as ``put_chunks`` returned it for pieces
     that straddle its chunks."""
     tmp = tmp_path_factory.mktemp("sums")
     run_in_process(make_spec(tmp, "train.updates=2", "checkpoint.every_updates=2", job_id=JOB))
