@@ -9,10 +9,12 @@ about 10 MB, 100 MB and 1 GB:
   (what a loop without a background writer waits for), and versus a bare copy of
   the same tensors into warm buffers (the floor). Interleaved repetitions; medians.
 - **background write**: ``BundleWriter`` (tensor files streamed from the host
-  buffers with their sha256 on the same pass, ``LocalStorage.put_chunks``) versus
-  ``dd`` with direct I/O and fsync writing as many 16 MiB blocks to the same disk;
-  and, side by side, the writer as it was before (``torch.save`` of each payload into
-  memory, sha256 on a thread beside ``LocalStorage.put``), in the same run.
+  buffers, each file's chunked digest hashed on every core while it is written,
+  ``LocalStorage.put_chunks``) versus ``dd`` with direct I/O and fsync writing as many
+  16 MiB blocks to the same disk; and, side by side in the same run, the same writer
+  with one sha256 stream per file (the digest of manifest schemas 2 to 4) and the writer of
+  before issue 19 (``torch.save`` of each payload into memory, sha256 on a thread beside
+  ``LocalStorage.put``).
 - **S3**: both writers over ``S3Storage`` to a local moto server versus a raw boto3
   ``put_object`` of the same bytes.
 
@@ -42,6 +44,7 @@ from bench.synthetic import layers_for
 from bench.tables import ROOT, Section, Stopwatch, Table, cli, median, mib, pct, ratio, work_folder
 from spotrun.orchestrator.specfile import load_spec
 from spotrun.trainer.bundle import BundleWriter, build_manifest, encode
+from spotrun.trainer.digest import DEFAULT, SHA256, digest_of
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.state import Capture, CopiesDone, TrainState
@@ -144,9 +147,10 @@ def dd(path: Path, nbytes: int, flags: Sequence[str]) -> tuple[float, int] | Non
     return float(m.group(2)), int(m.group(1))
 
 
-def bundle_write(storage: Storage, capture: Capture) -> tuple[float, int]:
-    """The background writer's whole job for one capture: (seconds, bytes written)."""
-    writer = BundleWriter(storage, FaultInjector((), 1, 0))
+def bundle_write(storage: Storage, capture: Capture, digest: str = DEFAULT) -> tuple[float, int]:
+    """The background writer's whole job for one capture, each file's digest under ``digest``:
+    (seconds, bytes written)."""
+    writer = BundleWriter(storage, FaultInjector((), 1, 0), digest=digest)
     key = f"bench/bundles/{uuid.uuid4().hex}"
     try:
         t0 = time.perf_counter()
@@ -193,25 +197,32 @@ def legacy_write(storage: Storage, capture: Capture) -> tuple[float, int]:
     return seconds, nbytes
 
 
-def write_parts(storage: Storage, capture: Capture) -> dict[str, dict[str, float]]:
-    """Where each writer's time goes, one unthreaded pass each: serialise, sha256, storage puts.
+WRITERS = ("before issue 19", "one sha256 stream", "chunked digest")
 
-    after: serialise = ``encode`` (skeletons pickled, tensor-file headers; the tensors are views),
-    sha256 over the same chunks, ``put_chunks`` one file after another (its own sha256 runs
-    beside the write). before: ``torch.save`` into memory, sha256, ``put``."""
+
+def write_parts(storage: Storage, capture: Capture) -> dict[str, dict[str, float]]:
+    """Where each writer's time goes, one file after another: serialise, hash, storage puts.
+
+    chunked digest (the writer now) and one sha256 stream (the same writer with the digest of
+    manifest schemas 2 to 4): serialise = ``encode`` (skeletons pickled, tensor-file headers; the
+    tensors are views), hash = the file digests alone over the same chunks, put = ``put_chunks``
+    (which hashes beside the write, so its own hash is inside put). before issue 19:
+    ``torch.save`` into memory, sha256, ``put``."""
     key = f"bench/parts/{uuid.uuid4().hex}"
-    t0 = time.perf_counter()
-    files = encode(capture)
-    t1 = time.perf_counter()
-    for chunks in files.values():
-        h = hashlib.sha256()
-        for c in chunks:
-            h.update(c)
-    t2 = time.perf_counter()
-    for path, chunks in files.items():
-        storage.put_chunks(f"{key}/{path}", chunks)
+    out = {}
+    for writer, algorithm in (("one sha256 stream", SHA256), ("chunked digest", DEFAULT)):
+        t0 = time.perf_counter()
+        files = encode(capture)
+        t1 = time.perf_counter()
+        for chunks in files.values():
+            digest_of(algorithm, chunks)
+        t2 = time.perf_counter()
+        for path, chunks in files.items():
+            storage.put_chunks(f"{key}/{path}", chunks, algorithm)
+        t3 = time.perf_counter()
+        storage.delete_prefix(key)
+        out[writer] = {"serialise": t1 - t0, "hash": t2 - t1, "put": t3 - t2}
     t3 = time.perf_counter()
-    storage.delete_prefix(key)
     blobs = legacy_serialise(capture)
     t4 = time.perf_counter()
     for blob in blobs.values():
@@ -221,8 +232,8 @@ def write_parts(storage: Storage, capture: Capture) -> dict[str, dict[str, float
         storage.put(f"{key}/{path}", blob)
     t6 = time.perf_counter()
     storage.delete_prefix(key)
-    return {"after": {"serialise": t1 - t0, "sha256": t2 - t1, "put": t3 - t2},
-            "before": {"serialise": t4 - t3, "sha256": t5 - t4, "put": t6 - t5}}
+    out["before issue 19"] = {"serialise": t4 - t3, "hash": t5 - t4, "put": t6 - t5}
+    return out
 
 
 def raw_copy(state: TrainState, buffers: list[torch.Tensor]) -> float:
@@ -275,16 +286,20 @@ def measure_stall(session: TrainSession, reps: int, scratch: Path) -> dict[str, 
 
 def measure_local_write(state: TrainState, reps: int, scratch: Path) -> dict[str, list]:
     storage = LocalStorage(scratch / "storage")
-    out: dict[str, list] = {"bundle_mb_s": [], "legacy_mb_s": [], "dd_mb_s": [], "dd_buffered_mb_s": [],
-                            "bytes": [], "parts": []}
-    for i in range(reps):  # interleaved: dd direct, bundle write, the writer before, dd buffered
+    out: dict[str, list] = {"bundle_mb_s": [], "sha256_mb_s": [], "legacy_mb_s": [], "dd_mb_s": [],
+                            "dd_buffered_mb_s": [], "bytes": [], "parts": []}
+    for i in range(reps):  # interleaved: dd direct, the two digests' writes, the writer before, dd buffered
         _, cap = timed_capture(state)
         nbytes = sum(len(b) for b in encoded_bytes(cap).values())
         direct = dd(scratch / f"dd-{i}.bin", nbytes, DD_DIRECT)
-        seconds, nbytes = bundle_write(storage, cap)
+        # the two digests take turns at going first: the write right after dd's found the disk busier
+        first, second = (DEFAULT, SHA256) if i % 2 == 0 else (SHA256, DEFAULT)
+        timed = {first: bundle_write(storage, cap, first), second: bundle_write(storage, cap, second)}
+        (seconds, nbytes), (sha256_s, _) = timed[DEFAULT], timed[SHA256]
         legacy_s, legacy_bytes = legacy_write(storage, cap)
         buffered = dd(scratch / f"dd-{i}.bin", nbytes, DD_BUFFERED)
         out["bundle_mb_s"].append(nbytes / seconds / 1e6)
+        out["sha256_mb_s"].append(nbytes / sha256_s / 1e6)
         out["legacy_mb_s"].append(legacy_bytes / legacy_s / 1e6)
         out["dd_mb_s"].append(direct[1] / direct[0] / 1e6 if direct else float("nan"))
         out["dd_buffered_mb_s"].append(buffered[1] / buffered[0] / 1e6 if buffered else float("nan"))
@@ -353,9 +368,10 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
                    "next update s", "plain update s", "sync save s", "stall / sync", "raw copy s", "raw copy / sync"])
     local = Table("Background write (BundleWriter → LocalStorage) versus dd + fsync on the same disk",
                   ["state", "bundle bytes", "write MB/s", "dd direct MB/s", "write / dd direct",
-                   "before: write / dd direct", "write / dd buffered"])
-    parts = Table("Where the writer's time goes (seconds, one unthreaded pass each; medians)",
-                  ["state", "writer", "serialise s", "sha256 s", "put s", "put MB/s", "put / dd direct"])
+                   "one sha256 stream: write / dd direct", "before issue 19: write / dd direct",
+                   "write / dd buffered"])
+    parts = Table("Where the writer's time goes (seconds, one file after another; medians)",
+                  ["state", "writer", "serialise s", "hash s", "hash MB/s", "put s", "put MB/s", "put / dd direct"])
     s3 = Table("The same bundle to S3 (moto, 127.0.0.1) versus a raw boto3 put_object of the same bytes",
                ["state", "bundle MB/s", "raw put MB/s", "bundle / raw", "before: bundle / raw"])
     stall_ratios, write_ratios, summary = {}, {}, []
@@ -366,14 +382,16 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
                   median(r["copy_wait"]), median(r["update"]), median(r["plain_update"]), sy,
                   pct(stall_ratios[label]), raw, pct(ratio(raw, sy)))
         lw = r["local"]
-        w, d, db, old = (median(lw[k]) for k in ("bundle_mb_s", "dd_mb_s", "dd_buffered_mb_s", "legacy_mb_s"))
+        w, d, db, one, old = (median(lw[k]) for k in ("bundle_mb_s", "dd_mb_s", "dd_buffered_mb_s", "sha256_mb_s",
+                                                        "legacy_mb_s"))
         write_ratios[label] = ratio(w, d)
-        local.add(label, mib(median(lw["bytes"])), w, d, pct(write_ratios[label]), pct(ratio(old, d)),
-                  pct(ratio(w, db)))
-        for writer in ("before", "after"):
-            p = {k: median([x[writer][k] for x in lw["parts"]]) for k in ("serialise", "sha256", "put")}
+        local.add(label, mib(median(lw["bytes"])), w, d, pct(write_ratios[label]), pct(ratio(one, d)),
+                  pct(ratio(old, d)), pct(ratio(w, db)))
+        for writer in WRITERS:
+            p = {k: median([x[writer][k] for x in lw["parts"]]) for k in ("serialise", "hash", "put")}
             put_mb_s = median(lw["bytes"]) / p["put"] / 1e6
-            parts.add(label, writer, p["serialise"], p["sha256"], p["put"], put_mb_s, pct(ratio(put_mb_s, d)))
+            parts.add(label, writer, p["serialise"], p["hash"], median(lw["bytes"]) / p["hash"] / 1e6, p["put"],
+                      put_mb_s, pct(ratio(put_mb_s, d)))
         if r["s3"]:
             b, raw_s3, lb, lraw = (median(r["s3"][k]) for k in ("bundle_mb_s", "raw_mb_s", "legacy_mb_s",
                                                                  "legacy_raw_mb_s"))
@@ -393,14 +411,18 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
                        "the difference; bench 2 measures the whole training overhead)")
     local.notes += [f"dd direct: `dd if=/dev/zero bs=16M {' '.join(DD_DIRECT)}` (the physical limit); dd buffered: "
                     f"`{' '.join(DD_BUFFERED)}`; both write whole 16 MiB blocks covering the bundle's bytes, "
-                    "interleaved with the bundle writes. before = the writer before issue 19 (torch.save of each "
-                    "payload into memory, sha256 on a thread beside LocalStorage.put), measured in the same run",
-                    "the writer streams each tensor file from the host buffers, its sha256 on a thread beside the "
-                    "write, files of 256 MB and more with O_DIRECT through two aligned 16 MiB staging buffers, "
-                    "smaller ones through the page cache with one fsync, up to 4 files in flight"]
-    parts.notes.append("after: serialise = encode (the skeletons pickled, the tensor-file headers; tensors are "
-                       "views), sha256 over the same chunks, put = put_chunks file after file (which hashes beside "
-                       "the write, so its own sha256 is inside put); before: torch.save into memory, sha256, put")
+                    "interleaved with the bundle writes (the two digests' writes take turns at going first). one "
+                    "sha256 stream = the same writer with each file's digest one sha256 stream (on one core; manifest "
+                    "schemas 2 to 4); before issue 19 = torch.save of each payload into memory, sha256 on a thread "
+                    "beside LocalStorage.put; all measured in the same run",
+                    f"the writer streams each tensor file from the host buffers, its digest ({DEFAULT}: the sha256 "
+                    "of each 4 MiB chunk on a pool of threads, then the sha256 over those, trainer/digest.py) "
+                    "computed beside the write, files of 256 MB and more with O_DIRECT through two aligned 16 MiB "
+                    "staging buffers, smaller ones through the page cache with one fsync, up to 4 files in flight"]
+    parts.notes.append("chunked digest (the writer now) and one sha256 stream: serialise = encode (the skeletons "
+                       "pickled, the tensor-file headers; tensors are views), hash = the file digests alone over the "
+                       "same chunks, put = put_chunks file after file (which hashes beside the write, so its own hash "
+                       "is inside put); before issue 19: torch.save into memory, sha256, put")
     s3.notes.append("S3Storage puts objects of 64 MiB and more as multipart uploads (16 MiB parts, 8 in flight); "
                     "the raw baseline is one put_object per file of the same bytes; before = the writer before issue "
                     "19 against a raw put of its own bytes, in the same run. 1 GB is left out: moto keeps objects in "
@@ -431,7 +453,9 @@ manifest draft, and the next optimizer step's wait for the copies the capture de
 training-overhead table). Encoding, hashing and writing happen afterwards on the bundle
 writer's background threads (which on two shared cores still compete with training for CPU).
 Bundles are written in the format of issue 19 (tensors as raw bytes in `.safetensors` files
-streamed from the host buffers); "before" columns measure the previous writer in the same run."""
+streamed from the host buffers, each file's digest sha256 over 4 MiB chunks hashed on every
+core, manifest schema 5); the "one sha256 stream" and "before issue 19" columns measure the
+previous writers in the same run."""
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from pathlib import Path
 
 import pytest
@@ -24,3 +26,11 @@ def spec_factory(tmp_path: Path):
         return make_spec(tmp_path, *overrides, **kw)
 
     return factory
+
+
+def chunked_sha256(data: bytes, chunk: int) -> str:
+    """The ``sha256-chunks-<chunk>`` digest of ``data`` as trainer/digest.py documents it, computed here
+    on one thread without that module's code: the reference every writer and verifier must equal."""
+    chunks = [data[i:i + chunk] for i in range(0, len(data), chunk)]
+    head, tail = b"spotrun sha256-chunks v1\n" + struct.pack(">Q", chunk), struct.pack(">Q", len(data))
+    return hashlib.sha256(head + b"".join(hashlib.sha256(c).digest() for c in chunks) + tail).hexdigest()

@@ -13,14 +13,14 @@ the rest of it (the skeleton) as a small ``torch.save`` in ``<stem>.pt``
 schema 2 hold whole payloads in their ``.pt`` files and load as before.
 
 Loading reads the manifest first (schema, then the compatibility contract),
-and only then the files, each checked against its recorded size and sha256
-before it is deserialised. Tensor files are parsed without unpickling and
-skeletons load with ``weights_only=True``: a bundle is data, never code.
+and only then the files, each checked against its recorded size and digest
+(:mod:`spotrun.trainer.digest`) before it is deserialised. Tensor files are
+parsed without unpickling and skeletons load with ``weights_only=True``: a
+bundle is data, never code.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import platform
@@ -41,6 +41,8 @@ from spotrun.trainer.data.feed import TokenFeed
 from spotrun.trainer.data.listing import ShardInfo, changed_shards, version_of
 from spotrun.trainer.data.planner import Cursor
 from spotrun.trainer.device import gpu_facts
+from spotrun.trainer.digest import DEFAULT as DEFAULT_DIGEST
+from spotrun.trainer.digest import digest_of
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.job import check_weights_only, code_fingerprint, entrypoint_of
 from spotrun.trainer.manifest import (
@@ -332,12 +334,14 @@ class WriteResult:
 
 class BundleWriter:
     """Writes one rank's captures in a background thread, at most one capture in flight, its
-    files several at a time (``files_in_flight``): each file's sha256 runs on a thread beside its
-    write, and a bundle's few large tensor files then hash and write on every core at once."""
+    files several at a time (``files_in_flight``): each file's digest (``digest``, an algorithm of
+    :mod:`spotrun.trainer.digest`) hashes its chunks on every core while the file is written."""
 
-    def __init__(self, storage: Storage, faults: FaultInjector, files_in_flight: int = 4) -> None:
+    def __init__(self, storage: Storage, faults: FaultInjector, files_in_flight: int = 4,
+                 digest: str = DEFAULT_DIGEST) -> None:
         self.storage = storage
         self.faults = faults
+        self.digest = digest
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundle-writer")
         self._files = ThreadPoolExecutor(max_workers=files_in_flight, thread_name_prefix="bundle-file")
         self._pending: Future[WriteResult] | None = None
@@ -365,10 +369,12 @@ class BundleWriter:
         files = encode(capture)
         # largest first: the small files fill in beside the large ones instead of trailing them
         order = sorted(files, key=lambda p: _size(files[p]), reverse=True)
-        digests = {p: self._files.submit(self.storage.put_chunks, f"{bundle_key}/{p}", files[p]) for p in order}
+        digests = {p: self._files.submit(self.storage.put_chunks, f"{bundle_key}/{p}", files[p], self.digest)
+                   for p in order}
         entries = []
         for path in order:
-            entries.append(FileEntry(path=path, bytes=_size(files[path]), sha256=digests[path].result()))
+            entries.append(FileEntry(path=path, bytes=_size(files[path]), sha256=digests[path].result(),
+                                     digest=self.digest))
             self.faults.hit("bundle_write", capture.update)  # a file written, the bundle unpublished
         return WriteResult(bundle_key, capture.update, entries, time.perf_counter() - t0)
 
@@ -431,9 +437,9 @@ def load_bundle(storage: Storage, bundle_key: str, desc: Description | None, *,
         if len(blob) != f.bytes:
             raise BundleCorrupt(f"bundle {bundle_key}: file {f.path} has {len(blob)} bytes, manifest says "
                                 f"{f.bytes} (truncated or overwritten)")
-        digest = hashlib.sha256(blob).hexdigest()
+        _, digest = digest_of(f.digest, [blob])
         if digest != f.sha256:
-            raise BundleCorrupt(f"bundle {bundle_key}: file {f.path} has sha256 {digest[:12]}..., "
+            raise BundleCorrupt(f"bundle {bundle_key}: file {f.path} has {f.digest} digest {digest[:12]}..., "
                                 f"manifest says {f.sha256[:12]}... (corrupt)")
         blobs[f.path] = blob
     return LoadedBundle(bundle_key, manifest, decode_payloads(bundle_key, blobs))

@@ -17,15 +17,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from spotrun.trainer.counters import Counters
 from spotrun.trainer.data.listing import ShardInfo
 from spotrun.trainer.data.planner import Cursor
+from spotrun.trainer.digest import SHA256, chunk_bytes_of
 from spotrun.trainer.storage import UnsafeKeyError, check_key
 
 # 2: the job's code (entrypoint, fingerprint) and data kind; 3: tensors in <stem>.safetensors;
-# 4: world.parallelism, and sharded bundles (every rank's model.pt/optimizer.pt with a layout)
-SCHEMA_VERSION = 4
+# 4: world.parallelism, and sharded bundles (every rank's model.pt/optimizer.pt with a layout);
+# 5: each file's digest algorithm (FileEntry.digest: the chunked sha256 tree, hashed on every core)
+SCHEMA_VERSION = 5
 # Schemas this release reads: a schema-2 bundle holds its tensors inside the .pt files, which the
 # loader reads as before (a .pt without a tensor file beside it is a whole payload); schemas 2 and 3
-# are replicated bundles (no world.parallelism: "ddp").
-READABLE_SCHEMAS = (2, 3, 4)
+# are replicated bundles (no world.parallelism: "ddp"); schemas 2 to 4 have no digest field, so
+# their files verify with plain sha256 (the field's default).
+READABLE_SCHEMAS = (2, 3, 4, 5)
 _RANK_DIR = re.compile(r"^rank-(\d+)/")
 # The world side (fresh | exact | exact-data | fresh-epoch | new-experiment), then "+<data side>"
 # when the data side is not exact, e.g. "exact+bounded-repetition".
@@ -47,7 +50,14 @@ class _M(BaseModel):
 class FileEntry(_M):
     path: str  # relative to the bundle directory
     bytes: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # the file's digest under ``digest`` (a sha256 either way)
+    digest: str = SHA256  # the algorithm (spotrun.trainer.digest); an unknown one is refused, naming it
+
+    @field_validator("digest")
+    @classmethod
+    def _known_digest(cls, v: str) -> str:
+        chunk_bytes_of(v)  # raises UnknownDigestError (a ValueError) naming the algorithm
+        return v
 
     @field_validator("path")
     @classmethod

@@ -65,7 +65,8 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from spotrun.trainer.storage import Digest, StorageError, UnsafeKeyError, check_key
+from spotrun.trainer.digest import DEFAULT, FileDigest
+from spotrun.trainer.storage import StorageError, UnsafeKeyError, check_key
 
 log = logging.getLogger(__name__)
 
@@ -303,16 +304,17 @@ class S3Storage:
         except (ClientError, BotoCoreError, *TRANSIENT_EXCEPTIONS) as e:
             raise self._fail("write", key, e) from e
 
-    def put_chunks(self, key: str, chunks: Sequence[bytes | memoryview]) -> str:
-        """:meth:`put` of the chunks joined (a request body is one buffer), hashed while it is sent."""
+    def put_chunks(self, key: str, chunks: Sequence[bytes | memoryview], algorithm: str = DEFAULT) -> str:
+        """:meth:`put` of the chunks joined (a request body, or each multipart part, is a slice of one
+        buffer), its digest under ``algorithm`` computed on threads while it is sent."""
         data = b"".join(chunks)
-        digest = Digest()
-        digest.feed(data)
+        digest = FileDigest(algorithm)
         try:
+            digest.update(data)
             self.put(key, data)
+            return digest.hexdigest()
         finally:
-            sha256 = digest.hexdigest()
-        return sha256
+            digest.close()
 
     def put_new(self, key: str, data: bytes) -> bool:
         k = self._key(key)

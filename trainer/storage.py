@@ -8,7 +8,6 @@ hostile manifest can never make spotrun read or write outside its root.
 from __future__ import annotations
 
 import errno
-import hashlib
 import mmap
 import os
 import tempfile
@@ -17,6 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Protocol
 from urllib.parse import urlparse
+
+from spotrun.trainer.digest import DEFAULT, FileDigest
 
 
 class StorageError(RuntimeError):
@@ -44,10 +45,10 @@ class Storage(Protocol):
     def put_new(self, key: str, data: bytes) -> bool:
         """Create ``key`` only if it does not exist; True if this call created it."""
 
-    def put_chunks(self, key: str, chunks: Sequence[bytes | memoryview]) -> str:
+    def put_chunks(self, key: str, chunks: Sequence[bytes | memoryview], algorithm: str = DEFAULT) -> str:
         """Write the concatenation of ``chunks`` as :meth:`put` does, without joining them in memory
-        first; returns its sha256 (hex), computed on the same pass. The chunks must not change
-        until the call returns."""
+        first; returns its digest under ``algorithm`` (:mod:`spotrun.trainer.digest`, hex), computed
+        on threads while the bytes are written. The chunks must not change until the call returns."""
 
     def get(self, key: str) -> bytes: ...
 
@@ -70,29 +71,6 @@ _ALIGN = 4096  # O_DIRECT wants buffer, offset and length aligned to the device'
 _CHUNK = 16 << 20
 
 Chunks = Sequence[bytes | memoryview]
-
-
-class Digest:
-    """sha256 of a file's bytes, computed on a thread of its own while the same bytes are written.
-
-    ``hashlib`` releases the GIL on large inputs, so the hash runs beside the write instead of
-    after it. The chunks fed must stay unchanged until :meth:`hexdigest` returns."""
-
-    def __init__(self) -> None:
-        self._sha = hashlib.sha256()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
-        self._last: Future[None] | None = None
-
-    def feed(self, chunk: bytes | memoryview) -> None:
-        self._last = self._pool.submit(self._sha.update, chunk)  # one thread: updates stay in order
-
-    def hexdigest(self) -> str:
-        try:
-            if self._last is not None:
-                self._last.result()
-            return self._sha.hexdigest()
-        finally:
-            self._pool.shutdown(wait=True)
 
 
 def _write_direct(path: str, chunks: Chunks, nbytes: int) -> bool:
@@ -227,18 +205,19 @@ class LocalStorage:
         os.replace(self._write_temp(path, [data], len(data)), path)
         self._fsync_dir(path.parent)
 
-    def put_chunks(self, key: str, chunks: Chunks) -> str:
+    def put_chunks(self, key: str, chunks: Chunks, algorithm: str = DEFAULT) -> str:
         path = self._path(key)
-        digest = Digest()
-        for chunk in chunks:
-            digest.feed(chunk)
+        digest = FileDigest(algorithm)
         try:
-            tmp = self._write_temp(path, chunks, sum(len(memoryview(c).cast("B")) for c in chunks))
+            for chunk in chunks:  # queues the hashing: it runs on the digest's threads beside the write
+                digest.update(chunk)
+            tmp = self._write_temp(path, chunks, digest.length)
+            hexdigest = digest.hexdigest()
         finally:
-            sha256 = digest.hexdigest()
+            digest.close()
         os.replace(tmp, path)
         self._fsync_dir(path.parent)
-        return sha256
+        return hexdigest
 
     def put_new(self, key: str, data: bytes) -> bool:
         path = self._path(key)

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlparse, urlunparse
 
+from spotrun.trainer.digest import DEFAULT
 from spotrun.trainer.storage import LocalStorage, Storage, StorageError, UnsafeKeyError, check_key
 
 # The JobSpec's own rule for job ids: a plain name, never "." or "..", never a path.
@@ -38,7 +39,7 @@ class _RefusesWrites:
     def put_new(self, key: str, data: bytes) -> bool:
         raise ReadOnlyError("the dashboard is read-only")
 
-    def put_chunks(self, key: str, chunks: Sequence[bytes | memoryview]) -> str:
+    def put_chunks(self, key: str, chunks: Sequence[bytes | memoryview], algorithm: str = DEFAULT) -> str:
         raise ReadOnlyError("the dashboard is read-only")
 
     def delete_prefix(self, prefix: str) -> None:

@@ -2,10 +2,12 @@
 
 A published bundle never changes (its manifest is create-only and its files were
 written before it), so a verdict about its *contents* can be cached by bundle key.
-Verification streams every file the manifest lists through sha256 in chunks of
-:data:`CHUNK_BYTES` (memory stays bounded whatever the bundle's size) and compares
-size and digest, exactly what a restore checks before it deserialises anything; it
-never unpickles. Bad data (a missing or short file, a wrong digest, an unreadable
+Verification streams every file the manifest lists, read :data:`CHUNK_BYTES` at a
+time, through the digest its manifest entry names (:mod:`spotrun.trainer.digest`, the
+same code the writer hashed it with; at most :data:`IN_FLIGHT` + 1 of its chunks are
+held, so memory stays bounded whatever the bundle's size) and compares size and
+digest, exactly what a restore checks before it deserialises anything; it never
+unpickles. Bad data (a missing or short file, a wrong digest, an unreadable
 manifest) is a verdict ``corrupt``, never an error. A failure to *read* (an I/O error,
 an unreachable object store) says nothing about the bundle: it is ``unreadable``,
 never cached, and the next request tries again. One verification of a bundle runs at
@@ -15,7 +17,6 @@ bundle again.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -23,11 +24,13 @@ from datetime import UTC, datetime
 from typing import Any, Literal, TypedDict
 
 from spotrun.trainer.bundle import BundleError, read_manifest
+from spotrun.trainer.digest import SHA256, WORKERS, digest_of
 from spotrun.trainer.manifest import ManifestError
 from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError
 
 State = Literal["unverified", "ok", "corrupt", "unreadable"]
 CHUNK_BYTES = 1 << 20
+IN_FLIGHT = 2 * WORKERS  # digest chunks queued at once: every core busy, memory bounded
 
 
 class Verdict(TypedDict):
@@ -39,13 +42,10 @@ class Verdict(TypedDict):
 UNVERIFIED: Verdict = {"state": "unverified", "detail": "", "verified_at": None}
 
 
-def file_digest(storage: Storage, key: str, chunk_bytes: int = CHUNK_BYTES) -> tuple[int, str]:
-    """``(size, sha256 hex)`` of one stored file, read ``chunk_bytes`` at a time."""
-    digest, size = hashlib.sha256(), 0
-    for chunk in storage.read_chunks(key, chunk_bytes):
-        digest.update(chunk)
-        size += len(chunk)
-    return size, digest.hexdigest()
+def file_digest(storage: Storage, key: str, algorithm: str = SHA256,
+                chunk_bytes: int = CHUNK_BYTES) -> tuple[int, str]:
+    """``(size, hex digest under algorithm)`` of one stored file, read ``chunk_bytes`` at a time."""
+    return digest_of(algorithm, storage.read_chunks(key, chunk_bytes), in_flight=IN_FLIGHT)
 
 
 def verify(storage: Storage, bundle_key: str, chunk_bytes: int = CHUNK_BYTES) -> Verdict:
@@ -55,14 +55,14 @@ def verify(storage: Storage, bundle_key: str, chunk_bytes: int = CHUNK_BYTES) ->
         manifest = read_manifest(storage, bundle_key)
         for f in manifest.files:
             try:
-                size, digest = file_digest(storage, f"{bundle_key}/{f.path}", chunk_bytes)
+                size, digest = file_digest(storage, f"{bundle_key}/{f.path}", f.digest, chunk_bytes)
             except FileNotFoundError:
                 return {"state": "corrupt", "detail": f"{f.path} is missing", "verified_at": now}
             if size != f.bytes:
                 return {"state": "corrupt", "detail": f"{f.path} has {size} bytes, manifest says {f.bytes}",
                         "verified_at": now}
             if digest != f.sha256:
-                return {"state": "corrupt", "detail": f"{f.path} sha256 {digest[:12]}…, manifest says "
+                return {"state": "corrupt", "detail": f"{f.path} {f.digest} {digest[:12]}…, manifest says "
                         f"{f.sha256[:12]}…", "verified_at": now}
     except (BundleError, ManifestError, UnsafeKeyError) as e:
         return {"state": "corrupt", "detail": str(e), "verified_at": now}

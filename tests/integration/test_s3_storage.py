@@ -42,15 +42,21 @@ def deny_put_policy(bucket: str, prefix: str) -> str:
 
 
 @pytest.mark.parametrize("size", [1000, 7 * MiB])  # one put_object; a multipart upload (SMALL_PARTS)
-def test_put_chunks_stores_the_concatenation_and_returns_its_sha256(moto, bucket, size):
+def test_put_chunks_stores_the_concatenation_and_returns_its_digest(moto, bucket, size):
+    """The digest is the reference's whether the body goes as one put or as multipart parts (whose
+    boundaries fall elsewhere than the digest's chunks'); plain sha256 when asked for."""
     import hashlib
     import os
+
+    from spotrun.trainer.digest import CHUNK_BYTES, SHA256
+    from tests.conftest import chunked_sha256
 
     s = storage(moto, bucket, transfer=SMALL_PARTS)
     head, body = os.urandom(24), os.urandom(size)
     digest = s.put_chunks("b/rank-0/model.safetensors", [head, memoryview(body)])
     assert s.get("b/rank-0/model.safetensors") == head + body
-    assert digest == hashlib.sha256(head + body).hexdigest()
+    assert digest == chunked_sha256(head + body, CHUNK_BYTES)
+    assert s.put_chunks("b/plain", [head, memoryview(body)], SHA256) == hashlib.sha256(head + body).hexdigest()
 
 
 

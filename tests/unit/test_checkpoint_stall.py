@@ -36,9 +36,9 @@ class GatedStorage:
         self._hold(key)
         self.inner.put(key, data)
 
-    def put_chunks(self, key: str, chunks) -> str:
+    def put_chunks(self, key: str, chunks, algorithm: str) -> str:
         self._hold(key)
-        return self.inner.put_chunks(key, chunks)
+        return self.inner.put_chunks(key, chunks, algorithm)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import threading
 import tracemalloc
 from collections.abc import Iterator
@@ -13,8 +14,10 @@ from collections.abc import Iterator
 import pytest
 
 from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
-from spotrun.orchestrator.dashboard.checksums import ChecksumCache, verify
+from spotrun.orchestrator.dashboard.checksums import IN_FLIGHT, ChecksumCache, verify
 from spotrun.orchestrator.launch import run_in_process
+from spotrun.trainer.digest import CHUNK_BYTES, DEFAULT
+from spotrun.trainer.storage import LocalStorage
 from tests.conftest import make_spec
 
 JOB = "sums"
@@ -22,25 +25,41 @@ CHUNK = 64 << 10
 BIG = 16 << 20  # 256 chunks
 
 
+KEY = f"{JOB}/bundles/u0000000002-a1"
+TREE = f"sha256-chunks-{CHUNK}"  # the digest's chunks as small as the reads: many of them
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """A 2-update job whose one bundle also lists a 16 MiB file (with its true size and digest)."""
+    """A 2-update job (its files written by the bundle writer, with the default digest) whose one
+    bundle also lists two 16 MiB files with their true size and digest: one under plain sha256 (as
+    schemas 2 to 4 have it), one under the chunked digest as ``put_chunks`` returned it for pieces
+    that straddle its chunks."""
     tmp = tmp_path_factory.mktemp("sums")
     run_in_process(make_spec(tmp, "train.updates=2", "checkpoint.every_updates=2", job_id=JOB))
     bundle = tmp / "runs" / JOB / "bundles" / "u0000000002-a1"
     blob = os.urandom(BIG)
     (bundle / "rank-0" / "big.bin").write_bytes(blob)
+    tree = os.urandom(BIG)
+    pieces = [tree[:1000], tree[1000:BIG // 2 + 7], tree[BIG // 2 + 7:]]
+    tree_digest = LocalStorage(tmp / "runs").put_chunks(f"{KEY}/rank-0/tree.bin", pieces, TREE)
     manifest = json.loads((bundle / "manifest.json").read_text())
-    manifest["files"].append({"path": "rank-0/big.bin", "bytes": BIG, "sha256": hashlib.sha256(blob).hexdigest()})
+    manifest["files"] += [{"path": "rank-0/big.bin", "bytes": BIG, "sha256": hashlib.sha256(blob).hexdigest()},
+                          {"path": "rank-0/tree.bin", "bytes": BIG, "sha256": tree_digest, "digest": TREE}]
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     return tmp / "runs"
 
 
-KEY = f"{JOB}/bundles/u0000000002-a1"
-
-
 def test_a_file_larger_than_the_memory_cap_is_hashed_in_chunks(root):
+    """Every file verifies (the writer's digests and the dashboard's agree) in bounded memory: the
+    reads, the digest's queued chunks (IN_FLIGHT of them) and the chunk being gathered, whatever the
+    files' size (the job's own files are each shorter than one chunk of the default digest, so
+    one of them is held whole)."""
     storage = ReadOnlyLocalStorage(root)
+    manifest = json.loads(storage.get(f"{KEY}/manifest.json"))
+    assert {f.get("digest", "sha256") for f in manifest["files"]} == {DEFAULT, TREE, "sha256"}
+    whole = max(f["bytes"] for f in manifest["files"] if f.get("digest") == DEFAULT)
+    assert whole < CHUNK_BYTES
     tracemalloc.start()
     try:
         verdict = verify(storage, KEY, chunk_bytes=CHUNK)
@@ -48,7 +67,17 @@ def test_a_file_larger_than_the_memory_cap_is_hashed_in_chunks(root):
     finally:
         tracemalloc.stop()
     assert verdict["state"] == "ok", verdict
-    assert peak < 8 * CHUNK, f"verification held {peak} bytes at once for a {BIG}-byte file"
+    assert peak < (IN_FLIGHT + 4) * CHUNK + whole, f"verification held {peak} bytes at once for {BIG}-byte files"
+
+
+def test_a_swapped_chunk_is_corrupt_naming_the_file_and_its_digest(root, tmp_path):
+    copy = tmp_path / "runs"
+    shutil.copytree(root, copy)
+    path = copy / KEY / "rank-0" / "tree.bin"
+    data = path.read_bytes()
+    path.write_bytes(data[CHUNK:2 * CHUNK] + data[:CHUNK] + data[2 * CHUNK:])
+    verdict = verify(ReadOnlyLocalStorage(copy), KEY, chunk_bytes=CHUNK)
+    assert verdict["state"] == "corrupt" and f"rank-0/tree.bin {TREE}" in verdict["detail"], verdict
 
 
 class Flaky(ReadOnlyLocalStorage):

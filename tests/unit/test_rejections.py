@@ -8,7 +8,9 @@ truncated or escaping files) and checks what restore does.
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -22,11 +24,12 @@ from spotrun.orchestrator.ledger import AttemptStarted, BundleRejected, Ledger, 
 from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, list_bundles, load_bundle, load_latest
 from spotrun.trainer.data.listing import scan
 from spotrun.trainer.data.tokenizer import CharTokenizer
+from spotrun.trainer.digest import DEFAULT as DEFAULT_DIGEST
 from spotrun.trainer.manifest import ManifestError, UnknownSchemaError
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import DEFAULT_VOCAB
 from spotrun.trainer.storage import LocalStorage
-from tests.conftest import ROOT, make_spec
+from tests.conftest import ROOT, chunked_sha256, make_spec
 
 JOB = "job"
 REF = ("train.updates=10", "checkpoint.every_updates=5")
@@ -238,12 +241,57 @@ def test_truncated_file_is_corrupt_naming_file_expected_and_actual_bytes(storage
 
 
 def test_same_size_corruption_is_caught_by_checksum(storage):
-    """A flipped byte (size unchanged) is caught by the sha256, naming the file."""
+    """A flipped byte (size unchanged) is caught by the file's digest, naming the file and the algorithm."""
     key = f"{NEWEST}/rank-0/model.pt"
     blob = bytearray(storage.get(key))
     blob[len(blob) // 2] ^= 0xFF
     storage.put(key, bytes(blob))
-    with pytest.raises(BundleCorrupt, match=r"rank-0/model\.pt has sha256"):
+    with pytest.raises(BundleCorrupt, match=rf"rank-0/model\.pt has {DEFAULT_DIGEST} digest"):
+        load_bundle(storage, NEWEST, None)
+
+
+CHUNK = 64 << 10
+EXTRA = "rank-0/extra.bin"
+
+
+def _with_a_file_of_many_chunks(storage: LocalStorage) -> bytes:
+    """List one more file in the newest bundle, written by ``put_chunks`` in pieces that straddle its
+    digest's 64 KiB chunks (5 of them, the last short), with the digest the writer returned."""
+    data = random.Random(9).randbytes(4 * CHUNK + 1000)
+    algorithm = f"sha256-chunks-{CHUNK}"
+    cuts = [0, 1000, CHUNK + 5, 3 * CHUNK - 1, len(data)]
+    hexdigest = storage.put_chunks(f"{NEWEST}/{EXTRA}", [data[a:b] for a, b in itertools.pairwise(cuts)], algorithm)
+    assert hexdigest == chunked_sha256(data, CHUNK)
+    edit_manifest(storage, NEWEST, lambda raw: raw["files"].append(
+        {"path": EXTRA, "bytes": len(data), "sha256": hexdigest, "digest": algorithm}))
+    assert load_bundle(storage, NEWEST, None).manifest.files  # it verifies as written
+    return data
+
+
+def _flip(at: int):
+    return lambda d: d[:at] + bytes([d[at] ^ 1]) + d[at + 1:]
+
+
+@pytest.mark.parametrize("damage", [
+    _flip(0), _flip(CHUNK - 1), _flip(CHUNK), _flip(2 * CHUNK + 77), _flip(-1),
+    lambda d: d[CHUNK:2 * CHUNK] + d[:CHUNK] + d[2 * CHUNK:],  # two whole chunks swapped
+    lambda d: d[:-1],  # truncated, the manifest's size edited to match: the digest alone catches it
+    lambda d: d[:4 * CHUNK],  # the short last chunk gone
+], ids=["first", "chunk-end", "chunk-start", "middle", "last", "swapped", "truncated", "last-chunk-dropped"])
+def test_any_damage_to_a_file_of_many_chunks_is_refused_at_restore_naming_it(storage, damage):
+    data = _with_a_file_of_many_chunks(storage)
+    damaged = damage(data)
+    assert damaged != data
+    storage.put(f"{NEWEST}/{EXTRA}", damaged)
+    edit_manifest(storage, NEWEST, lambda raw: [f.update(bytes=len(damaged)) for f in raw["files"]
+                                                 if f["path"] == EXTRA])
+    with pytest.raises(BundleCorrupt, match=rf"file {EXTRA} has sha256-chunks-{CHUNK} digest"):
+        load_bundle(storage, NEWEST, None)
+
+
+def test_an_unknown_digest_algorithm_is_refused_naming_it(storage):
+    edit_manifest(storage, NEWEST, lambda raw: raw["files"][0].update(digest="blake3"))
+    with pytest.raises(ManifestError, match="digest algorithm 'blake3' is unknown"):
         load_bundle(storage, NEWEST, None)
 
 

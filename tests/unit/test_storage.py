@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from spotrun.trainer.digest import CHUNK_BYTES, SHA256
 from spotrun.trainer.storage import LocalStorage, StorageError, UnsafeKeyError, check_key, open_storage
+from tests.conftest import chunked_sha256
 
 
 def files_on_disk(root: Path) -> list[str]:
@@ -253,9 +255,10 @@ def test_large_files_go_to_disk_with_direct_io_and_read_back_exactly(tmp_path, m
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_put_chunks_writes_the_concatenation_and_returns_its_sha256(tmp_path, monkeypatch, direct):
+def test_put_chunks_writes_the_concatenation_and_returns_its_digest(tmp_path, monkeypatch, direct):
     """Chunks of uneven sizes, straddling the two 16 MiB staging buffers (filled three times, so one
-    is reused after the other was written): the file is their concatenation, the digest its sha256."""
+    is reused after the other was written) and the digest's 4 MiB chunks: the file is their
+    concatenation, the digest the reference's (and plain sha256 when asked for)."""
     import spotrun.trainer.storage as storage_module
 
     monkeypatch.setattr(storage_module, "DIRECT_MIN_BYTES", 1 if direct else 1 << 40)
@@ -265,7 +268,8 @@ def test_put_chunks_writes_the_concatenation_and_returns_its_sha256(tmp_path, mo
     digest = s.put_chunks("b/file", [memoryview(c) for c in chunks])
     whole = b"".join(chunks)
     assert s.get("b/file") == whole
-    assert digest == hashlib.sha256(whole).hexdigest()
+    assert digest == chunked_sha256(whole, CHUNK_BYTES)
+    assert s.put_chunks("b/file", [memoryview(c) for c in chunks], SHA256) == hashlib.sha256(whole).hexdigest()
     assert os.listdir(tmp_path / "b") == ["file"]
 
 

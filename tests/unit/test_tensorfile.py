@@ -14,6 +14,7 @@ import torch
 
 from spotrun.orchestrator.launch import run_in_process
 from spotrun.trainer.bundle import BundleCorrupt, encode, load_bundle
+from spotrun.trainer.digest import DEFAULT as DEFAULT_DIGEST
 from spotrun.trainer.manifest import SCHEMA_VERSION
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.state import Capture
@@ -129,7 +130,7 @@ def test_a_job_writes_tensor_files_and_a_schema_2_bundle_of_the_same_state_resto
     schema 2 (whole payloads in .pt, no tensor file) load to bitwise the same payloads, and a session
     restores from the old one."""
     bundle = load_bundle(storage, NEWEST, None)
-    assert bundle.manifest.schema_version == SCHEMA_VERSION
+    assert bundle.manifest.schema_version == SCHEMA_VERSION == 5
     paths = [f.path for f in bundle.manifest.files]
     assert "rank-0/model.safetensors" in paths and "rank-0/optimizer.safetensors" in paths
     old = {p: _saved(v) if p.endswith(".pt") else json.dumps(v).encode() for p, v in bundle.payloads.items()}
@@ -142,6 +143,32 @@ def test_a_job_writes_tensor_files_and_a_schema_2_bundle_of_the_same_state_resto
                                      job_id=JOB))
     session.restore(again)
     assert session.roundtrip(again) == []
+
+
+@pytest.mark.parametrize("schema", [3, 4])
+def test_a_schema_3_or_4_bundle_verifies_with_plain_sha256_and_restores_the_same(storage, tmp_path, schema):
+    """Schemas 3 and 4 had today's layout but no digest field: their files verify with plain sha256
+    (and a flipped byte is still refused), and they load to bitwise the payloads of the bundle as
+    written now."""
+    bundle = load_bundle(storage, NEWEST, None)
+    assert {f.digest for f in bundle.manifest.files} == {DEFAULT_DIGEST}
+    files = {f.path: storage.get(f"{NEWEST}/{f.path}") for f in bundle.manifest.files}
+    _rewrite(storage, files, schema)
+    assert all("digest" not in f for f in json.loads(storage.get(f"{NEWEST}/manifest.json"))["files"])
+    again = load_bundle(storage, NEWEST, None)
+    assert again.manifest.schema_version == schema and {f.digest for f in again.manifest.files} == {"sha256"}
+    assert again.payloads.keys() == bundle.payloads.keys()
+    assert all(_same(again.payloads[p], bundle.payloads[p]) for p in bundle.payloads)
+    session = TrainSession(make_spec(tmp_path, "train.updates=2", "checkpoint.every_updates=2", "data.workers=0",
+                                     job_id=JOB))
+    session.restore(again)
+    assert session.roundtrip(again) == []
+    key = f"{NEWEST}/rank-0/model.safetensors"
+    blob = bytearray(storage.get(key))
+    blob[len(blob) // 2] ^= 1
+    storage.put(key, bytes(blob))
+    with pytest.raises(BundleCorrupt, match=r"rank-0/model\.safetensors has sha256 digest"):
+        load_bundle(storage, NEWEST, None)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "altered"])
