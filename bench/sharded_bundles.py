@@ -50,7 +50,7 @@ class Size:
     reps: int
 
 
-FULL = (Size("~100 MB", 1024, 100e6, 5), Size("~1 GB", 2048, 1e9, 3))
+FULL = (Size("~100 MB", 1024, 100e6, 9), Size("~1 GB", 2048, 1e9, 5))
 QUICK = (Size("~1 MB", 128, 1e6, 2),)
 
 
