@@ -40,9 +40,8 @@ from pathlib import Path
 
 import torch
 
-from bench.synthetic import layers_for
-from bench.tables import ROOT, Section, Stopwatch, Table, cli, median, mib, pct, ratio, work_folder
-from spotrun.orchestrator.specfile import load_spec
+from bench.synthetic import synthetic_session
+from bench.tables import Section, Stopwatch, Table, cli, median, mib, pct, ratio, work_folder
 from spotrun.trainer.bundle import BundleWriter, build_manifest, encode
 from spotrun.trainer.digest import DEFAULT, SHA256, digest_of
 from spotrun.trainer.faults import FaultInjector
@@ -72,17 +71,7 @@ QUICK = (Size("~1 MB", 128, 1e6, 2, True),)
 
 def build_session(size: Size, root: Path) -> TrainSession:
     """A real session (model, EMA, AdamW with its moments allocated) over the synthetic model."""
-    spec = load_spec(ROOT / "configs/tiny.yaml", [
-        f"storage=file://{root}", f"data.shards={ROOT / 'configs/data/tiny'}", "model.kind=factory",
-        "model.factory=bench.synthetic:linear_stack", f"model.n_embd={size.n_embd}",
-        f"model.n_layer={layers_for(int(size.state_bytes), size.n_embd)}"], "stall")
-    session = TrainSession(spec)
-    state = session.state
-    for p in state.model.parameters():  # one step allocates AdamW's moments, as in a job past update 1
-        p.grad = torch.zeros_like(p)
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
-    return session
+    return synthetic_session(size.n_embd, size.state_bytes, root, "stall")
 
 
 def state_bytes(state: TrainState) -> int:

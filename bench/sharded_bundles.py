@@ -26,13 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.synthetic import layers_for
-from bench.tables import ROOT, Section, Stopwatch, Table, cli, median, mib, ratio, work_folder
-from spotrun.orchestrator.specfile import load_spec
+from bench.synthetic import synthetic_session
+from bench.tables import Section, Stopwatch, Table, cli, median, mib, ratio, work_folder
 from spotrun.trainer.bundle import BundleWriter
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.session import TrainSession
@@ -56,18 +54,8 @@ QUICK = (Size("~1 MB", 128, 1e6, 2),)
 
 def session_for(size: Size, mode: str, root: Path, rank: int) -> TrainSession:
     """A rank's real session over the synthetic model, its AdamW moments allocated (as past update 1)."""
-    spec = load_spec(ROOT / "configs/tiny.yaml", [
-        f"storage=file://{root}", f"data.shards={ROOT / 'configs/data/tiny'}", "model.kind=factory",
-        "model.factory=bench.synthetic:linear_stack", f"model.n_embd={size.n_embd}",
-        f"model.n_layer={layers_for(int(size.state_bytes), size.n_embd)}", f"train.parallelism={mode}",
-        f"world.size={WORLD}", "data.workers=0"], f"shard-{mode}")
-    session = TrainSession(spec, rank=rank, world_size=WORLD)
-    state = session.state
-    for p in state.model.parameters():
-        p.grad = torch.zeros_like(p)
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
-    return session
+    return synthetic_session(size.n_embd, size.state_bytes, root, f"shard-{mode}", f"train.parallelism={mode}",
+                             f"world.size={WORLD}", "data.workers=0", rank=rank, world_size=WORLD)
 
 
 def one_checkpoint(session: TrainSession, storage: LocalStorage, writer: BundleWriter) -> list[float]:

@@ -8,10 +8,16 @@ a head: parameters ~ ``n_layer * n_embd**2``, so the whole training state
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from spotrun.orchestrator.specfile import load_spec
+from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import ModelSpec
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class LinearStack(nn.Module):
@@ -36,3 +42,20 @@ def layers_for(state_bytes: int, n_embd: int) -> int:
     """Layers of width ``n_embd`` whose four fp32 copies come closest to ``state_bytes``."""
     per_layer = 16 * (n_embd * n_embd + n_embd)
     return max(1, round(state_bytes / per_layer))
+
+
+def synthetic_session(n_embd: int, state_bytes: float, storage: Path, job_id: str, *sets: str, rank: int = 0,
+                      world_size: int = 1) -> TrainSession:
+    """A real session (model, EMA, AdamW with its moments allocated, as in a job past update 1) over the
+    linear stack whose training state is about ``state_bytes``; ``sets`` are further spec overrides."""
+    spec = load_spec(ROOT / "configs/tiny.yaml", [
+        f"storage=file://{storage}", f"data.shards={ROOT / 'configs/data/tiny'}", "model.kind=factory",
+        "model.factory=bench.synthetic:linear_stack", f"model.n_embd={n_embd}",
+        f"model.n_layer={layers_for(int(state_bytes), n_embd)}", *sets], job_id)
+    session = TrainSession(spec, rank=rank, world_size=world_size)
+    state = session.state
+    for p in state.model.parameters():
+        p.grad = torch.zeros_like(p)
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    return session

@@ -106,6 +106,16 @@ class Background:
         assert not self.thread.is_alive()
 
 
+def shrink_then_grow(cluster: Cluster, job: Background, after_updates: int) -> None:
+    """Remove rank 1's node once the job traced ``after_updates``; add a node once it restarted on one
+    rank; wait for the job to end."""
+    job.wait_for(lambda: job.trace_lines() >= after_updates)
+    remove_rank_node(cluster, job, rank=1)
+    job.wait_for(lambda: any(isinstance(e, AttemptStarted) and e.world_size == 1 for e in job.events()))
+    cluster.add_node(num_cpus=1)
+    job.join()
+
+
 def remove_rank_node(cluster: Cluster, job: Background, rank: int) -> None:
     started = [e for e in job.events() if isinstance(e, AttemptStarted)][-1]
     node_id = started.node_ids[rank]
@@ -168,11 +178,7 @@ def test_elastic_grows_back_when_a_node_returns(cluster, reference, tmp_path):
     spec = make_spec(tmp_path, *SETS, "world.policy=elastic", "world.grow_check_s=0.2", "train.updates=400",
                      "world.max_restarts=1", job_id="grow")
     job = Background(spec, tmp_path / "t.jsonl")
-    job.wait_for(lambda: job.trace_lines() >= 12)
-    remove_rank_node(cluster, job, rank=1)
-    job.wait_for(lambda: any(isinstance(e, AttemptStarted) and e.world_size == 1 for e in job.events()))
-    cluster.add_node(num_cpus=1)
-    job.join()
+    shrink_then_grow(cluster, job, after_updates=12)
     assert job.error is None and job.outcome.restarts == 1
     events = job.events()
     resizing = next(e for e in events if isinstance(e, Resizing))
@@ -202,11 +208,7 @@ def test_fsdp_elastic_shrinks_and_grows_back_resharding_its_bundles(cluster, tmp
     spec = make_spec(tmp_path, *sets, "world.policy=elastic", "world.grow_check_s=0.2", "world.max_restarts=1",
                      "checkpoint.keep_last=50", job_id="fsdp-grow")  # the restored bundles stay to be read
     job = Background(spec, tmp_path / "t.jsonl")
-    job.wait_for(lambda: job.trace_lines() >= 30)
-    remove_rank_node(cluster, job, rank=1)
-    job.wait_for(lambda: any(isinstance(e, AttemptStarted) and e.world_size == 1 for e in job.events()))
-    cluster.add_node(num_cpus=1)
-    job.join()
+    shrink_then_grow(cluster, job, after_updates=30)
     assert job.error is None and job.outcome.restarts == 1
     events = job.events()
     shrink, grow = [e for e in events if isinstance(e, Restored)]
