@@ -23,12 +23,12 @@ import socket
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.checkpoint_stall import Size
 from bench.synthetic import synthetic_session
 from bench.tables import Section, Stopwatch, Table, cli, median, mib, ratio, work_folder
 from spotrun.trainer.bundle import BundleWriter
@@ -40,16 +40,8 @@ WORLD = 2
 MODES = ("ddp", "fsdp")
 
 
-@dataclass(frozen=True)
-class Size:
-    label: str
-    n_embd: int
-    state_bytes: float
-    reps: int
-
-
-FULL = (Size("~100 MB", 1024, 100e6, 9), Size("~1 GB", 2048, 1e9, 5))
-QUICK = (Size("~1 MB", 128, 1e6, 2),)
+FULL = (Size("~100 MB", 1024, 100e6, 9, False), Size("~1 GB", 2048, 1e9, 5, False))  # bench 1's sizes, no S3
+QUICK = (Size("~1 MB", 128, 1e6, 2, False),)
 
 
 def session_for(size: Size, mode: str, root: Path, rank: int) -> TrainSession:
