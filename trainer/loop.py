@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from spotrun.trainer.faults import FaultInjector
@@ -152,8 +151,8 @@ class TrainLoop:
             sync: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
             if m < self.accum_steps - 1 and isinstance(trained, DistributedDataParallel):
                 sync = trained.no_sync()
-            if isinstance(trained, FSDPModule):  # reduce-scatter once, after the last microstep's backward
-                trained.set_requires_gradient_sync(m == self.accum_steps - 1)
+            if st.wrapped:  # FSDP: reduce-scatter once, after the last microstep's backward
+                trained.set_requires_gradient_sync(m == self.accum_steps - 1)  # type: ignore[operator]
             with sync:
                 loss, metrics = forward(st, batch)
                 self.faults.hit("backward", update, m)

@@ -16,12 +16,16 @@ tensors are whole and their layout is the whole range.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+
+# torch.distributed.tensor (DTensor) is imported where a model is sharded, never at import: it costs
+# every rank's start 0.7 s (sympy), and a process that never imported it holds no sharded tensor.
+_DTENSOR = "torch.distributed.tensor"
 
 # The job's own wrapping (spotrun.Job(shard=...)): call fully_shard on the submodules that should be
 # their own units (each transformer block, say); the engine wraps the root afterwards.
@@ -46,12 +50,13 @@ def apply_fsdp(model: nn.Module, shard: ShardFn | None, world_size: int, device:
     """Shard ``model`` over the default process group's ``world_size`` ranks (in place; returned)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     mesh = init_device_mesh(device.split(":")[0], (world_size,))
     (shard or wrap_each_child)(model, mesh)
     fully_shard(model, mesh=mesh)
     for name, p in model.named_parameters():
-        if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):
+        if not is_sharded(p) or tuple(p.placements) != (Shard(0),):  # type: ignore[attr-defined]
             raise ShardError(f"parameter {name} is not sharded on dim 0 after wrapping ({type(p).__name__}); "
                              "spotrun.Job(shard=...) may only call fully_shard on submodules")
     return model
@@ -65,22 +70,24 @@ def rows_of(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
 
 
 def is_sharded(t: Any) -> bool:
-    return isinstance(t, DTensor)
+    """Whether ``t`` is a DTensor (FSDP2's sharded parameters, their moments and EMA weights)."""
+    module = sys.modules.get(_DTENSOR)
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The rows this rank holds (a sharded tensor's local part, or the tensor itself)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]
 
 
 def held_rows(t: torch.Tensor) -> tuple[int, int]:
     """The rows of ``t``'s global tensor this rank holds (all of them for an unsharded tensor)."""
-    if not isinstance(t, DTensor):
+    if not is_sharded(t):
         return 0, t.shape[0] if t.dim() else 0
-    mesh = t.device_mesh
+    mesh = t.device_mesh  # type: ignore[attr-defined]
     start, stop = rows_of(t.shape[0], mesh.size(), mesh.get_local_rank())
-    if t.to_local().shape[0] != stop - start:
-        raise ShardError(f"a sharded tensor of {t.shape[0]} rows holds {t.to_local().shape[0]} on rank "
+    if local(t).shape[0] != stop - start:
+        raise ShardError(f"a sharded tensor of {t.shape[0]} rows holds {local(t).shape[0]} on rank "
                          f"{mesh.get_local_rank()} of {mesh.size()}, not {stop - start}: not a dim-0 chunking")
     return start, stop
 
@@ -93,7 +100,7 @@ def layout_entry(t: torch.Tensor) -> list[int]:
 
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor (a collective for a sharded one: every rank must call it, in the same order)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_sharded(t) else t  # type: ignore[attr-defined]
 
 
 def gathered(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -103,8 +110,11 @@ def gathered(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def like(ref: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``rows`` as ``ref`` holds them: a sharded tensor placed like ``ref``, or ``rows`` itself."""
-    if not isinstance(ref, DTensor):
+    if not is_sharded(ref):
         return rows
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(ref, DTensor)
     return DTensor.from_local(rows.to(ref.to_local().device), ref.device_mesh, ref.placements, shape=ref.shape,
                               stride=ref.stride(), run_check=False)
 

@@ -34,12 +34,12 @@ def tensor_bytes_per_rank(storage, key: str) -> dict[int, int]:
 
 
 def test_strict_fsdp_is_bitwise_under_kills_and_every_bundle_is_split(tmp_path):
-    code, report, err = verify(tmp_path, *FSDP, "train.updates=24", "checkpoint.every_updates=4", kills=4,
+    code, report, err = verify(tmp_path, *FSDP, "train.updates=16", "checkpoint.every_updates=3", kills=4,
                                where=())
     assert code == 0, err
     assert report["verdict"] == "pass" and report["observed_contract"] == "exact"
     assert report["params_bitwise_equal"] is True and report["restores_from_bundle"] > 0
-    assert report["restore_oracle"] == [] and report["updates_compared"] == 24
+    assert report["restore_oracle"] == [] and report["updates_compared"] == 16
     storage = open_storage(f"file://{tmp_path / 'runs'}")
     published = [r for r in list_bundles(storage, report["chaos_job"]) if r.published]
     assert published
@@ -53,7 +53,7 @@ def test_strict_fsdp_is_bitwise_under_kills_and_every_bundle_is_split(tmp_path):
 
 
 def test_verify_fails_a_build_that_restores_every_rank_from_rank_0s_shard(tmp_path):
-    code, report, err = verify(tmp_path, *FSDP, "train.updates=16", "checkpoint.every_updates=4", kills=3,
+    code, report, err = verify(tmp_path, *FSDP, "train.updates=12", "checkpoint.every_updates=3", kills=3,
                                where=("--mutate", "shard_rows"))
     assert report["restores_from_bundle"] > 0, "no restart restored a bundle: nothing was mutated"
     assert code == 1, err
