@@ -416,17 +416,20 @@ def read_manifest(storage: Storage, bundle_key: str) -> Manifest:
 
 
 def load_bundle(storage: Storage, bundle_key: str, desc: Description | None, *,
-                same_job: bool = True, want: Callable[[Manifest, str], bool] | None = None) -> LoadedBundle:
+                same_job: bool = True, want: Callable[[Manifest], Callable[[str], bool]] | None = None
+                ) -> LoadedBundle:
     """Verify then deserialise a published bundle. Raises a :class:`BundleError` or ``ManifestError``.
 
-    ``want(manifest, path)`` picks the files to read (default: all): a rank of a sharded job reads
-    its own shard, not every rank's. Whatever is read is verified against the manifest first."""
+    ``want(manifest)`` returns which file paths to read (default: all), decided once per bundle: a
+    rank of a sharded job reads its own shard, not every rank's. Whatever is read is verified
+    against the manifest first."""
     manifest = read_manifest(storage, bundle_key)
     if desc is not None:
         check_compatible(manifest, desc, f"bundle {bundle_key}", same_job=same_job)
+    keep = want(manifest) if want is not None else None
     blobs = {}
     for f in manifest.files:
-        if want is not None and not want(manifest, f.path):
+        if keep is not None and not keep(f.path):
             continue
         key = f"{bundle_key}/{f.path}"
         try:

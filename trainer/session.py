@@ -14,7 +14,7 @@ after seeding every global stream, binds its data to the engine, and builds the 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from spotrun.trainer.bundle import BundleCorrupt, Description, LoadedBundle, describe
@@ -92,18 +92,21 @@ class TrainSession:
         self.state.planner_state = self.state.planner.state_dict()
         return time.perf_counter() - t0
 
-    def wants(self, manifest: Manifest, path: str) -> bool:
-        """Whether this rank's restore reads the bundle file ``path`` (:func:`load_bundle`'s ``want``):
-        its own files and rank 0's shared ones (state, stream); of the model and optimizer, a
-        replicated bundle's (rank 0's) or, sharded, those of the ranks whose rows overlap the rows
+    def wants(self, manifest: Manifest) -> Callable[[str], bool]:
+        """Which files of the bundle ``manifest`` this rank's restore reads (:func:`load_bundle`'s
+        ``want``): its own files and rank 0's shared ones (state, stream); of the model and optimizer,
+        a replicated bundle's (rank 0's) or, sharded, those of the ranks whose rows overlap the rows
         this rank holds now (its own alone at the same world size)."""
-        rank_dir, _, name = path.partition("/")
-        rank = int(rank_dir.removeprefix("rank-")) if rank_dir.startswith("rank-") else -1
-        if name.startswith(("model.", "optimizer.")):
-            if manifest.world.parallelism != "fsdp":
-                return rank == 0
-            return rank in self._overlapping(manifest)
-        return rank == self.rank or (rank == 0 and name.startswith(("state.", "stream.")))
+        model_ranks = self._overlapping(manifest) if manifest.world.parallelism == "fsdp" else {0}
+
+        def keep(path: str) -> bool:
+            rank_dir, _, name = path.partition("/")
+            rank = int(rank_dir.removeprefix("rank-")) if rank_dir.startswith("rank-") else -1
+            if name.startswith(("model.", "optimizer.")):
+                return rank in model_ranks
+            return rank == self.rank or (rank == 0 and name.startswith(("state.", "stream.")))
+
+        return keep
 
     def _overlapping(self, manifest: Manifest) -> set[int]:
         """The ranks of a sharded bundle holding rows this rank holds now (every sharded tensor has a

@@ -272,10 +272,9 @@ class TrainState:
         Parameters, EMA and optimizer state change only in the next optimizer step, so their
         copies are deferred (:class:`HostBuffers`); buffers (batch-norm statistics, say) may change
         in the next forward, so they are copied now."""
-        params = {id(p) for p in self.model.parameters()}
+        params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         layout: dict[str, list[int]] = {}
-        model = self.model.state_dict(keep_vars=True)
-        layout.update({f"model/{k}": self._layout_of(f"model/{k}", v) for k, v in model.items() if is_sharded(v)})
+        model = self._held("model", self.model.state_dict(keep_vars=True), layout)
         ema = self._held("ema", self.ema.state_dict(), layout) if self.ema is not None else {}
         opt_layout: dict[str, list[int]] = {}
         optimizer = self._held("", named_state(self.optimizer, self.group_names), opt_layout)
@@ -283,8 +282,7 @@ class TrainState:
         return {
             f"{d}/model.pt": {
                 "version": STATE_VERSION,
-                "model": {k: self.host.copy(f"model/{k}", local(v), defer=id(v) in params)
-                          for k, v in model.items()},
+                "model": {k: self.host.copy(f"model/{k}", v, defer=k in params) for k, v in model.items()},
                 "ema": self.host.copy_tree("ema", ema, defer=True),
                 **({LAYOUT: layout} if self.sharded else {}),
             },
@@ -329,7 +327,6 @@ class TrainState:
             # Another world size (elastic): this rank has no saved streams; derive fresh ones.
             seed_all(rank_seed(self.spec.seed, self.rank) + self.counters.value.attempted_updates)
 
-
     def _restore_model(self, payloads: dict[str, Any]) -> None:
         """The model, EMA, optimizer and scheduler: each tensor's rows this rank holds, put together
         from the bundle's pieces (:class:`~spotrun.trainer.sharding.Pieces`: the one file of a
@@ -356,8 +353,8 @@ class TrainState:
         params = dict(self.model.named_parameters())
 
         def rows(key: str, t: torch.Tensor) -> tuple[int, int] | None:
-            _, name, _ = key.split("/", 2) if key.startswith("state/") and key.count("/") >= 2 else ("", "", "")
-            p = params.get(name)
+            parts = key.split("/")  # state/<parameter name>/<its state's key>
+            p = params.get(parts[1]) if len(parts) == 3 and parts[0] == "state" else None
             shape = opt_pieces.shape(key, t)
             return held_rows(p) if p is not None and is_sharded(p) and shape == tuple(p.shape) else None
 
@@ -371,7 +368,6 @@ class TrainState:
         load_named_state(self.optimizer, self.group_names, opt)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(scheduler)
-
 
     def _layout_of(self, key: str, t: torch.Tensor) -> list[int]:
         """The layout entry of the sharded tensor at ``key``, computed once: it is fixed by the shape and

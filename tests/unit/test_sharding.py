@@ -77,7 +77,8 @@ def test_a_rank_reads_the_shards_that_overlap_its_rows():
                                    model=SimpleNamespace(params=(TensorInfo(name="w", shape=(8, 3), dtype="float32"),)))
         session = SimpleNamespace(rank=rank, world_size=world, state=SimpleNamespace(wrapped=wrapped))
         session._overlapping = lambda m: TrainSession._overlapping(session, m)
-        return [r for r in range(saved) if TrainSession.wants(session, manifest, f"rank-{r}/model.safetensors")]
+        keep = TrainSession.wants(session, manifest)
+        return [r for r in range(saved) if keep(f"rank-{r}/model.safetensors")]
 
     assert wants(1, 4, 4) == [1] and wants(0, 2, 4) == [0, 1] and wants(1, 2, 4) == [2, 3]
     assert wants(0, 1, 4, wrapped=False) == [0, 1, 2, 3]  # one rank holds every row
