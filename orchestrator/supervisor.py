@@ -375,19 +375,20 @@ class Supervisor:
         return update
 
     def _running(self, st: Running) -> State:
+        """One look at the running attempt. A rank may die at any call to it (a poll, or a request
+        to checkpoint for a notice or to grow): each of them is a loss to recover from."""
         try:
-            reports = st.group.poll()
+            return self._look(st)
         except RankLost as e:
             self._absorb(st, st.group.salvage())  # the survivors know how far the attempt got
             return Recovering(st.group, st.attempt, st.world_size, st.last_update, e)
-        except RankFailed as e:
+        except (RankFailed, PublishError) as e:
             st.group.teardown()
             return Failed(str(e), e)
-        try:
-            self._absorb(st, reports)
-        except PublishError as e:
-            st.group.teardown()
-            return Failed(str(e), e)
+
+    def _look(self, st: Running) -> State:
+        reports = st.group.poll()
+        self._absorb(st, reports)
         if all(r.state == "finished" for r in reports):
             st.group.teardown()
             return Finished(self.published[-1].counters if self.published else Counters())

@@ -256,3 +256,30 @@ def test_driver_signal_handlers_are_restored_even_when_python_did_not_install_th
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+def test_a_rank_lost_while_the_notice_is_passed_on_is_a_loss_not_a_crash(tmp_path):
+    """A node that is going away may take its rank before the request to checkpoint reaches it (CI
+    saw it in the chaos suite: Ray's drain notice, then the node's removal): the supervisor recovers
+    from that loss as from any other, instead of failing the job."""
+    from spotrun.orchestrator.groups import RankLost
+    from spotrun.orchestrator.ledger import WorkerLost
+    from spotrun.orchestrator.supervisor import Supervisor
+    from spotrun.trainer.rank import Report
+    from spotrun.trainer.storage import open_storage
+    from tests.conftest import make_spec
+    from tests.helpers.groups import ScriptedGroup
+
+    class DiesOnRequest(ScriptedGroup):
+        def request(self, checkpoint=True, stop=False):
+            raise RankLost(0, "node-lost", "The actor died unexpectedly before finishing this task.", "node-0")
+
+    spec = make_spec(tmp_path, "train.updates=4", job_id="n")
+    groups = [DiesOnRequest(1, [[Report(rank=0, last_update=1)]], salvage=[Report(rank=0, last_update=2)]),
+              ScriptedGroup(1, [[Report(rank=0, last_update=4, state="finished")]])]
+    sup = Supervisor(spec, lambda *args: groups.pop(0), capacity=lambda: 1, sleep=lambda s: None)
+    sup.notify(Notice(source="ray-drain", node_id="node-0", rank=0, deadline=_now() + timedelta(seconds=120)))
+    outcome = sup.run()
+    assert outcome.state == "finished" and outcome.restarts == 1
+    lost = [e for e in Ledger(open_storage(spec.storage), "n").read() if isinstance(e, WorkerLost)]
+    assert [(e.rank, e.cause, e.last_update) for e in lost] == [(0, "node-lost", 2)]
