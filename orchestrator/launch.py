@@ -72,6 +72,11 @@ def in_process_supervisor(spec: JobSpec, *, trace_path: str | None = None, recor
                       init_from=init_from, reset=reset, progress=progress)
 
 
+def embedded_cpus(spec: JobSpec) -> int:
+    """The CPUs a local Ray for this job declares: the largest world's ranks, whatever the machine has."""
+    return int(max(1, max(spec.max_world, spec.world.size) * spec.world.cpus_per_rank))
+
+
 def ensure_ray(spec: JobSpec, address: str | None) -> None:
     """Connect to ``address``, or start an embedded local Ray sized for the job."""
     import ray
@@ -82,9 +87,8 @@ def ensure_ray(spec: JobSpec, address: str | None) -> None:
     if address:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         return
-    cpus = max(spec.max_world, spec.world.size) * spec.world.cpus_per_rank
     with group_signals_spare_ray():
-        ray.init(address="local", num_cpus=int(max(1, cpus)), include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=embedded_cpus(spec), include_dashboard=False, log_to_driver=False,
                  logging_level=logging.WARNING)
     atexit.register(shutdown_without_grace)  # before Ray's own exit handler (registered earlier, run later)
 

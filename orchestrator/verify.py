@@ -9,7 +9,7 @@
    manifest publish and offsets commit; a preemption notice (SIGTERM). A killed
    driver is started again with the same command, as a user would. Each fault
    records itself in the job's storage before its signal is sent; only those
-   records count as delivered.
+   records count as delivered. All runs of a verify on Ray share one local Ray instance.
 3. Compare update by update: the interrupted run must reach the reference's last
    update; occurrences (gaps, duplicates), parameters (bitwise, or the policy's
    tolerance), metric points per (update, name) in every sink's final view and in
@@ -55,6 +55,7 @@ from spotrun.orchestrator.comparison import (
 )
 from spotrun.orchestrator.divergence import Divergence, Stage, divergence_rows, explain, first_stage
 from spotrun.orchestrator.history import history
+from spotrun.orchestrator.launch import embedded_cpus
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored
 from spotrun.orchestrator.supervisor import JobFailedError
 from spotrun.trainer.faults import FaultLog
@@ -253,7 +254,7 @@ class Verifier:
         else:
             removals = []
         fault_set = "faults=[" + ", ".join(f.model_dump_json() for f in faults) + "]"
-        if self.nodes:
+        if not self.no_ray:
             self._start_cluster()
         try:
             self._run(ref_job, ref_trace, [], max_runs=1)
@@ -265,10 +266,16 @@ class Verifier:
         return self.compare(ref_job, chaos_job, ref_trace, chaos_trace, faults, removals)
 
     def _start_cluster(self) -> None:
-        """A local multi-node Ray cluster (ray.cluster_utils): a head with no CPUs, ``nodes`` workers
-        with one rank's resources each, so every rank has a node of its own to lose."""
+        """One local Ray for every run of this verify (each run connects with ``--address``: a run
+        that starts its own pays Ray's start, seconds, again at every driver death). With
+        ``nodes``, a multi-node cluster (ray.cluster_utils): a head with no CPUs and ``nodes``
+        workers with one rank's resources each, so every rank has a node of its own to lose;
+        without, one node with the resources the embedded Ray of ``spotrun run`` would have."""
         from ray.cluster_utils import Cluster
 
+        if not self.nodes:
+            self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": embedded_cpus(self.spec)})
+            return
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
         self.cluster = cluster
         for _ in range(self.nodes):

@@ -26,3 +26,11 @@ def ray_for_module():
     """Import into a test module and mark it ``usefixtures``/autouse to share one local Ray."""
     with local_ray():
         yield
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    """The address of one local Ray for the module's `spotrun run` subprocesses (each would start
+    its own otherwise: seconds a run); the test process is connected to it too."""
+    with local_ray(num_cpus=2):
+        yield ray.get_runtime_context().gcs_address

@@ -15,13 +15,16 @@ from tests.conftest import ROOT
 
 
 def run_cmd(storage: Path, job: str, trace: Path, *sets: str, config: str = "configs/tiny.yaml",
-            ray: bool = False, data: Path | str = ROOT / "configs/data/tiny") -> list[str]:
-    """`spotrun run` of ``config`` with storage and trace in the test's folder (without Ray unless asked)."""
+            ray: bool | str = False, data: Path | str = ROOT / "configs/data/tiny") -> list[str]:
+    """`spotrun run` of ``config`` with storage and trace in the test's folder: without Ray unless
+    asked; ``ray=True``: on an embedded Ray of its own; ``ray="<address>"``: on that running Ray."""
     cmd = [sys.executable, "-m", "spotrun", "run", str(ROOT / config), "--job-id", job,
            "--trace", str(trace), "--trace-ids", "--set", f"storage=file://{storage}",
            "--set", f"data.shards={data}"]
     for s in sets:
         cmd += ["--set", s]
+    if isinstance(ray, str):
+        return [*cmd, "--address", ray]
     return cmd if ray else [*cmd, "--no-ray"]
 
 

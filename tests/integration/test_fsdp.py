@@ -17,6 +17,7 @@ from spotrun.orchestrator.ledger import BundleRejected, Ledger, Restored
 from spotrun.trainer.bundle import list_bundles, read_manifest
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
+from tests.helpers.ray_local import ray_address  # noqa: F401 - the module's local Ray
 from tests.helpers.runs import run_cmd, run_to_end
 from tests.integration.test_verify import verify
 
@@ -62,16 +63,17 @@ def test_verify_fails_a_build_that_restores_every_rank_from_rank_0s_shard(tmp_pa
     assert not any(m.startswith("rank 0:") for m in report["restore_oracle"])  # rank 0's rows are its own
 
 
-def test_a_torn_sharded_bundle_is_never_restored(tmp_path):
+def test_a_torn_sharded_bundle_is_never_restored(tmp_path, ray_address):
     """Rank 1's shard of the newest bundle truncated: the restart refuses that bundle, naming the file,
     resumes from the one before, and ends equal to an uninterrupted run, update by update."""
     sets = (*FSDP, "checkpoint.every_updates=5", "data.workers=1", "train.updates=25")
     ref_trace = tmp_path / "ref.jsonl"
-    done = run_to_end(run_cmd(tmp_path / "runs", "ref", ref_trace, *sets, ray=True))
+    done = run_to_end(run_cmd(tmp_path / "runs", "ref", ref_trace, *sets, ray=ray_address))
     assert done.returncode == 0, done.stderr
     trace = tmp_path / "t.jsonl"
     # the driver SIGKILLed right after bundle 20 is published (attempt 1 only: the rerun goes past it)
-    cmd = run_cmd(tmp_path / "runs", "torn", trace, *sets, "faults=[{site: after_publish, update: 20}]", ray=True)
+    cmd = run_cmd(tmp_path / "runs", "torn", trace, *sets, "faults=[{site: after_publish, update: 20}]",
+                  ray=ray_address)
     assert run_to_end(cmd).returncode == -9
     storage = open_storage(f"file://{tmp_path / 'runs'}")
     newest = next(r for r in list_bundles(storage, "torn") if r.published)
@@ -90,12 +92,12 @@ def test_a_torn_sharded_bundle_is_never_restored(tmp_path):
     assert first_divergence(read_trace(ref_trace), list(final.values())) is None
 
 
-def test_init_from_a_replicated_bundle_into_a_sharded_job(tmp_path):
+def test_init_from_a_replicated_bundle_into_a_sharded_job(tmp_path, ray_address):
     """--init-from a ddp bundle into an fsdp job: each rank cuts its rows from rank 0's whole tensors.
     The first update then sees the parameters a ddp job initialised from the same bundle sees: the
     same batches and losses (the gradients are reduced another way)."""
     sets = ("world.size=2", "train.updates=10", "checkpoint.every_updates=5", "data.workers=1")
-    done = run_to_end(run_cmd(tmp_path / "runs", "base", tmp_path / "base.jsonl", *sets, ray=True))
+    done = run_to_end(run_cmd(tmp_path / "runs", "base", tmp_path / "base.jsonl", *sets, ray=ray_address))
     assert done.returncode == 0, done.stderr
     storage = open_storage(f"file://{tmp_path / 'runs'}")
     bundle = next(r for r in list_bundles(storage, "base") if r.published)
@@ -103,7 +105,7 @@ def test_init_from_a_replicated_bundle_into_a_sharded_job(tmp_path):
     for mode in ("ddp", "fsdp"):
         traces[mode] = tmp_path / f"{mode}.jsonl"
         cmd = [*run_cmd(tmp_path / "runs", f"ft-{mode}", traces[mode], *sets, f"train.parallelism={mode}",
-                        "train.updates=3", ray=True), "--init-from", f"file://{tmp_path / 'runs'}/{bundle.key}"]
+                        "train.updates=3", ray=ray_address), "--init-from", f"file://{tmp_path / 'runs'}/{bundle.key}"]
         done = run_to_end(cmd)
         assert done.returncode == 0, done.stderr
     ddp, fsdp = (read_trace(traces[m])[0] for m in ("ddp", "fsdp"))
