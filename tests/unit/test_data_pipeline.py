@@ -248,3 +248,32 @@ def test_loader_output_does_not_depend_on_worker_count():
         assert len(other) == len(outs[0]) == 12
         for x, y in zip(outs[0], other, strict=True):
             assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2:] == y[2:]
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.arange(12, dtype=torch.int64).reshape(3, 4), torch.randn(2, 3).to(torch.bfloat16),
+    torch.tensor([True, False]), torch.tensor(7.5), torch.empty(0, 5), torch.randn(4, 6)[:, ::2],
+], ids=["int64", "bfloat16", "bool", "0-dim", "empty", "strided"])
+def test_a_small_tensor_leaves_a_prefetch_worker_inline_and_unchanged(tensor):
+    """Through the pickler of torch's worker queues: the same dtype, shape and bits, and not in shared
+    memory (shared memory is what a file descriptor handed over a socket of its own gives)."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    from spotrun.trainer.data.loader import _inline_small
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(_inline_small(("plan", {"x": [tensor]})))
+    plan, batch = ForkingPickler.loads(buf.getvalue())
+    out = batch["x"][0]
+    assert plan == "plan" and type(out) is torch.Tensor and not out.is_shared()
+    assert out.dtype == tensor.dtype and out.shape == tensor.shape
+    assert torch.equal(out.reshape(-1).view(torch.uint8), tensor.contiguous().reshape(-1).view(torch.uint8))
+
+
+def test_a_large_tensor_still_goes_through_shared_memory():
+    from spotrun.trainer.data.loader import INLINE_BYTES, _inline_small
+
+    big = torch.zeros(INLINE_BYTES // 4 + 1, dtype=torch.float32)
+    _, batch = _inline_small(("plan", {"x": big}))
+    assert batch["x"] is big
