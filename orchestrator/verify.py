@@ -171,6 +171,11 @@ def plan_faults(spec: JobSpec, kills: int, seed: int,
     return faults, removals
 
 
+# verify's own local clusters start no dashboard: nothing reads it, and its processes (about ten on
+# Ray 2.60) cost a second or more of a 2-core machine at each start
+NO_DASHBOARD = {"include_dashboard": False}
+
+
 class Verifier:
     def __init__(self, config: str, overrides: list[str], *, kills: int, seed: int, no_ray: bool,
                  workdir: Path, load, nodes: int = 0, mutate: tuple[str, ...] = ()) -> None:
@@ -274,9 +279,10 @@ class Verifier:
         from ray.cluster_utils import Cluster
 
         if not self.nodes:
-            self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": embedded_cpus(self.spec)})
+            self.cluster = Cluster(initialize_head=True,
+                                   head_node_args={"num_cpus": embedded_cpus(self.spec), **NO_DASHBOARD})
             return
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **NO_DASHBOARD})
         self.cluster = cluster
         for _ in range(self.nodes):
             cluster.add_node(num_cpus=self.spec.world.cpus_per_rank)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no CUDA device")
 def test_a_gpu_rank_whose_torch_sees_no_cuda_is_refused_before_any_update(tmp_path):
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1, "include_dashboard": False})
     try:
         trace = tmp_path / "t.jsonl"
         done = subprocess.run(

@@ -49,7 +49,7 @@ TOLERANCE = 1e-3
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     c.add_node(num_cpus=1)
     c.add_node(num_cpus=1)
     ray.init(address=c.address, log_to_driver=False)

@@ -416,7 +416,7 @@ def test_drain_on_stop_moves_a_running_job_off_the_node(tmp_path):
     spec = make_spec(tmp_path, "world.size=2", "world.policy=elastic", "world.min_size=1", "train.updates=400",
                      "checkpoint.every_updates=100", "data.workers=1", "world.placement=STRICT_SPREAD",
                      "world.restart_backoff_s=0.1", "preemption.drain_poll_s=0.1", job_id="prestop")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:
         cluster.add_node(num_cpus=1)
         cluster.add_node(num_cpus=1)
