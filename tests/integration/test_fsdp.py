@@ -56,6 +56,7 @@ def test_strict_fsdp_is_bitwise_under_kills_and_every_bundle_is_split(tmp_path):
 def test_verify_fails_a_build_that_restores_every_rank_from_rank_0s_shard(tmp_path):
     code, report, err = verify(tmp_path, *FSDP, "train.updates=12", "checkpoint.every_updates=3", kills=3,
                                where=("--mutate", "shard_rows"))
+    assert report, err  # verify itself failed (the job did not run): its stderr says why
     assert report["restores_from_bundle"] > 0, "no restart restored a bundle: nothing was mutated"
     assert code == 1, err
     assert report["verdict"] == "fail" and report["observed_contract"] != "exact"
