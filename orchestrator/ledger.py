@@ -183,12 +183,18 @@ class CorruptEvent(BaseModel):
 
 
 class Ledger:
+    """A job's events, each its own create-only object under ``<job>/events/``. An instance keeps
+    the events it parsed: use a new one after the job's events are deleted."""
+
     def __init__(self, storage: Storage, job_id: str, on_append: Callable[[_Event], None] | None = None) -> None:
         """``on_append``: told of every event once it is written (``spotrun run``'s progress display)."""
         self.storage = storage
         self.on_append = on_append
         self.prefix = f"{job_id}/events/"
         self._next: int | None = None  # the next sequence number to try (None: not looked up yet)
+        # key -> its event: an event is written once, whole (create-only), and never changes, so a
+        # ledger read again (a supervisor at every placement, a harness polling) parses only new keys
+        self._parsed: dict[str, _Event] = {}
 
     def _keys(self) -> list[str]:
         return [k for k in self.storage.list(self.prefix) if k.endswith(".json")]
@@ -208,12 +214,17 @@ class Ledger:
                 return key
 
     def read(self) -> list[_Event | CorruptEvent]:
+        """Every event in order; one that does not parse is a :class:`CorruptEvent` (read again next time)."""
         out: list[_Event | CorruptEvent] = []
         for key in self._keys():
-            try:
-                out.append(_EVENT.validate_json(self.storage.get(key)))
-            except (ValidationError, ValueError) as e:
-                out.append(CorruptEvent(key=key, error=str(e).splitlines()[0]))
+            event = self._parsed.get(key)
+            if event is None:
+                try:
+                    event = self._parsed[key] = _EVENT.validate_json(self.storage.get(key))
+                except (ValidationError, ValueError) as e:
+                    out.append(CorruptEvent(key=key, error=str(e).splitlines()[0]))
+                    continue
+            out.append(event)
         return out
 
     def next_attempt(self) -> int:

@@ -15,6 +15,7 @@ from spotrun.orchestrator.ledger import Ledger, NoticeHandled, Restored
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import read_trace
 from tests.conftest import ROOT
+from tests.helpers.ray_local import ray_address  # noqa: F401 - the module's local Ray, for the reruns
 from tests.helpers.runs import lines, run_cmd, run_to_end
 
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ SETS = ("world.size=2", "checkpoint.every_updates=1000", "data.workers=1", "mode
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_to_the_whole_process_group_publishes_exits_143_and_loses_nothing(tmp_path, signum):
+def test_a_signal_to_the_whole_process_group_publishes_exits_143_and_loses_nothing(tmp_path, signum, ray_address):
     trace, job = tmp_path / "t.jsonl", f"group-{signum.name.lower()}"
     cmd = run_cmd(tmp_path / "runs", job, trace, "train.updates=400", *SETS, ray=True)
     # its own process group, as a service manager starts it; the group id is its pid
@@ -50,7 +51,9 @@ def test_a_signal_to_the_whole_process_group_publishes_exits_143_and_loses_nothi
     first_run = read_trace(trace)
     assert max(r.update for r in first_run) == bundle_update, "updates after the bundle were lost"
 
-    done = run_to_end(run_cmd(tmp_path / "runs", job, trace, f"train.updates={bundle_update + 2}", *SETS, ray=True))
+    # the rerun on a running Ray: what is tested is the embedded one's stop, and the resume
+    done = run_to_end(run_cmd(tmp_path / "runs", job, trace, f"train.updates={bundle_update + 2}", *SETS,
+                              ray=ray_address))
     assert done.returncode == 0, done.stderr
     restored = [e for e in Ledger(storage, job).read() if isinstance(e, Restored)]
     assert restored and restored[-1].update == bundle_update

@@ -78,6 +78,7 @@ class Background:
 
     def __init__(self, spec, trace) -> None:
         self.spec, self.trace = spec, trace
+        self.ledger = Ledger(open_storage(spec.storage), spec.job_id)  # polled: it parses each event once
         self.outcome, self.error = None, None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -89,7 +90,7 @@ class Background:
             self.error = e
 
     def events(self):
-        return Ledger(open_storage(self.spec.storage), self.spec.job_id).read()
+        return self.ledger.read()
 
     def wait_for(self, predicate, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

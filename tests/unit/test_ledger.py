@@ -59,3 +59,19 @@ def test_a_scale_up_is_a_chosen_restart_not_a_loss(tmp_path):
                      "world_size": a["world_size"], "ended": a["ended"] or "finished", "reached_update": 10}
                     for a in doc["attempts"]])
     assert "↗ scale-up to 2" in svg and "✕" not in svg
+
+
+def test_a_ledger_read_again_sees_new_events_and_reads_a_corrupt_one_again(tmp_path):
+    """A long-lived Ledger parses each event once; what it returns is what a fresh one reads."""
+    storage = LocalStorage(tmp_path)
+    ledger = Ledger(storage, "j")
+    ledger.append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="x"))
+    storage.put("j/events/000000000001.json", b"{not json")
+    assert [type(e) for e in ledger.read()] == [AttemptStarted, CorruptEvent]
+    storage.put("j/events/000000000001.json", JobFinished(attempt=1, counters={"attempted_updates": 3})
+                .model_dump_json().encode())  # a repair is seen: a corrupt event is never kept
+    Ledger(storage, "j").append(Restored(attempt=2, bundle="j/bundles/b", update=3, recovery_label="exact",
+                                         policy="strict", restore_mode="snapshot", restore_seconds=0.1))
+    again = ledger.read()
+    assert [type(e) for e in again] == [AttemptStarted, JobFinished, Restored]
+    assert again == Ledger(storage, "j").read()

@@ -21,3 +21,18 @@ def test_faults_after_a_removal_or_a_notice_leave_room_for_the_bundle_it_causes(
         assert nxt > u
         if site in ("node", "notice"):
             assert nxt > u + spec.checkpoint.every_updates, (a, site, u, nxt)
+
+
+def test_the_last_update_of_a_trace_is_read_from_its_end(tmp_path):
+    import json
+
+    from spotrun.orchestrator.verify import last_update
+
+    trace = tmp_path / "t.jsonl"
+    assert last_update(trace) is None
+    trace.write_text("")
+    assert last_update(trace) is None
+    lines = [json.dumps({"update": u, "occurrences": ["x" * 40] * 50}) for u in (1, 2, 3, 2)]  # 2: a replay
+    trace.write_text("\n".join(lines) + "\n" + '{"update": 9, "occ')  # the last line still being written
+    assert last_update(trace) == 2
+    assert last_update(trace, tail=64) == 2  # lines longer than the tail: it reads further back
