@@ -35,6 +35,7 @@ from spotrun.trainer.bundle import list_bundles, load_bundle
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import make_spec
+from tests.helpers.runs import lines
 
 pytestmark = pytest.mark.slow
 # Dropout on: the global generators are seeded per micro-batch, which is the same sequences at
@@ -100,7 +101,7 @@ class Background:
             time.sleep(0.02)  # polling a condition
 
     def trace_lines(self) -> int:
-        return len(self.trace.read_text().splitlines()) if self.trace.exists() else 0
+        return lines(self.trace)
 
     def join(self) -> None:
         self.thread.join(timeout=300)
