@@ -253,7 +253,8 @@ def test_loader_output_does_not_depend_on_worker_count():
 @pytest.mark.parametrize("tensor", [
     torch.arange(12, dtype=torch.int64).reshape(3, 4), torch.randn(2, 3).to(torch.bfloat16),
     torch.tensor([True, False]), torch.tensor(7.5), torch.empty(0, 5), torch.randn(4, 6)[:, ::2],
-], ids=["int64", "bfloat16", "bool", "0-dim", "empty", "strided"])
+    torch.randn(3, dtype=torch.complex64).conj(),
+], ids=["int64", "bfloat16", "bool", "0-dim", "empty", "strided", "conjugate"])
 def test_a_small_tensor_leaves_a_prefetch_worker_inline_and_unchanged(tensor):
     """Through the pickler of torch's worker queues: the same dtype, shape and bits, and not in shared
     memory (shared memory is what a file descriptor handed over a socket of its own gives)."""
@@ -268,7 +269,9 @@ def test_a_small_tensor_leaves_a_prefetch_worker_inline_and_unchanged(tensor):
     out = batch["x"][0]
     assert plan == "plan" and type(out) is torch.Tensor and not out.is_shared()
     assert out.dtype == tensor.dtype and out.shape == tensor.shape
-    assert torch.equal(out.reshape(-1).view(torch.uint8), tensor.contiguous().reshape(-1).view(torch.uint8))
+    assert torch.equal(out, tensor)
+    assert torch.equal(out.reshape(-1).view(torch.uint8),
+                       tensor.resolve_conj().contiguous().reshape(-1).view(torch.uint8))  # bit for bit
 
 
 def test_a_large_tensor_still_goes_through_shared_memory():

@@ -108,8 +108,9 @@ def _identity(item: tuple[MicroPlan, Any]) -> tuple[MicroPlan, Any]:
 
 # A batch's tensors up to this size travel to the rank inline, as bytes in the worker's pipe. torch
 # would put each in shared memory and hand its file descriptor over a socket of its own: a connect,
-# a recvmsg and an mmap per tensor on the rank's training thread, measured at about 1 ms a tensor
-# on a loaded 2-core machine against microseconds for a copy of a few KB (bench/steady_speed.py).
+# a recvmsg and an mmap per tensor on the rank's training thread. Measured on tiny (two tensors a
+# micro-batch, a loaded 2-core machine): 2.98 ms a micro-batch through the loader before, 0.95 ms
+# inline; bench 8's profile has the loader's share of an update.
 INLINE_BYTES = 1 << 16
 
 
@@ -123,7 +124,7 @@ class _Inline:
         self.tensor = tensor
 
     def __reduce__(self) -> tuple[Any, ...]:
-        t = self.tensor.contiguous()
+        t = self.tensor.resolve_conj().resolve_neg().contiguous()  # the values, as the rank would read them
         return _tensor_from_bytes, (t.reshape(-1).view(torch.uint8).numpy().tobytes(), t.dtype, tuple(t.shape))
 
 
