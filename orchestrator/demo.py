@@ -26,7 +26,7 @@ from rich.console import Console
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger
 from spotrun.orchestrator.specfile import load_spec
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import UpdateRecord, latest_per_update, read_trace
+from spotrun.trainer.trace import UpdateRecord, latest_per_update, read_trace, trace_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs/demo.yaml"
@@ -53,16 +53,16 @@ def run_cmd(runs: Path, job: str, trace: Path, address: str) -> list[str]:
 def kill_ranks(cmd: list[str], ledger: Ledger, trace: Path, kills: list[int], rng: random.Random) -> int:
     """Run ``cmd``; SIGKILL a random rank's process once the trace holds each of ``kills`` updates."""
     proc = subprocess.Popen(cmd, cwd=ROOT)
-    lines = lambda: len(trace.read_text().splitlines()) if trace.exists() else 0  # noqa: E731
     for n, at in enumerate(kills, start=1):
         # at=at, n=n: bind this iteration's values (wait_until returns before the next one anyway)
-        wait_until(lambda at=at, n=n: lines() >= at and sum(isinstance(e, AttemptStarted) for e in ledger.read()) == n,
+        wait_until(lambda at=at, n=n: trace_lines(trace) >= at
+                   and sum(isinstance(e, AttemptStarted) for e in ledger.read()) == n,
                    proc, f"update {at} of attempt {n}")
         started = [e for e in ledger.read() if isinstance(e, AttemptStarted)][-1]
         rank = rng.randrange(started.world_size)
         os.kill(started.rank_pids[rank], signal.SIGKILL)
         console.print(f"[red]preempted[/]: SIGKILL rank {rank} (pid {started.rank_pids[rank]}) "
-                      f"after ~{lines()} updates")
+                      f"after ~{trace_lines(trace)} updates")
     return proc.wait()
 
 

@@ -30,7 +30,6 @@ planned fault site was hit. ``failures`` says which did not hold.
 from __future__ import annotations
 
 import bisect
-import json
 import random
 import shutil
 import subprocess
@@ -62,7 +61,7 @@ from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_sinks
 from spotrun.trainer.spec import FaultSpec, JobSpec
 from spotrun.trainer.storage import Storage, open_storage
-from spotrun.trainer.trace import UpdateRecord, latest_per_update, read_trace
+from spotrun.trainer.trace import UpdateRecord, last_update, latest_per_update, read_trace
 
 if TYPE_CHECKING:
     from ray.cluster_utils import Cluster
@@ -174,28 +173,6 @@ def plan_faults(spec: JobSpec, kills: int, seed: int,
 # verify's own local clusters start no dashboard: nothing reads it, and its processes (about ten on
 # Ray 2.60) cost a second or more of a 2-core machine at each start
 NO_DASHBOARD = {"include_dashboard": False}
-
-
-def last_update(trace: Path, tail: int = 1 << 16) -> int | None:
-    """The update of the trace's last complete line (None before the first), read from the end: a
-    line is a few KB, the whole trace many (parsing all of it at every poll cost a tenth of a core)."""
-    try:
-        with trace.open("rb") as f:
-            size = f.seek(0, 2)
-            while True:
-                start = max(0, size - tail)
-                f.seek(start)
-                lines = f.read().split(b"\n")
-                for line in reversed(lines[1:] if start else lines):  # from mid-file, the first is cut
-                    try:
-                        return int(json.loads(line)["update"])
-                    except (ValueError, KeyError):
-                        continue  # the line being written
-                if not start:
-                    return None
-                tail *= 4  # no whole line in the tail: a longer one
-    except FileNotFoundError:
-        return None
 
 
 class Verifier:

@@ -10,7 +10,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from spotrun.trainer.trace import UpdateRecord
+from spotrun.trainer.trace import UpdateRecord, trace_lines
 from tests.conftest import ROOT
 
 
@@ -28,21 +28,11 @@ def run_cmd(storage: Path, job: str, trace: Path, *sets: str, config: str = "con
     return cmd if ray else [*cmd, "--no-ray"]
 
 
-def lines(path: Path) -> int:
-    """The complete lines of ``path`` (0 before it exists). Tests poll this up to 200 times a second
-    while a job runs on the same two cores: counting newlines in bytes costs a tenth of decoding
-    and splitting a trace of a few hundred KB."""
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
-
-
 def kill_after(cmd: list[str], trace: Path, updates_seen: int, timeout: float = 60) -> int:
     """Start ``cmd``; SIGKILL it once the trace holds ``updates_seen`` lines. Returns the exit code."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
-    while proc.poll() is None and lines(trace) < updates_seen:
+    while proc.poll() is None and trace_lines(trace) < updates_seen:
         if time.monotonic() > deadline:
             proc.kill()
             raise TimeoutError(f"the job never reached {updates_seen} trace lines")

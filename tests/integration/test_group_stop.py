@@ -13,10 +13,10 @@ import pytest
 
 from spotrun.orchestrator.ledger import Ledger, NoticeHandled, Restored
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import read_trace
+from spotrun.trainer.trace import read_trace, trace_lines
 from tests.conftest import ROOT
 from tests.helpers.ray_local import ray_address  # noqa: F401 - the module's local Ray, for the reruns
-from tests.helpers.runs import lines, run_cmd, run_to_end
+from tests.helpers.runs import run_cmd, run_to_end
 
 pytestmark = pytest.mark.slow
 # 2 ranks, no periodic checkpoint due: any bundle is the emergency one.
@@ -32,7 +32,7 @@ def test_a_signal_to_the_whole_process_group_publishes_exits_143_and_loses_nothi
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 180
-        while lines(trace) < 3:
+        while trace_lines(trace) < 3:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             assert time.monotonic() < deadline, "the job never reached update 3"
             time.sleep(0.01)  # polling a condition (the trace length)

@@ -33,9 +33,8 @@ from spotrun.orchestrator.raygroup import available_rank_slots, room_for_more_ra
 from spotrun.orchestrator.supervisor import JobFailedError
 from spotrun.trainer.bundle import list_bundles, load_bundle
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
+from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace, trace_lines
 from tests.conftest import make_spec
-from tests.helpers.runs import lines
 
 pytestmark = pytest.mark.slow
 # Dropout on: the global generators are seeded per micro-batch, which is the same sequences at
@@ -101,7 +100,7 @@ class Background:
             time.sleep(0.02)  # polling a condition
 
     def trace_lines(self) -> int:
-        return lines(self.trace)
+        return trace_lines(self.trace)
 
     def join(self) -> None:
         self.thread.join(timeout=300)

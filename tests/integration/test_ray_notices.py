@@ -18,11 +18,11 @@ from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import run_on_ray
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger, NoticeHandled, NoticeSeen, Restored
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
+from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace, trace_lines
 from tests.conftest import ROOT, make_spec
 from tests.helpers.imds import Imds
 from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
-from tests.helpers.runs import lines, run_cmd, run_to_end
+from tests.helpers.runs import run_cmd, run_to_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
 # every_updates is large: the only bundles before the end are the ones notices ask for.
@@ -54,7 +54,7 @@ def run_in_background(spec, trace):
 
 def wait_lines(trace, n, thread):
     deadline = time.monotonic() + 120
-    while lines(trace) < n:
+    while trace_lines(trace) < n:
         assert thread.is_alive() and time.monotonic() < deadline
         time.sleep(0.01)  # polling a condition
 
@@ -107,7 +107,7 @@ def test_sigterm_to_the_driver_publishes_exits_and_resumes(tmp_path):
     cmd = run_cmd(tmp_path / "runs", "drv", trace, "train.updates=30", "checkpoint.every_updates=100")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while lines(trace) < 9:
+    while trace_lines(trace) < 9:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)  # polling a condition
     proc.send_signal(signal.SIGTERM)

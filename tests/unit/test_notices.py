@@ -12,10 +12,9 @@ import pytest
 from spotrun.orchestrator.launch import in_process_supervisor
 from spotrun.orchestrator.ledger import Ledger, NoticeHandled, NoticeSeen, Restored
 from spotrun.orchestrator.notices import ImdsWatcher, Notice, parse_instance_action
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
+from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace, trace_lines
 from tests.helpers.imds import Imds
 from tests.helpers.oracle import reference_run
-from tests.helpers.runs import lines
 
 SETS = ("train.updates=40", "checkpoint.every_updates=10", "data.workers=1", "model.dropout=0.1")
 
@@ -40,7 +39,7 @@ def run_with_notices(spec, trace, notices_after: int, notices: list[Notice]):
     thread = threading.Thread(target=lambda: result.setdefault("outcome", sup.run()), daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
-    while lines(trace) < notices_after:
+    while trace_lines(trace) < notices_after:
         assert thread.is_alive() and time.monotonic() < deadline
         time.sleep(0.005)  # polling a condition
     for n in notices:

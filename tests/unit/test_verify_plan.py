@@ -26,7 +26,7 @@ def test_faults_after_a_removal_or_a_notice_leave_room_for_the_bundle_it_causes(
 def test_the_last_update_of_a_trace_is_read_from_its_end(tmp_path):
     import json
 
-    from spotrun.orchestrator.verify import last_update
+    from spotrun.trainer.trace import last_update
 
     trace = tmp_path / "t.jsonl"
     assert last_update(trace) is None
