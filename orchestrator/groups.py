@@ -50,6 +50,7 @@ class WorkerGroup(Protocol):
     world_size: int
     node_ids: list[str]
     gpus: list[str | None]  # each rank's GPU model (None: CPU)
+    poll_interval_s: float  # how long the supervisor waits between polls (a poll's cost differs by group)
 
     def restore(self, bundle_key: str, storage_uri: str | None = None,
                 reset: tuple[str, ...] = ()) -> tuple[float, list[str]]:
@@ -60,6 +61,10 @@ class WorkerGroup(Protocol):
 
     def poll(self) -> list[Report]:
         """Reports of every rank since the last poll; raises RankLost or RankFailed."""
+
+    def wait(self, seconds: float) -> None:
+        """Block for up to ``seconds``; return sooner when a rank's run ends (it finished, stopped,
+        raised or died), so that the next poll sees the end at once, however long the interval."""
 
     def request(self, checkpoint: bool = True, stop: bool = False) -> None: ...
 
@@ -76,6 +81,8 @@ class WorkerGroup(Protocol):
 
 class InProcessGroup:
     """World size 1, in this process, training on a background thread (``spotrun run --no-ray``)."""
+
+    poll_interval_s = 0.02  # a poll is a lock and a swap: polling often costs nothing
 
     def __init__(self, spec: JobSpec, *, attempt: int, lineage_id: str, recovery_label: str,
                  restore_mode: RestoreMode | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,
@@ -115,6 +122,11 @@ class InProcessGroup:
         if self._error is not None:
             raise RankFailed(f"rank 0 raised {type(self._error).__name__}: {self._error}") from self._error
         return [self.runner.poll()]
+
+    def wait(self, seconds: float) -> None:
+        if self._thread is None:
+            return
+        self._thread.join(seconds)
 
     def request(self, checkpoint: bool = True, stop: bool = False) -> None:
         self.runner.request(checkpoint, stop)

@@ -62,7 +62,6 @@ from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import TraceWriter
 
 log = logging.getLogger("spotrun.supervisor")
-POLL_S = 0.02
 CAPACITY_POLL_S = 0.25
 
 # make_group(world_size, attempt, lineage_id, recovery_label, restore_mode) -> a started-to-be group
@@ -403,7 +402,7 @@ class Supervisor:
             st.group.teardown()
             return Placing(cause="scale-up", last_update=st.last_update, world_before=st.world_size)
         self._consider_growing(st)
-        self.sleep(POLL_S)
+        st.group.wait(st.group.poll_interval_s)
         return st
 
     def _consider_growing(self, st: Running) -> None:
@@ -478,7 +477,7 @@ class Supervisor:
             return None
         deadline = n.deadline or (n.received_at + timedelta(seconds=self.spec.preemption.grace_s))
         remaining = (deadline - datetime.now(UTC)).total_seconds()
-        needed = self._time_to_publish()
+        needed = self._time_to_publish(st.group.poll_interval_s)
         if remaining <= needed:
             reason = (f"deadline in {remaining:.1f}s, finishing the update in flight and publishing needs "
                       f"~{needed:.1f}s: falling back to the newest published bundle")
@@ -491,11 +490,12 @@ class Supervisor:
         st.draining = n
         return None
 
-    def _time_to_publish(self) -> float:
-        """Estimated seconds to finish the update in flight, capture, write and publish, with margin."""
+    def _time_to_publish(self, poll_interval_s: float) -> float:
+        """Estimated seconds to finish the update in flight, capture, write and publish, with margin
+        (and one poll interval: the ranks' stop is seen at once, their bundles at the next poll)."""
         per_update = self.sec_per_update if self.sec_per_update is not None else 1.0
         save = max((m.stall_seconds + m.write_seconds for m in self.published[-3:]), default=1.0)
-        return self.spec.preemption.safety_factor * (per_update + save) + POLL_S
+        return self.spec.preemption.safety_factor * (per_update + save) + poll_interval_s
 
     def _drained(self, st: Running, n: Notice) -> State:
         """The ranks stopped after the bundle ``n`` (the notice being drained for) asked for."""

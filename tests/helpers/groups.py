@@ -10,6 +10,8 @@ class ScriptedGroup:
     """A worker group whose ranks' reports are scripted: each poll returns the next list of reports,
     or raises :class:`RankLost` where the script says ``"lost"``; ``salvage`` is what survivors say."""
 
+    poll_interval_s = 0.0
+
     def __init__(self, world_size: int, polls: list, salvage: list[Report] = ()) -> None:
         self.world_size = world_size
         self.node_ids = [f"node-{r}" for r in range(world_size)]
@@ -31,6 +33,9 @@ class ScriptedGroup:
         if nxt == "lost":
             raise RankLost(1 - self._salvage[0].rank, "process-exit", "SIGKILL", self.node_ids[0])
         return nxt
+
+    def wait(self, seconds: float) -> None:
+        pass  # the script's next poll is ready at once
 
     def salvage(self) -> list[Report]:
         return self._salvage
