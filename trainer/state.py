@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from spotrun.trainer import aligned
 from spotrun.trainer.counters import CountersState
 from spotrun.trainer.data.feed import Feed
 from spotrun.trainer.data.planner import RestoreMode
@@ -124,7 +125,10 @@ class HostBuffers:
         t = t.detach()
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            # from a GPU, pinned memory (the copies are asynchronous); on the CPU, aligned: the
+            # writer's direct I/O writes large ones from here with no copy (trainer/aligned.py)
+            buf = self._buffers[key] = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if t.is_cuda
+                                        else aligned.empty(t.shape, t.dtype))
         if defer and self._stream is None:
             self._deferred.append((buf, t))
         else:

@@ -28,7 +28,10 @@ from typing import Any
 
 import torch
 
+from spotrun.trainer import aligned
+
 TENSOR_REF = "__spotrun_tensor__"
+PAD = "__pad__"  # padding to a block boundary, listed as a tensor (see chunks); never a payload's
 
 # safetensors' dtype names
 DTYPES: dict[torch.dtype, str] = {
@@ -94,15 +97,46 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 def chunks(tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
     """The file's bytes as views: the header, then each tensor's bytes where the tensor lives.
 
+    A tensor in an aligned host buffer (:mod:`~spotrun.trainer.aligned`) is laid out at a
+    block-aligned offset, and its view is its whole buffer: its bytes and the zero padding after
+    them, to the next block. Direct I/O writes such a view with no copy. The padding before and
+    after it is listed in the header as ``U8`` tensors named ``__pad__<k>``, which readers skip: the
+    offsets still tile the data, and the file is still a safetensors file. When there is such a
+    tensor the header is padded too, so that the data start on a block.
+
     The views stay valid while the tensors are not overwritten (the writer holds the capture)."""
-    views = [_bytes_of(t) for t in tensors.values()]
     index: dict[str, Any] = {}
+    views: list[bytes | memoryview] = []
     offset = 0
-    for (name, t), view in zip(tensors.items(), views, strict=True):
-        index[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(view)]}
-        offset += len(view)
+    any_aligned = False
+
+    def put(name: str, dtype: str, shape: list[int], nbytes: int) -> None:
+        nonlocal offset
+        index[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+
+    def pad(nbytes: int) -> None:
+        if nbytes:
+            put(f"{PAD}{sum(n.startswith(PAD) for n in index)}", "U8", [nbytes], nbytes)
+
+    for name, t in tensors.items():
+        whole = aligned.padded_view(t)
+        view = _bytes_of(t)
+        if whole is None:
+            put(name, DTYPES[t.dtype], list(t.shape), len(view))
+            views.append(view)
+            continue
+        any_aligned = True
+        before = -offset % aligned.BLOCK
+        pad(before)
+        if before:
+            views.append(bytes(before))
+        put(name, DTYPES[t.dtype], list(t.shape), len(view))
+        pad(len(whole) - len(view))
+        views.append(whole)
     header = json.dumps(index, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)
+    block = aligned.BLOCK if any_aligned else 8  # safetensors pads its header to 8 bytes
+    header += b" " * (-(8 + len(header)) % block)
     return [memoryview(struct.pack("<Q", len(header)) + header), *views]
 
 
@@ -142,7 +176,8 @@ def decode(blob: bytes, where: str) -> dict[str, torch.Tensor]:
             raise TensorFileError(f"{where}: tensor {name} ends at byte {end} of the data, the file holds "
                                   f"{len(data)} (truncated)")
         expected = end
-        out[name] = _tensor(data[begin:end], dtype, shape)
+        if not name.startswith(PAD):
+            out[name] = _tensor(data[begin:end], dtype, shape)
     if expected != len(data):
         raise TensorFileError(f"{where}: the tensors cover {expected} bytes of data, the file holds {len(data)} "
                               "(truncated or extended)")

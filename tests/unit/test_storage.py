@@ -9,7 +9,9 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
+from spotrun.trainer import aligned, tensorfile
 from spotrun.trainer.digest import CHUNK_BYTES, SHA256
 from spotrun.trainer.storage import LocalStorage, StorageError, UnsafeKeyError, check_key, open_storage
 from tests.conftest import chunked_sha256
@@ -271,6 +273,56 @@ def test_put_chunks_writes_the_concatenation_and_returns_its_digest(tmp_path, mo
     assert digest == chunked_sha256(whole, CHUNK_BYTES)
     assert s.put_chunks("b/file", [memoryview(c) for c in chunks], SHA256) == hashlib.sha256(whole).hexdigest()
     assert os.listdir(tmp_path / "b") == ["file"]
+
+
+def test_aligned_chunks_go_to_os_write_from_their_own_memory(tmp_path, monkeypatch):
+    """A tensor file's aligned tensors (memory, length and place in the file block-aligned) are
+    written with no staging copy; the chunks around them are gathered into the staging buffers;
+    the file is exactly the concatenation and its digest the reference's."""
+    import spotrun.trainer.storage as storage_module
+
+    monkeypatch.setattr(storage_module, "DIRECT_MIN_BYTES", 1)
+    big = aligned.empty(((20 << 20) + 12,), torch.uint8).random_(0, 255)  # beyond a staging buffer
+    odd = aligned.empty((1_500_003,), torch.uint8).fill_(7)  # padded to a block
+    views = tensorfile.chunks({"t0": torch.arange(5.0), "t1": big, "t2": torch.ones(3), "t3": odd})
+    real_write, written = os.write, []
+
+    def write(fd, data):
+        written.append((aligned.address(memoryview(data)), len(data)))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(storage_module.os, "write", write)
+    s = LocalStorage(tmp_path)
+    digest = s.put_chunks("b/t.safetensors", views)
+    whole = b"".join(bytes(v) for v in views)
+    assert s.get("b/t.safetensors") == whole
+    assert digest == chunked_sha256(whole, CHUNK_BYTES)
+    for t in (big, odd):
+        assert (t.data_ptr(), aligned.round_up(t.nbytes)) in written, "an aligned tensor was copied to staging"
+    assert len(written) == 4  # staged: the header, t0 and its padding; t1; staged: t2 and its padding; t3
+
+
+def test_a_direct_write_that_fails_on_the_write_thread_fails_the_put(tmp_path, monkeypatch):
+    """Writes after the first run on a thread: an error there must fail the file, even when it is
+    not the last write and no staging buffer waits for it (aligned chunks go straight to os.write):
+    a failed write in the middle would leave a hole, and the digest is of the chunks, not the file."""
+    import spotrun.trainer.storage as storage_module
+
+    monkeypatch.setattr(storage_module, "DIRECT_MIN_BYTES", 1)
+    real_write, calls = os.write, []
+
+    def write(fd, data):
+        calls.append(len(data))
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(storage_module.os, "write", write)
+    s = LocalStorage(tmp_path)
+    with pytest.raises(OSError, match="Input/output"):
+        s.put_chunks("k", [aligned.padded_view(aligned.empty((2 << 20,), torch.uint8)) for _ in range(4)])
+    assert len(calls) >= 3, "the failed write was the last: the test proved nothing"
+    assert not s.exists("k") and os.listdir(tmp_path) == []
 
 
 def test_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch):

@@ -19,7 +19,8 @@ from spotrun.trainer.manifest import SCHEMA_VERSION
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.state import Capture
 from spotrun.trainer.storage import LocalStorage
-from spotrun.trainer.tensorfile import TENSOR_REF, TensorFileError, chunks, decode, join, split
+from spotrun.trainer import aligned
+from spotrun.trainer.tensorfile import PAD, TENSOR_REF, TensorFileError, chunks, decode, join, split
 from tests.conftest import make_spec
 
 
@@ -75,6 +76,33 @@ def test_the_layout_is_safetensors():
     assert index == {"t0": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
                      "t1": {"dtype": "I32", "shape": [4], "data_offsets": [24, 40]}}
     assert len(blob) == 8 + n + 40
+
+
+def test_a_tensor_in_an_aligned_buffer_sits_on_a_block_with_its_padding_listed_and_skipped():
+    """Aligned host buffers (trainer/aligned.py) are laid out at block-aligned offsets of the file, and
+    their view is the buffer's whole memory (bytes and zero padding): what direct I/O writes with no
+    copy. The padding is in the index as U8 tensors, so the offsets still tile the data, and readers
+    skip it."""
+    g = torch.Generator().manual_seed(5)
+    small, big = torch.randn(10, generator=g), aligned.empty((1000, 301), torch.float32)
+    big.copy_(torch.randn(1000, 301, generator=g))
+    big2 = aligned.empty((1 << 18,), torch.float32).fill_(2.0)  # whole blocks: no padding after it
+    tensors = {"t0": small, "t1": big, "t2": small.clone(), "t3": big2}
+    views = chunks(tensors)
+    blob = b"".join(bytes(v) for v in views)
+    (n,) = struct.unpack_from("<Q", blob)
+    assert (8 + n) % aligned.BLOCK == 0  # the data start on a block
+    index = json.loads(blob[8:8 + n])
+    for name in ("t1", "t3"):
+        begin, end = index[name]["data_offsets"]
+        assert begin % aligned.BLOCK == 0, name
+    assert [k for k in index if k.startswith(PAD)] == [f"{PAD}0", f"{PAD}1", f"{PAD}2"]
+    assert index[f"{PAD}1"]["data_offsets"][1] % aligned.BLOCK == 0  # t1's padding runs to the next block
+    assert any(aligned.address(v) == big.data_ptr() and v.nbytes == aligned.round_up(big.nbytes)
+               for v in views if isinstance(v, memoryview)), "t1 is not written from its own buffer"
+    out = decode(blob, "f")
+    assert sorted(out) == ["t0", "t1", "t2", "t3"]
+    assert all(torch.equal(out[k], tensors[k]) for k in tensors)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "extended", "header"])
