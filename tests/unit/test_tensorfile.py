@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from spotrun.orchestrator.launch import run_in_process
+from spotrun.trainer import aligned
 from spotrun.trainer.bundle import BundleCorrupt, encode, load_bundle
 from spotrun.trainer.digest import DEFAULT as DEFAULT_DIGEST
 from spotrun.trainer.manifest import SCHEMA_VERSION
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.state import Capture
 from spotrun.trainer.storage import LocalStorage
-from spotrun.trainer import aligned
 from spotrun.trainer.tensorfile import PAD, TENSOR_REF, TensorFileError, chunks, decode, join, split
 from tests.conftest import make_spec
 
