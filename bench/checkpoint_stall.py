@@ -12,7 +12,8 @@ about 10 MB, 100 MB and 1 GB:
   buffers, each file's chunked digest hashed on every core while it is written,
   ``LocalStorage.put_chunks``) versus ``dd`` with direct I/O and fsync writing as many
   16 MiB blocks to the same disk; and, side by side in the same run, the same writer
-  with one sha256 stream per file (the digest of manifest schemas 2 to 4) and the writer of
+  with a staging copy of every byte it writes with direct I/O (before its zero-copy path), with
+  one sha256 stream per file (the digest of manifest schemas 2 to 4), and the writer of
   before issue 19 (``torch.save`` of each payload into memory, sha256 on a thread beside
   ``LocalStorage.put``).
 - **S3**: both writers over ``S3Storage`` to a local moto server versus a raw boto3
@@ -24,6 +25,7 @@ about 10 MB, 100 MB and 1 GB:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import io
@@ -33,7 +35,7 @@ import re
 import subprocess
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,7 +188,23 @@ def legacy_write(storage: Storage, capture: Capture) -> tuple[float, int]:
     return seconds, nbytes
 
 
-WRITERS = ("before issue 19", "one sha256 stream", "chunked digest")
+WRITERS = ("before issue 19", "one sha256 stream", "staging copy", "chunked digest")
+
+
+@contextlib.contextmanager
+def staging_copy() -> Iterator[None]:
+    """The writer before the zero-copy path, in this process: tensor files laid out back to back (no
+    tensor on a block boundary), so direct I/O copies every byte into staging buffers, and direct I/O
+    only from 256 MiB. The same digest, threads and capture."""
+    import spotrun.trainer.aligned as aligned_module
+    import spotrun.trainer.storage as storage_module
+
+    saved = storage_module.DIRECT_MIN_BYTES, aligned_module.padded_view
+    storage_module.DIRECT_MIN_BYTES, aligned_module.padded_view = 256 << 20, lambda t: None
+    try:
+        yield
+    finally:
+        storage_module.DIRECT_MIN_BYTES, aligned_module.padded_view = saved
 
 
 def write_parts(storage: Storage, capture: Capture) -> dict[str, dict[str, float]]:
@@ -199,16 +217,19 @@ def write_parts(storage: Storage, capture: Capture) -> dict[str, dict[str, float
     ``torch.save`` into memory, sha256, ``put``."""
     key = f"bench/parts/{uuid.uuid4().hex}"
     out = {}
-    for writer, algorithm in (("one sha256 stream", SHA256), ("chunked digest", DEFAULT)):
-        t0 = time.perf_counter()
-        files = encode(capture)
-        t1 = time.perf_counter()
-        for chunks in files.values():
-            digest_of(algorithm, chunks)
-        t2 = time.perf_counter()
-        for path, chunks in files.items():
-            storage.put_chunks(f"{key}/{path}", chunks, algorithm)
-        t3 = time.perf_counter()
+    for writer, algorithm, variant in (("one sha256 stream", SHA256, contextlib.nullcontext),
+                                       ("staging copy", DEFAULT, staging_copy),
+                                       ("chunked digest", DEFAULT, contextlib.nullcontext)):
+        with variant():
+            t0 = time.perf_counter()
+            files = encode(capture)
+            t1 = time.perf_counter()
+            for chunks in files.values():
+                digest_of(algorithm, chunks)
+            t2 = time.perf_counter()
+            for path, chunks in files.items():
+                storage.put_chunks(f"{key}/{path}", chunks, algorithm)
+            t3 = time.perf_counter()
         storage.delete_prefix(key)
         out[writer] = {"serialise": t1 - t0, "hash": t2 - t1, "put": t3 - t2}
     t3 = time.perf_counter()
@@ -275,16 +296,17 @@ def measure_stall(session: TrainSession, reps: int, scratch: Path) -> dict[str, 
 
 def measure_local_write(state: TrainState, reps: int, scratch: Path) -> dict[str, list]:
     storage = LocalStorage(scratch / "storage")
-    out: dict[str, list] = {"bundle_mb_s": [], "sha256_mb_s": [], "legacy_mb_s": [], "dd_mb_s": [],
-                            "dd_buffered_mb_s": [], "bytes": [], "parts": []}
-    for i in range(reps):  # interleaved: dd direct, the two digests' writes, the writer before, dd buffered
+    out: dict[str, list] = {"bundle_mb_s": [], "sha256_mb_s": [], "staged_mb_s": [], "legacy_mb_s": [],
+                            "dd_mb_s": [], "dd_buffered_mb_s": [], "bytes": [], "parts": []}
+    for i in range(reps):  # interleaved: dd direct, the writer and its two variants, the writer before, dd buffered
         _, cap = timed_capture(state)
         nbytes = sum(len(b) for b in encoded_bytes(cap).values())
         direct = dd(scratch / f"dd-{i}.bin", nbytes, DD_DIRECT)
-        # the two digests take turns at going first: the write right after dd's found the disk busier
-        first, second = (DEFAULT, SHA256) if i % 2 == 0 else (SHA256, DEFAULT)
-        timed = {first: bundle_write(storage, cap, first), second: bundle_write(storage, cap, second)}
-        (seconds, nbytes), (sha256_s, _) = timed[DEFAULT], timed[SHA256]
+        # the writer and its variants take turns at going first: the write right after dd's found the disk busier
+        order = VARIANTS[i % 3:] + VARIANTS[:i % 3]
+        timed = {name: variant_write(storage, cap, name) for name in order}
+        (seconds, nbytes), (sha256_s, _), (staged_s, staged_bytes) = timed["now"], timed["sha256"], timed["staged"]
+        out["staged_mb_s"].append(staged_bytes / staged_s / 1e6)
         legacy_s, legacy_bytes = legacy_write(storage, cap)
         buffered = dd(scratch / f"dd-{i}.bin", nbytes, DD_BUFFERED)
         out["bundle_mb_s"].append(nbytes / seconds / 1e6)
@@ -296,6 +318,17 @@ def measure_local_write(state: TrainState, reps: int, scratch: Path) -> dict[str
         out["parts"].append(write_parts(storage, cap))
         del cap
     return out
+
+
+VARIANTS = ("now", "sha256", "staged")
+
+
+def variant_write(storage: Storage, capture: Capture, variant: str) -> tuple[float, int]:
+    """:func:`bundle_write` by the writer (``now``), or with one sha256 stream per file, or with the staging copy."""
+    if variant == "staged":
+        with staging_copy():
+            return bundle_write(storage, capture)
+    return bundle_write(storage, capture, SHA256 if variant == "sha256" else DEFAULT)
 
 
 def measure_s3(state: TrainState, reps: int, server) -> dict[str, list[float]]:
@@ -357,8 +390,8 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
                    "next update s", "plain update s", "sync save s", "stall / sync", "raw copy s", "raw copy / sync"])
     local = Table("Background write (BundleWriter → LocalStorage) versus dd + fsync on the same disk",
                   ["state", "bundle bytes", "write MB/s", "dd direct MB/s", "write / dd direct",
-                   "one sha256 stream: write / dd direct", "before issue 19: write / dd direct",
-                   "write / dd buffered"])
+                   "staging copy: write / dd direct", "one sha256 stream: write / dd direct",
+                   "before issue 19: write / dd direct", "write / dd buffered"])
     parts = Table("Where the writer's time goes (seconds, one file after another; medians)",
                   ["state", "writer", "serialise s", "hash s", "hash MB/s", "put s", "put MB/s", "put / dd direct"])
     s3 = Table("The same bundle to S3 (moto, 127.0.0.1) versus a raw boto3 put_object of the same bytes",
@@ -371,11 +404,11 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
                   median(r["copy_wait"]), median(r["update"]), median(r["plain_update"]), sy,
                   pct(stall_ratios[label]), raw, pct(ratio(raw, sy)))
         lw = r["local"]
-        w, d, db, one, old = (median(lw[k]) for k in ("bundle_mb_s", "dd_mb_s", "dd_buffered_mb_s", "sha256_mb_s",
-                                                        "legacy_mb_s"))
+        w, d, db, staged, one, old = (median(lw[k]) for k in ("bundle_mb_s", "dd_mb_s", "dd_buffered_mb_s",
+                                                                "staged_mb_s", "sha256_mb_s", "legacy_mb_s"))
         write_ratios[label] = ratio(w, d)
-        local.add(label, mib(median(lw["bytes"])), w, d, pct(write_ratios[label]), pct(ratio(one, d)),
-                  pct(ratio(old, d)), pct(ratio(w, db)))
+        local.add(label, mib(median(lw["bytes"])), w, d, pct(write_ratios[label]), pct(ratio(staged, d)),
+                  pct(ratio(one, d)), pct(ratio(old, d)), pct(ratio(w, db)))
         for writer in WRITERS:
             p = {k: median([x[writer][k] for x in lw["parts"]]) for k in ("serialise", "hash", "put")}
             put_mb_s = median(lw["bytes"]) / p["put"] / 1e6
@@ -400,18 +433,23 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
                        "the difference; bench 2 measures the whole training overhead)")
     local.notes += [f"dd direct: `dd if=/dev/zero bs=16M {' '.join(DD_DIRECT)}` (the physical limit); dd buffered: "
                     f"`{' '.join(DD_BUFFERED)}`; both write whole 16 MiB blocks covering the bundle's bytes, "
-                    "interleaved with the bundle writes (the two digests' writes take turns at going first). one "
-                    "sha256 stream = the same writer with each file's digest one sha256 stream (on one core; manifest "
-                    "schemas 2 to 4); before issue 19 = torch.save of each payload into memory, sha256 on a thread "
-                    "beside LocalStorage.put; all measured in the same run",
+                    "interleaved with the bundle writes (the writer and its two variants take turns at going "
+                    "first). staging copy = the writer before its zero-copy path (tensors back to back in the file, "
+                    "every byte copied into staging buffers for direct I/O, direct only from 256 MiB); one sha256 "
+                    "stream = the writer with each file's digest one sha256 stream (on one core; manifest schemas 2 "
+                    "to 4); before issue 19 = torch.save of each payload into memory, sha256 on a thread beside "
+                    "LocalStorage.put; all measured in the same run",
                     f"the writer streams each tensor file from the host buffers, its digest ({DEFAULT}: the sha256 "
                     "of each 4 MiB chunk on a pool of threads, then the sha256 over those, trainer/digest.py) "
-                    "computed beside the write, files of 256 MB and more with O_DIRECT through two aligned 16 MiB "
-                    "staging buffers, smaller ones through the page cache with one fsync, up to 4 files in flight"]
-    parts.notes.append("chunked digest (the writer now) and one sha256 stream: serialise = encode (the skeletons "
-                       "pickled, the tensor-file headers; tensors are views), hash = the file digests alone over the "
-                       "same chunks, put = put_chunks file after file (which hashes beside the write, so its own hash "
-                       "is inside put); before issue 19: torch.save into memory, sha256, put")
+                    "computed beside the write; files of 16 MiB and more with O_DIRECT, each tensor of 1 MiB and "
+                    "more written from its own page-aligned host buffer (laid out on a block boundary, "
+                    "trainer/aligned.py), the rest gathered into two aligned 16 MiB staging buffers; smaller files "
+                    "through the page cache with one fsync; up to 4 files in flight"]
+    parts.notes.append("chunked digest (the writer now), staging copy and one sha256 stream: serialise = encode "
+                       "(the skeletons pickled, the tensor-file headers; tensors are views), hash = the file "
+                       "digests alone over the same chunks, put = put_chunks file after file (which hashes beside "
+                       "the write, so its own hash is inside put); before issue 19: torch.save into memory, sha256, "
+                       "put")
     s3.notes.append("S3Storage puts objects of 64 MiB and more as multipart uploads (16 MiB parts, 8 in flight); "
                     "the raw baseline is one put_object per file of the same bytes; before = the writer before issue "
                     "19 against a raw put of its own bytes, in the same run. 1 GB is left out: moto keeps objects in "
@@ -443,7 +481,8 @@ training-overhead table). Encoding, hashing and writing happen afterwards on the
 writer's background threads (which on two shared cores still compete with training for CPU).
 Bundles are written in the format of issue 19 (tensors as raw bytes in `.safetensors` files
 streamed from the host buffers, each file's digest sha256 over 4 MiB chunks hashed on every
-core, manifest schema 5); the "one sha256 stream" and "before issue 19" columns measure the
+core, manifest schema 5, large tensors written by direct I/O from their own page-aligned host
+buffers); the "staging copy", "one sha256 stream" and "before issue 19" columns measure the
 previous writers in the same run."""
 
 
