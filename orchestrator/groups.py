@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Protocol
 
 from spotrun.orchestrator.notices import Notice
@@ -124,9 +125,10 @@ class InProcessGroup:
         return [self.runner.poll()]
 
     def wait(self, seconds: float) -> None:
-        if self._thread is None:
-            return
-        self._thread.join(seconds)
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(seconds)
+        else:  # the run ended already: a plain interval, not a busy loop
+            time.sleep(seconds)
 
     def request(self, checkpoint: bool = True, stop: bool = False) -> None:
         self.runner.request(checkpoint, stop)

@@ -299,9 +299,11 @@ class RayGroup:
 
     def wait(self, seconds: float) -> None:
         running = [ref for ref in self._runs if ref not in self._ended]
-        if running:
-            done, _ = ray.wait(running, num_returns=1, timeout=seconds)
-            self._ended.update(done)
+        if not running:  # every run ended already: a plain interval, not a busy loop
+            time.sleep(seconds)
+            return
+        done, _ = ray.wait(running, num_returns=1, timeout=seconds)
+        self._ended.update(done)
 
     def _cause_of(self, failure: RankFailed) -> RankFailed | RankLost:
         """A rank whose collective failed did so because a peer died or hung: find that peer (the

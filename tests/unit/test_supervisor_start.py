@@ -66,3 +66,18 @@ def test_an_elastic_restore_on_another_device_model_is_labelled_exact_data(tmp_p
     Supervisor(spec, lambda *args: group, capacity=lambda: 1, sleep=lambda s: None).run()
     restored = [e for e in Ledger(open_storage(spec.storage), "g").read() if isinstance(e, Restored)]
     assert [(e.update, e.recovery_label) for e in restored] == [(2, "exact-data")]
+
+
+def test_the_in_process_rank_s_end_is_seen_without_waiting_out_the_poll_interval(tmp_path, monkeypatch):
+    """The in-process group's wait joins the rank's thread: with a poll interval of a minute the job
+    still ends when its rank does (a wait that slept the interval out would take a minute or more)."""
+    import time
+
+    from spotrun.orchestrator.groups import InProcessGroup
+    from spotrun.orchestrator.launch import run_in_process
+
+    monkeypatch.setattr(InProcessGroup, "poll_interval_s", 60.0)
+    spec = make_spec(tmp_path, "train.updates=3", job_id="joins")
+    t0 = time.monotonic()
+    assert run_in_process(spec).state == "finished"
+    assert time.monotonic() - t0 < 60, "the supervisor slept out its poll interval"
