@@ -42,6 +42,7 @@ from spotrun.trainer.spec import JobSpec
 # What a survivor's collective raises when a peer died or hung (gloo, NCCL, c10d).
 COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|c10d|Connection (closed|reset) by peer|[Tt]imed out")
 PEER_PROBE_S = 5.0  # long enough for Ray to report a SIGKILLed peer dead (well under a second here)
+NEWS_WAIT_S = 10.0  # how long a rank's wait_for_news call blocks before it answers no news (and is sent again)
 POLL_TIMEOUT_S = 10.0  # a poll or request answers at once (threaded actor): longer means it hangs
 # Starting a rank (a Python process importing torch, then building the model and the data listing)
 # takes seconds, and many more on a loaded machine; a dead actor is reported at once anyway, so this
@@ -71,6 +72,8 @@ class RankActor:
                 notice = notice.model_copy(update={"rank": self.rank, "deadline": notice.received_at
                                                    + timedelta(seconds=self.grace_s)})
             self._notices.append(notice)
+        if self.runner is not None:
+            self.runner.wake()  # the supervisor's wait ends: the notice is in its next poll
 
     def where(self) -> dict[str, Any]:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
@@ -139,6 +142,9 @@ class RankActor:
     def request(self, checkpoint: bool, stop: bool) -> None:
         self._runner().request(checkpoint, stop)
 
+    def wait_for_news(self, timeout: float) -> bool:
+        return self._runner().wait_for_news(timeout)
+
 
 def rank_bundle(spec: JobSpec) -> dict[str, float]:
     w = spec.world
@@ -179,8 +185,10 @@ def room_for_more_ranks(spec: JobSpec, extra: int, timeout_s: float = 2.0) -> bo
 class RayGroup:
     # A poll is an actor call to every rank, served beside its training thread, and a driver that
     # polls often takes CPU from the ranks: tiny on 2 ranks here ran at 39.5 updates/s polled every
-    # 0.02 s and 45.6 every 0.2 s (bench 8's run, 3 paired repetitions). wait() still sees a rank's
-    # end at once; what waits up to an interval is progress, a publish and a rank's notices.
+    # 0.02 s and 45.6 every 0.2 s (bench 8's run, 3 paired repetitions). wait() still ends at once
+    # when a rank's run ends, a rank wrote a bundle or saw a notice (each rank has a wait_for_news
+    # call in flight); only progress (trace lines, the dashboard's counters) waits for the interval,
+    # and verify's node removals time themselves by the trace: longer intervals let them land later.
     poll_interval_s = 0.1
 
     def __init__(self, spec: JobSpec, world_size: int, *, attempt: int, lineage_id: str, recovery_label: str,
@@ -195,6 +203,7 @@ class RayGroup:
         self.actors: list[Any] = []
         self._runs: list[Any] = []
         self._ended: set[Any] = set()  # runs wait() saw end (poll() reads their outcome)
+        self._news: dict[int, Any] = {}  # rank -> its wait_for_news call in flight
         self.notices: list[Notice] = []
         try:
             ray.get(self.pg.ready(), timeout=placement_timeout_s)
@@ -220,7 +229,7 @@ class RayGroup:
         actor_cls = ray.remote(RankActor)
         self.actors = [
             actor_cls.options(
-                num_cpus=w.cpus_per_rank, num_gpus=w.num_gpus_per_rank, max_concurrency=4, max_restarts=0,
+                num_cpus=w.cpus_per_rank, num_gpus=w.num_gpus_per_rank, max_concurrency=5, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
             ).remote()
             for r in range(world_size)
@@ -302,8 +311,16 @@ class RayGroup:
         if not running:  # every run ended already: a plain interval, not a busy loop
             time.sleep(seconds)
             return
-        done, _ = ray.wait(running, num_returns=1, timeout=seconds)
-        self._ended.update(done)
+        for rank, actor in enumerate(self.actors):  # one call per rank in flight, sent again once it answered
+            if rank not in self._news:
+                self._news[rank] = actor.wait_for_news.remote(NEWS_WAIT_S)
+        news = {ref: rank for rank, ref in self._news.items()}
+        done, _ = ray.wait([*running, *news], num_returns=1, timeout=seconds)
+        for ref in done:
+            if ref in news:
+                del self._news[news[ref]]  # its outcome (news, a timeout, a lost rank) is the next poll's
+            else:
+                self._ended.add(ref)
 
     def _cause_of(self, failure: RankFailed) -> RankFailed | RankLost:
         """A rank whose collective failed did so because a peer died or hung: find that peer (the

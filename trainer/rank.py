@@ -93,6 +93,7 @@ class RankRunner:
             self.metrics = BackgroundWriter(open_sinks(
                 spec.metrics.sinks, metrics_dir(spec.storage, spec.job_id, spec.metrics.local_dir), self.storage))
         self._lock = threading.Lock()
+        self._news = threading.Event()  # set: the next poll holds what the supervisor acts on at once
         self._checkpoint_requested = False
         self._stop_requested = False
         self._abort_requested = False
@@ -131,8 +132,20 @@ class RankRunner:
         with self._lock:
             self._abort_requested = True
 
+    def wake(self) -> None:
+        """Something the supervisor must see at once arrived (a preemption notice, say): end
+        :meth:`wait_for_news`."""
+        self._news.set()
+
+    def wait_for_news(self, timeout: float) -> bool:
+        """Block until the next poll holds news (a written bundle, a :meth:`wake`) or ``timeout``
+        passes. The supervisor waits on this between polls, so that a bundle is published as soon as
+        every rank wrote it, however long its poll interval."""
+        return self._news.wait(timeout)
+
     def poll(self) -> Report:
         with self._lock:
+            self._news.clear()  # under the lock: news reported after this swap sets it again
             report, self._report = self._report, Report(rank=self.rank, last_update=self._report.last_update,
                                                         state=self._report.state)
         report.storage_retries = getattr(self.storage, "retries", 0)  # the S3 metric sink shares this storage
@@ -240,6 +253,7 @@ class RankRunner:
         )
         with self._lock:
             self._report.bundles.append(report)
+            self._news.set()
 
 
 

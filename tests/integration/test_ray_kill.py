@@ -100,19 +100,24 @@ def test_a_rank_killed_while_its_peers_are_in_an_all_reduce_is_a_restart(tmp_pat
     assert sorted(latest_per_update(read_trace(tmp_path / "t.jsonl"))) == list(range(1, 13))
 
 
-def test_a_rank_s_death_and_the_job_s_end_are_seen_without_waiting_out_the_poll_interval(tmp_path, monkeypatch):
-    """Between polls the supervisor waits on the ranks' runs: with a poll interval of a minute, a
-    rank killed at update 3 is still restarted at once and the job's end seen at once (a wait that
-    slept the interval out would take two minutes or more: one wait per attempt)."""
+def test_a_rank_s_death_a_written_bundle_and_the_job_s_end_are_seen_without_waiting_out_the_poll_interval(
+        tmp_path, monkeypatch):
+    """Between polls the supervisor waits on the ranks' runs and on each rank's news: with a poll
+    interval of a minute, the bundles written before rank 1 is killed at update 9 are still published
+    (the restart restores one), the death is seen at once and so is the job's end. A wait that slept
+    the interval out would take two minutes or more (one wait per attempt); one that missed the
+    ranks' news would publish nothing before the kill and restart from the beginning."""
     import time
 
     from spotrun.orchestrator.raygroup import RayGroup
 
     monkeypatch.setattr(RayGroup, "poll_interval_s", 60.0)
-    spec = make_spec(tmp_path, "world.size=2", "train.updates=6", "checkpoint.every_updates=2", "data.workers=0",
-                     "world.restart_backoff_s=0", "faults=[{site: microstep, update: 3, microstep: 0, rank: 1}]",
+    spec = make_spec(tmp_path, "world.size=2", "train.updates=12", "checkpoint.every_updates=2", "data.workers=0",
+                     "world.restart_backoff_s=0", "faults=[{site: microstep, update: 9, microstep: 0, rank: 1}]",
                      job_id="waits")
     t0 = time.monotonic()
     outcome = run_on_ray(spec)
     assert outcome.state == "finished" and outcome.restarts == 1
     assert time.monotonic() - t0 < 60, "the supervisor slept out its poll interval"
+    restored = [e for e in Ledger(open_storage(spec.storage), "waits").read() if isinstance(e, Restored)]
+    assert len(restored) == 1, "nothing was published before the kill: the restart began again from update 1"
