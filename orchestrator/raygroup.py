@@ -134,10 +134,10 @@ class RankActor:
                 self.collective.close()
 
     def poll(self) -> tuple[Report, list[Notice]]:
-        runner = self._runner()
+        report = self._runner().poll()  # first: it clears the news, and a notice after this wakes again
         with self._lock:
             notices, self._notices = self._notices, []
-        return runner.poll(), notices
+        return report, notices
 
     def request(self, checkpoint: bool, stop: bool) -> None:
         self._runner().request(checkpoint, stop)
