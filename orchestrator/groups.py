@@ -65,7 +65,8 @@ class WorkerGroup(Protocol):
 
     def wait(self, seconds: float) -> None:
         """Block for up to ``seconds``; return sooner when a rank's run ends (it finished, stopped,
-        raised or died), so that the next poll sees the end at once, however long the interval."""
+        raised or died) or a rank has news the supervisor acts on at once (a written bundle, a
+        notice), so that the next poll sees it at once, however long the interval."""
 
     def request(self, checkpoint: bool = True, stop: bool = False) -> None: ...
 

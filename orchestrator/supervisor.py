@@ -492,7 +492,7 @@ class Supervisor:
 
     def _time_to_publish(self, poll_interval_s: float) -> float:
         """Estimated seconds to finish the update in flight, capture, write and publish, with margin
-        (and one poll interval: the ranks' stop is seen at once, their bundles at the next poll)."""
+        (and one poll interval more: the stop and the bundles are seen at once, the interval is slack)."""
         per_update = self.sec_per_update if self.sec_per_update is not None else 1.0
         save = max((m.stall_seconds + m.write_seconds for m in self.published[-3:]), default=1.0)
         return self.spec.preemption.safety_factor * (per_update + save) + poll_interval_s
