@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from spotrun.trainer.bundle import LoadedBundle
-from spotrun.trainer.data.loader import MicroPlan, locations
+from spotrun.trainer.data.loader import WorkOrder, locations
 from spotrun.trainer.data.planner import slice_for
 from spotrun.trainer.loop import forward
 from spotrun.trainer.rng import microbatch_seed, seed_all
@@ -53,10 +53,9 @@ def explain_next(session: TrainSession, bundle: LoadedBundle, show: int = 8) -> 
     for m in range(session.accum_steps):
         for r in range(session.world_size):
             part = sequences[slice_for(r, m, session.world_size, spec.train.micro_batch)]
-            plan = MicroPlan(update=c.attempted_updates + 1, microstep=m, rank=r, sequences=part,
-                             records=locations(part, session.feed.locate))
-            seed_all(microbatch_seed(spec.seed, plan.update, m * session.world_size + r))
-            loss, _ = forward(st, worker(plan))
+            order = WorkOrder(c.attempted_updates + 1, m, part, locations(part, session.feed.locate))
+            seed_all(microbatch_seed(spec.seed, order.update, m * session.world_size + r))
+            loss, _ = forward(st, worker(order))
             st.scaler.scale(loss / steps).backward()
     grads_finite = all(torch.isfinite(p.grad).all() for p in st.model.parameters() if p.grad is not None)
     return {

@@ -179,9 +179,11 @@ class TrainSession:
                                self.grad_sync, self.record_ids, self.digests)
 
     def _counting(self, it: Iterator[Any]) -> Iterator[Any]:
-        for item in it:
+        """The loader's batches, each with its plan again (the workers got only its order)."""
+        assert self._sampler is not None
+        for key, batch in it:
             self._consumed_microsteps += 1
-            yield item
+            yield self._sampler.claim(key), batch
 
     @property
     def done(self) -> bool:

@@ -243,7 +243,7 @@ def test_loader_output_does_not_depend_on_worker_count():
                               first_update=1, last_update=6)
         worker = TokenWorker(listing.root, None, tok, 3, masking(0.1))
         loader = make_loader(PlanDataset(worker), sampler, workers, 2)
-        outs.append([(b["inputs"], b["targets"], plan.update, plan.microstep) for plan, b in loader])
+        outs.append([(b["inputs"], b["targets"], *key, sampler.claim(key).update) for key, b in loader])
     for other in outs[1:]:
         assert len(other) == len(outs[0]) == 12
         for x, y in zip(outs[0], other, strict=True):

@@ -5,7 +5,7 @@ Each data kind (:mod:`spotrun.trainer.data.kinds`) becomes a *feed* with one sma
 - ``planner(restore_mode)``: the Stateful that decides the global occurrence stream;
 - ``locate(record)``: what a worker needs to materialise a record of the update just planned
   (token data: shard and byte offset; stream data: the element; map data: nothing);
-- ``worker()``: a picklable callable ``(MicroPlan) -> batch``, run in prefetch workers;
+- ``worker()``: a picklable callable ``(WorkOrder) -> batch``, run in prefetch workers;
 - ``occurrence_id(span)``: the stable name of an occurrence in traces (``<epoch>/<key>[a:b]``);
 - ``dataset_version`` / ``tokenizer_version``: what a bundle records and a restore checks.
 
@@ -27,6 +27,7 @@ import torch
 from spotrun.trainer.data.growth import GrowthRecords
 from spotrun.trainer.data.kinds import DataError, MapData, StreamData, TokenData
 from spotrun.trainer.data.listing import ShardInfo, read_line, scan
+from spotrun.trainer.data.loader import WorkOrder
 from spotrun.trainer.data.packer import Span
 from spotrun.trainer.data.planner import Planner, RestoreMode
 from spotrun.trainer.data.stream import StreamPlanner
@@ -78,9 +79,9 @@ class MapWorker:
         self.data = data
         self.seed = seed
 
-    def __call__(self, plan) -> Any:
+    def __call__(self, order: WorkOrder) -> Any:
         samples = []
-        for seq in plan.sequences:
+        for seq in order.sequences:
             for s in seq:
                 sample = self.data.dataset[s.record]
                 if self.data.transform is not None:
@@ -167,10 +168,10 @@ class TokenWorker:
                 self._cache.popitem(last=False)
         return hit
 
-    def __call__(self, plan) -> dict[str, torch.Tensor]:
+    def __call__(self, order: WorkOrder) -> dict[str, torch.Tensor]:
         inputs, targets = [], []
-        for seq in plan.sequences:
-            toks = [self.occurrence_tokens(s.epoch, s.record, plan.records[s.record]) for s in seq]
+        for seq in order.sequences:
+            toks = [self.occurrence_tokens(s.epoch, s.record, order.records[s.record]) for s in seq]
             orig = np.concatenate([t[0][s.start:s.end] for t, s in zip(toks, seq, strict=True)])
             changed = np.concatenate([t[1][s.start:s.end] for t, s in zip(toks, seq, strict=True)])
             inputs.append(changed[:-1])
@@ -208,8 +209,8 @@ class StreamWorker:
     def __init__(self, collate) -> None:
         self.collate = collate
 
-    def __call__(self, plan) -> Any:
-        return self.collate([plan.records[s.record] for seq in plan.sequences for s in seq])
+    def __call__(self, order: WorkOrder) -> Any:
+        return self.collate([order.records[s.record] for seq in order.sequences for s in seq])
 
 
 Feed = MapFeed | TokenFeed | StreamFeed

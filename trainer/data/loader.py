@@ -1,14 +1,18 @@
 """Prefetch: plans from the rank's planner become batches in torchdata worker processes.
 
-The sampler runs in the rank's main process and yields one :class:`MicroPlan`
+The sampler runs in the rank's main process and plans one :class:`MicroPlan`
 per (update, microstep); each plan carries the planner state *after* its update,
 so the cursor saved at a boundary is the one of the last batch the loop
 consumed, never the furthest one the workers fetched (those are replayed after
-a restore, by contract). Workers are a pure function of the plan (the feed's
-worker: :mod:`spotrun.trainer.data.feed`), which is why ``data.workers`` may
-change across a restore: a plan carries what each of its records needs (token
-data: shard and byte offset, so a worker forked before the listing grew reads
-the new shards' records too; stream data: the element itself).
+a restore, by contract). A plan stays in the rank: what travels to a prefetch
+worker is its :class:`WorkOrder` (the micro-batch's sequences and what their
+records need), and what comes back is the order's key and the batch; the rank
+pairs the batch with its plan again (:meth:`PlanSampler.claim`). Workers are a
+pure function of the order (the feed's worker: :mod:`spotrun.trainer.data.feed`),
+which is why ``data.workers`` may change across a restore: an order carries what
+each of its records needs (token data: shard and byte offset, so a worker forked
+before the listing grew reads the new shards' records too; stream data: the
+element itself).
 
 torchdata's own ``state_dict`` is deliberately not used: it is per worker and
 requires the same worker count on restore.
@@ -20,6 +24,7 @@ import ctypes
 import signal
 import sys
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,15 +38,36 @@ from spotrun.trainer.data.packer import Span
 from spotrun.trainer.data.planner import slice_for
 
 
-@dataclass
-class MicroPlan:
+@dataclass(frozen=True)
+class WorkOrder:
+    """What a prefetch worker needs to make one micro-batch; pickled to the worker, so it holds
+    nothing the worker does not read."""
+
     update: int  # 1-based index of the update this micro-batch belongs to
     microstep: int
-    rank: int
     sequences: list[tuple[Span, ...]]
     records: dict[int, Any]  # record -> what a worker needs to materialise it (see Locate)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.update, self.microstep
+
+
+@dataclass
+class MicroPlan:
+    """One micro-batch as the rank planned it: the worker's order, and what only the rank reads."""
+
+    order: WorkOrder
     global_batch: list[tuple[Span, ...]] | None = None  # the whole update's sequences, on microstep 0 only
     planner_after: dict[str, Any] | None = field(default=None, repr=False)  # on the last microstep
+
+    @property
+    def update(self) -> int:
+        return self.order.update
+
+    @property
+    def microstep(self) -> int:
+        return self.order.microstep
 
 
 # record -> what a worker needs for it: (shard, byte offset) for token data, the element for stream
@@ -54,7 +80,8 @@ def locations(sequences: list[tuple[Span, ...]], locate: Locate) -> dict[int, An
 
 
 class PlanSampler(Sampler):
-    """Yields the micro-batch plans of one rank from ``first_update`` to ``last_update``."""
+    """Plans the micro-batches of one rank from ``first_update`` to ``last_update``; yields their
+    work orders (the loader's indices) and keeps the plans until :meth:`claim`."""
 
     def __init__(self, planner: Any, locate: Locate, rank: int, world_size: int, accum_steps: int,
                  micro_batch: int, first_update: int, last_update: int) -> None:
@@ -67,42 +94,51 @@ class PlanSampler(Sampler):
         self.first_update = first_update
         self.last_update = last_update
         self.planned_microsteps = 0  # yielded so far: how far the prefetch ran ahead
+        self._issued: deque[MicroPlan] = deque()  # planned, batch not yet claimed: in the loader's order
 
-    def __iter__(self) -> Iterator[MicroPlan]:
+    def __iter__(self) -> Iterator[WorkOrder]:
         for update in range(self.first_update, self.last_update + 1):
             sequences = self.planner.next_update()
             after = self.planner.state_dict()
             for m in range(self.accum_steps):
                 part = sequences[slice_for(self.rank, m, self.world_size, self.micro_batch)]
+                order = WorkOrder(update, m, part, locations(part, self.locate))
+                self._issued.append(MicroPlan(order, global_batch=sequences if m == 0 else None,
+                                              planner_after=after if m == self.accum_steps - 1 else None))
                 self.planned_microsteps += 1
-                yield MicroPlan(
-                    update=update,
-                    microstep=m,
-                    rank=self.rank,
-                    sequences=part,
-                    records=locations(part, self.locate),
-                    global_batch=sequences if m == 0 else None,
-                    planner_after=after if m == self.accum_steps - 1 else None,
-                )
+                yield order
+
+    def claim(self, key: tuple[int, int]) -> MicroPlan:
+        """The plan of the batch the loader just delivered for order ``key``: the oldest unclaimed
+        one (the loader keeps the sampler's order)."""
+        if not self._issued or self._issued[0].order.key != key:
+            expected = self._issued[0].order.key if self._issued else None
+            raise RuntimeError(f"the loader delivered the batch of update.microstep {key}, the sampler's "
+                               f"next plan is {expected}")
+        return self._issued.popleft()
 
     def __len__(self) -> int:
         return max(0, self.last_update - self.first_update + 1) * self.accum_steps
 
 
 class PlanDataset(Dataset):
-    """Indexed by plans: ``dataset[plan] -> (plan, batch)``, the batch made by the feed's worker."""
+    """Indexed by work orders: ``dataset[order] -> (order.key, batch)``, the batch made by the feed's
+    worker (the key, not the order, travels back: the rank kept the plan)."""
 
-    def __init__(self, worker: Callable[[MicroPlan], Any]) -> None:
+    def __init__(self, worker: Callable[[WorkOrder], Any]) -> None:
         self.worker = worker
 
-    def __getitem__(self, plan: MicroPlan) -> tuple[MicroPlan, Any]:  # type: ignore[override]
-        return plan, self.worker(plan)
+    def __getitem__(self, order: WorkOrder) -> tuple[tuple[int, int], Any]:  # type: ignore[override]
+        return order.key, self.worker(order)
 
     def __len__(self) -> int:
-        raise TypeError("PlanDataset is indexed by plans, not by position")
+        raise TypeError("PlanDataset is indexed by work orders, not by position")
 
 
-def _identity(item: tuple[MicroPlan, Any]) -> tuple[MicroPlan, Any]:
+Delivered = tuple[tuple[int, int], Any]  # (update, microstep) and the batch
+
+
+def _identity(item: Delivered) -> Delivered:
     return item
 
 
@@ -140,10 +176,10 @@ def _inline(x: Any) -> Any:
     return _Inline(x) if small else x
 
 
-def _inline_small(item: tuple[MicroPlan, Any]) -> tuple[MicroPlan, Any]:
+def _inline_small(item: Delivered) -> Delivered:
     """In a prefetch worker: the batch with its small tensors marked to travel inline."""
-    plan, batch = item
-    return plan, tree_map(_inline, batch)
+    key, batch = item
+    return key, tree_map(_inline, batch)
 
 
 def _die_with_parent(worker_id: int) -> None:
@@ -172,4 +208,7 @@ def make_loader(dataset: PlanDataset, sampler: PlanSampler, workers: int, prefet
         multiprocessing_context="fork" if workers else None,
         worker_init_fn=_die_with_parent if workers else None,
         in_order=True,
+        # torchdata's own state is never read (see above): without this it snapshots the sampler
+        # and every worker's state at each micro-batch, on the training thread.
+        snapshot_every_n_steps=0,
     )
