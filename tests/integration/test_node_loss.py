@@ -301,7 +301,9 @@ def test_ray_drain_notice_checkpoints_then_moves_off_the_node(cluster, reference
     from ray.core.generated import autoscaler_pb2
 
     two_workers(cluster)
-    spec = make_spec(tmp_path, *SETS, "world.policy=elastic", "checkpoint.every_updates=100",
+    # 200 updates: the drain must land before the job's end (at 30 the job, traced at the
+    # supervisor's polls, could finish before the notice was seen, and then no restart happens)
+    spec = make_spec(tmp_path, *SETS, "world.policy=elastic", "train.updates=200", "checkpoint.every_updates=1000",
                      "preemption.drain_poll_s=0.1", job_id="drained")
     job = Background(spec, tmp_path / "t.jsonl")
     job.wait_for(lambda: job.trace_lines() >= 8)
