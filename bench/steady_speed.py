@@ -307,17 +307,42 @@ figures of one update on one rank):
   repetitions). It now polls a Ray group every 0.1 s and waits in between on the ranks' runs and on
   one call per rank that answers when the rank has news (a written bundle, a notice): a death, a
   bundle to publish and a notice are still seen at once.
+- **A micro-batch's plan travelled to its prefetch worker and back**, with the update's whole
+  global batch and the planner state after it, which only the rank reads; torchdata also snapshot
+  the sampler and every worker's state at each micro-batch, for a `state_dict` spotrun never calls
+  (its cursor is the planner's); and the metric writer still committed one transaction per update
+  (about 0.17 ms of CPU each, measured alone, holding the interpreter lock for part of it). Now a
+  worker gets only a work order (the micro-batch's sequences and what their records need) and
+  returns its key with the batch, the rank keeps the plan until the batch arrives, torchdata's
+  snapshots are off, and the writer writes at most every 0.5 s (sooner when flushed, as before
+  every capture and at close). The training thread's own CPU time in the loader on digits (one
+  rank, in process, a fixed amount of work standing in for the step): 0.66 ms a micro-batch before,
+  0.46–0.60 ms after.
 - Left as it is: the hand-written flat all-reduce after backward (no overlap with backward; on CPU
   ranks that share two cores there is no idle core to overlap with).
 
-Where spotrun stays below 98 %, what is known: the plain loop reads pre-cut chunks from memory
-through torch's `DataLoader`, spotrun's worker plans, packs, masks and reads records per micro-batch
-behind torchdata's `StatefulDataLoader`, which also pickles each micro-batch's plan both ways; the plain loop skips the
-job's EMA of the parameters (`train.ema_decay`, on for the char LM: about 0.1 ms an update on tiny);
-and the loop's own bookkeeping (occurrence ids and their digest, the update record, the points),
-a fixed cost per update that weighs most on the job with the shortest update (digits, about 9 ms at
-one rank: the lowest ratio). Apart from the EMA none was measured on its own here, and digits was not
-profiled. The spreads (min–max) of the systems overlap on most rows."""
+Read the ratios with the host in mind: its speed changed by up to 2.6× within the hour (tiny ×2
+on the plain loop: 119 updates/s in one run, 45.5 in a run 10 minutes later), and the spreads
+(min–max) of the systems overlap on most rows of every run. Runs of this bench, 3 repetitions each:
+
+| run | host, period | code | rows below 98 % of the plain loop |
+| --- | --- | --- | --- |
+| 2026-12-02 03:09 | Intel Xeon, other work on it | before the bullet above | five of six (digits ×1 83.1 %) |
+| 2026-12-02 07:41 | AMD EPYC, quiet | with it | none (lowest: gpt-char ×2 99.2 %) |
+| 2026-12-02 07:47 | the same, every system ~40 % slower | before it | gpt-char ×2 89.6 %, digits ×2 84.0 % |
+| 2026-12-02 07:57 (this table) | the same, slow | with it | gpt-char ×2 92.7 %, digits ×2 87.8 % |
+
+At one rank, spotrun ran faster than the plain loop in every run on this host. The plain loop pays
+torch's default shared-memory handoff for each batch tensor, and DDP's reducer on a one-process
+group; spotrun pays neither. At two ranks the gap follows the host's load, not the code. Quiet,
+there was no gap; slow, both versions of the code fell below the target by about as much. The
+bullet above did not close that gap. What two ranks on two cores share with spotrun and not with
+the plain loop was measured once (digits ×2 on Ray, 1,510 updates, CPU seconds of every process
+from /proc). The ranks and their loader workers took 94.2 %. The driver (the supervisor's polls
+and its waits on the ranks' news, with the job's start-up and end) took 2.2 %. Ray's GCS, raylet
+and agents took 1.8 %. With both cores busy, that share comes out of the ranks' time. It does not
+explain the whole 12 % of the slowest row, and nothing else was found that does. The target stays
+unmet there, on a loaded host."""
 
 INTRO = __doc__.split("\n\n", 2)[2].rsplit("\n\nEach run's", 1)[0] + "\n\n" + FOUND
 
