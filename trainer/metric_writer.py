@@ -2,10 +2,8 @@
 
 A SQLite commit, a JSONL append or a TensorBoard flush per update costs a rank about a millisecond
 of every update on its training thread (bench 8). :class:`BackgroundWriter` takes the points from
-the loop and writes them from one thread of its own, in the order written: at most one write per
-``interval_s`` (everything queued by then in one call: one SQLite transaction), sooner when flushed.
-Writing each update's points at once still cost the rank about 0.2 ms of CPU an update (a
-transaction's work, and the interpreter lock it holds meanwhile): a few per cent of a short update.
+the loop and writes them from one thread of its own, everything queued since its last write in one
+call (one SQLite transaction), in the order written.
 
 The guarantee a kill relies on is unchanged: :meth:`BackgroundWriter.flush` returns once every
 point handed over before it is in the sink and the sink is flushed. The rank flushes at every
@@ -32,18 +30,13 @@ class MetricSinkError(RuntimeError):
 
 class BackgroundWriter:
     """A :class:`~spotrun.trainer.metrics.MetricSink` that hands ``write`` to a thread; one producer
-    (the training thread) calls ``write``, ``flush`` and ``close``. A point reaches the sink at most
-    ``interval_s`` after its ``write`` (what a live reader, the dashboard, waits at most)."""
+    (the training thread) calls ``write``, ``flush`` and ``close``."""
 
-    INTERVAL_S = 0.5
-
-    def __init__(self, sink: MetricSink, interval_s: float = INTERVAL_S) -> None:
+    def __init__(self, sink: MetricSink) -> None:
         self.sink = sink
-        self.interval_s = interval_s
         self._cond = threading.Condition()
         self._pending: list[MetricPoint] = []
         self._writing = False  # a batch was taken off ``_pending`` and is being written
-        self._flushing = False  # the producer waits in flush: write now, not at the interval's end
         self._closing = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._drain, name="spotrun-metric-writer", daemon=True)
@@ -59,12 +52,7 @@ class BackgroundWriter:
     def flush(self) -> None:
         """Return once every point written before this call is in the sink, and the sink flushed."""
         with self._cond:
-            self._flushing = True
-            self._cond.notify_all()
-            try:
-                self._cond.wait_for(lambda: self._error is not None or not (self._pending or self._writing))
-            finally:
-                self._flushing = False
+            self._cond.wait_for(lambda: self._error is not None or not (self._pending or self._writing))
             self._raise_error()
         self.sink.flush()
 
@@ -93,8 +81,6 @@ class BackgroundWriter:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending or self._closing)
-                # the interval's points, gathered into one write (a flush or close ends it early)
-                self._cond.wait_for(lambda: self._flushing or self._closing, timeout=self.interval_s)
                 if not self._pending:
                     return  # closing, and everything is written
                 batch, self._pending = self._pending, []

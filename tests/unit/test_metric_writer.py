@@ -55,24 +55,6 @@ def test_points_are_written_off_the_caller_thread_in_order_and_in_the_sink_after
     assert sink.closed
 
 
-def test_the_points_of_an_interval_reach_the_sink_in_one_write_at_the_latest_when_flushed():
-    """No write per update: what is written within ``interval_s`` is one sink write (one SQLite
-    transaction); a flush writes it at once instead of at the interval's end."""
-    sink = GatedSink()
-    sink.gate.set()
-    writer = BackgroundWriter(sink, interval_s=600)
-    for u in range(1, 6):
-        writer.write(points_of("j", u, 1, "L", {"loss": float(u)}))
-    for _ in range(50):  # give the thread every chance to write early (it must not)
-        writer._thread.join(timeout=0.001)
-    assert sink.writes == []
-    writer.flush()
-    assert [[p.update for p in batch] for batch in sink.writes] == [[1, 2, 3, 4, 5]]
-    writer.write(points_of("j", 6, 1, "L", {"loss": 6.0}))
-    writer.close()  # close writes without waiting out the interval
-    assert [[p.update for p in batch] for batch in sink.writes] == [[1, 2, 3, 4, 5], [6]]
-
-
 def test_close_writes_what_is_queued(tmp_path):
     """Into a real SQLite sink: every point written before close is there, one per key (the upsert)."""
     writer = BackgroundWriter(SqliteSink(tmp_path / "m.sqlite"))
