@@ -310,14 +310,15 @@ figures of one update on one rank):
 - **A micro-batch's plan travelled to its prefetch worker and back**, with the update's whole
   global batch and the planner state after it, which only the rank reads; torchdata also snapshot
   the sampler and every worker's state at each micro-batch, for a `state_dict` spotrun never calls
-  (its cursor is the planner's); and the metric writer still committed one transaction per update
-  (about 0.17 ms of CPU each, measured alone, holding the interpreter lock for part of it). Now a
-  worker gets only a work order (the micro-batch's sequences and what their records need) and
-  returns its key with the batch, the rank keeps the plan until the batch arrives, torchdata's
-  snapshots are off, and the writer writes at most every 0.5 s (sooner when flushed, as before
-  every capture and at close). The training thread's own CPU time in the loader on digits (one
-  rank, in process, a fixed amount of work standing in for the step): 0.66 ms a micro-batch before,
-  0.46–0.60 ms after.
+  (its cursor is the planner's). Now a worker gets only a work order (the micro-batch's sequences
+  and what their records need) and returns its key with the batch, the rank keeps the plan until
+  the batch arrives, and torchdata's snapshots are off. The training thread's own CPU time in the
+  loader on digits (one rank, in process, a fixed amount of work standing in for the step): 0.66 ms
+  a micro-batch before, 0.46–0.60 ms after. The two runs "with it" below also had the metric writer
+  batching its points for up to 0.5 s (one SQLite transaction costs about 0.17 ms of CPU, measured
+  alone); that was taken back out, because a kill then lost the points of the last half second,
+  from which the dashboard counts the updates a restart replays. The writer again commits the
+  points of each update as they come.
 - Left as it is: the hand-written flat all-reduce after backward (no overlap with backward; on CPU
   ranks that share two cores there is no idle core to overlap with).
 
