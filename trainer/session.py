@@ -64,7 +64,6 @@ class TrainSession:
         self._sampler: PlanSampler | None = None
         self._loop: TrainLoop | None = None
         self._iter: Iterator[Any] | None = None
-        self._consumed_microsteps = 0
 
     @property
     def counters(self):
@@ -182,7 +181,6 @@ class TrainSession:
         """The loader's batches, each with its plan again (the workers got only its order)."""
         assert self._sampler is not None
         for key, batch in it:
-            self._consumed_microsteps += 1
             yield self._sampler.claim(key), batch
 
     @property
@@ -206,7 +204,7 @@ class TrainSession:
         """Micro-batches the sampler planned beyond what the loop consumed (replayed after a restore)."""
         if self._sampler is None:
             return 0
-        return max(0, self._sampler.planned_microsteps - self._consumed_microsteps)
+        return self._sampler.unclaimed
 
     def capture(self) -> Capture:
         t0 = time.perf_counter()

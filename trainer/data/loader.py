@@ -93,7 +93,6 @@ class PlanSampler(Sampler):
         self.micro_batch = micro_batch
         self.first_update = first_update
         self.last_update = last_update
-        self.planned_microsteps = 0  # yielded so far: how far the prefetch ran ahead
         self._issued: deque[MicroPlan] = deque()  # planned, batch not yet claimed: in the loader's order
 
     def __iter__(self) -> Iterator[WorkOrder]:
@@ -105,7 +104,6 @@ class PlanSampler(Sampler):
                 order = WorkOrder(update, m, part, locations(part, self.locate))
                 self._issued.append(MicroPlan(order, global_batch=sequences if m == 0 else None,
                                               planner_after=after if m == self.accum_steps - 1 else None))
-                self.planned_microsteps += 1
                 yield order
 
     def claim(self, key: tuple[int, int]) -> MicroPlan:
@@ -116,6 +114,11 @@ class PlanSampler(Sampler):
             raise RuntimeError(f"the loader delivered the batch of update.microstep {key}, the sampler's "
                                f"next plan is {expected}")
         return self._issued.popleft()
+
+    @property
+    def unclaimed(self) -> int:
+        """Micro-batches planned and not yet delivered to the loop: how far the prefetch ran ahead."""
+        return len(self._issued)
 
     def __len__(self) -> int:
         return max(0, self.last_update - self.first_update + 1) * self.accum_steps
