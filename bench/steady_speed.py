@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
+from bench.observe import CpuMeter
 from bench.tables import ROOT, Section, Stopwatch, Table, cli, fmt, median, pct, work_folder
 from bench.update_profile import PARTS, collective_cost, profile_updates
 
@@ -53,7 +54,7 @@ JOBS = (
     Job("tiny", "configs/tiny.yaml", ("data.shards=configs/data/tiny", "data.workers=1"), True),
     Job("gpt-char", "configs/gpt-char.yaml",
         ("data.shards=configs/data/gpt-char", "train.precision=fp32", "train.micro_batch=4", "train.accum_steps=1",
-         "data.seq_len=64", "data.workers=1", "train.warmup_updates=10"), True, timed=50),
+         "data.seq_len=64", "data.workers=1", "train.warmup_updates=10"), True, timed=80),
     Job("digits", "examples/digits/digits.yaml", ("data.workers=1",), False),
 )
 
@@ -70,7 +71,7 @@ class Shape:
     collectives: int  # per-update collectives timed between two gloo ranks (0: not timed)
 
 
-FULL = Shape(warmup=10, timed=120, reps=3, worlds=(1, 2), jobs=("tiny", "gpt-char", "digits"), ray=True,
+FULL = Shape(warmup=10, timed=300, reps=5, worlds=(1, 2), jobs=("tiny", "gpt-char", "digits"), ray=True,
              profiled=300, collectives=500)
 QUICK = Shape(warmup=3, timed=12, reps=1, worlds=(1,), jobs=("tiny",), ray=False, profiled=20, collectives=0)
 
@@ -92,20 +93,38 @@ def spec_sets(job: Job, world: int, updates: int, storage: Path) -> list[str]:
             f"checkpoint.every_updates={updates + 1}"]  # no checkpoint but the job's last
 
 
-def rate(stamps: dict[int, float], warmup: int, timed: int) -> float:
-    """Updates per second between the end of update ``warmup`` and the end of update ``warmup + timed``."""
-    return timed / (stamps[warmup + timed] - stamps[warmup])
+@dataclass(frozen=True)
+class Window:
+    """The timed window of one run: rank 0's completion stamps of update ``warmup`` and of update
+    ``warmup + timed`` (``monotonic``: ``time.perf_counter()`` stamps, else ``time.time()``)."""
+
+    start: float
+    end: float
+    updates: int
+    monotonic: bool
+
+    @property
+    def rate(self) -> float:
+        return self.updates / (self.end - self.start)
+
+    def cpu_ms_per_update(self, meter: CpuMeter) -> float:
+        return 1000 * meter.busy_seconds(self.start, self.end, monotonic=self.monotonic) / self.updates
 
 
-def plain_run(job: Job, world: int, shape: Shape, folder: Path) -> float:
+def window(stamps: dict[int, float], warmup: int, timed: int, *, monotonic: bool = False) -> Window:
+    """The window between the end of update ``warmup`` and the end of update ``warmup + timed``."""
+    return Window(stamps[warmup], stamps[warmup + timed], timed, monotonic)
+
+
+def plain_run(job: Job, world: int, shape: Shape, folder: Path) -> Window:
     from bench.plain_ddp import run_plain
 
     updates = shape.warmup + shape.timed
     stamps = run_plain(str(ROOT / job.config), spec_sets(job, world, updates, folder), world, folder / "plain.json")
-    return rate(dict(enumerate(stamps, start=1)), shape.warmup, shape.timed)
+    return window(dict(enumerate(stamps, start=1)), shape.warmup, shape.timed, monotonic=True)
 
 
-def spotrun_run(job: Job, world: int, shape: Shape, folder: Path, *, on_ray: bool) -> float:
+def spotrun_run(job: Job, world: int, shape: Shape, folder: Path, *, on_ray: bool) -> Window:
     from spotrun.orchestrator.launch import run_in_process, run_on_ray
     from spotrun.orchestrator.specfile import load_spec
     from spotrun.trainer.metrics import SqliteSink, metrics_dir
@@ -118,10 +137,10 @@ def spotrun_run(job: Job, world: int, shape: Shape, folder: Path, *, on_ray: boo
     sink = SqliteSink(metrics_dir(spec.storage, spec.job_id, spec.metrics.local_dir) / "metrics.sqlite")
     stamps = {p.update: p.at.timestamp() for p in sink.read(spec.job_id) if p.name == "loss"}
     sink.close()
-    return rate(stamps, shape.warmup, shape.timed)
+    return window(stamps, shape.warmup, shape.timed)
 
 
-def ray_train_run(job: Job, world: int, shape: Shape, folder: Path) -> float:
+def ray_train_run(job: Job, world: int, shape: Shape, folder: Path) -> Window:
     from bench.peer_loop import fit
     from bench.runs import read_jsonl
     from spotrun.orchestrator.specfile import load_spec
@@ -139,7 +158,7 @@ def ray_train_run(job: Job, world: int, shape: Shape, folder: Path) -> float:
     if result.error is not None:
         raise RuntimeError(f"Ray Train {job.name} at {world} ranks failed: {result.error}")
     stamps = {r["step"]: r["t"] for r in read_jsonl(out / "rank-0.jsonl") if r["event"] == "step"}
-    return rate(stamps, shape.warmup, shape.timed)
+    return window(stamps, shape.warmup, shape.timed)
 
 
 def uptime() -> str:
@@ -152,6 +171,7 @@ def run(shape: Shape, scratch: Path) -> dict:
 
     jobs = [j for j in JOBS if j.name in shape.jobs]
     rates: dict[str, dict[str, list[float]]] = {}
+    cpu: dict[str, dict[str, list[float]]] = {}  # CPU ms per update, every process of the machine
     before = uptime()
     if shape.ray:
         # Ray starts its workers at niceness 15; spotrun's ranks set themselves back to 0 (as the plain
@@ -165,7 +185,7 @@ def run(shape: Shape, scratch: Path) -> dict:
             for job in jobs:
                 for world in shape.worlds:
                     sized = replace(shape, timed=min(shape.timed, job.timed or shape.timed))
-                    systems: dict[str, Callable[[Path], float]] = {
+                    systems: dict[str, Callable[[Path], Window]] = {
                         PLAIN: partial(plain_run, job, world, sized),
                         SPOTRUN: partial(spotrun_run, job, world, sized, on_ray=shape.ray),
                     }
@@ -174,9 +194,13 @@ def run(shape: Shape, scratch: Path) -> dict:
                     for system, one in systems.items():
                         folder = scratch / f"{job.name}-{world}-{system.replace(' ', '_')}-{rep}"
                         folder.mkdir(parents=True)
-                        r = one(folder)
-                        rates.setdefault(f"{job.name}/{world}", {}).setdefault(system, []).append(r)
-                        print(f"rep {rep} {job.name} x{world} {system}: {r:.1f} updates/s", flush=True)
+                        with CpuMeter() as meter:
+                            w = one(folder)
+                        key = f"{job.name}/{world}"
+                        rates.setdefault(key, {}).setdefault(system, []).append(w.rate)
+                        cpu.setdefault(key, {}).setdefault(system, []).append(w.cpu_ms_per_update(meter))
+                        print(f"rep {rep} {job.name} x{world} {system}: {w.rate:.1f} updates/s, "
+                              f"{cpu[key][system][-1]:.1f} CPU ms/update", flush=True)
     finally:
         if shape.ray:
             ray.shutdown()
@@ -185,7 +209,7 @@ def run(shape: Shape, scratch: Path) -> dict:
     tiny = next(j for j in JOBS if j.name == "tiny")
     profile = profile_updates(tiny.config, job_sets(tiny, 1), shape.profiled, scratch / "profile")
     collectives = collective_cost(shape.collectives, scratch) if shape.collectives else {}
-    return {"shape": shape.__dict__, "rates": rates, "uptime_before": before, "uptime_after": after,
+    return {"shape": shape.__dict__, "rates": rates, "cpu_ms": cpu, "uptime_before": before, "uptime_after": after,
             "profile": profile, "collectives_ms": collectives}
 
 
@@ -269,6 +293,25 @@ def tables(results: dict) -> tuple[Table, list[str]]:
                         f"{'**MET**' if not below else '**NOT MET** (' + ', '.join(below) + ')'} "
                         f"(lowest {worst['name']} ×{worst['world_size']}: {pct(worst['ratio_vs_ray_train'])})")
     return t, verdicts
+
+
+def cpu_table(results: dict) -> Table:
+    t = Table("CPU time per update, every process of the machine, ms: median (min–max) over the repetitions",
+              ["job", "ranks", PLAIN, SPOTRUN, RAY_TRAIN, "spotrun / plain", "spotrun / Ray Train"])
+    for key, by_system in results.get("cpu_ms", {}).items():
+        name, world = key.split("/")
+        t.add(name, int(world), spread(by_system[PLAIN]), spread(by_system[SPOTRUN]),
+              spread(by_system[RAY_TRAIN]) if RAY_TRAIN in by_system else "not run",
+              pct(paired(by_system[SPOTRUN], by_system[PLAIN])),
+              pct(paired(by_system[SPOTRUN], by_system[RAY_TRAIN])) if RAY_TRAIN in by_system else "—")
+    t.notes += [
+        "busy time from /proc/stat (user, nice, system, irq, softirq: not idle, I/O wait or steal) between the "
+        "two stamps of the timed window, sampled every 20 ms, over the updates in it: the ranks, their loader "
+        "workers, the driver, Ray's daemons, this bench's own process",
+        "how much work an update takes, not how fast the host ran it: with every core busy, updates/s can be "
+        "at most cores × 1000 / this; a ratio above 100 % means spotrun spent more CPU on an update",
+    ]
+    return t
 
 
 FOUND = """What an update cost beyond the plain loop, and what changed (the profile table below has the
@@ -363,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         results = run(shape, folder)
     table, verdicts = tables(results)
     Section("8-steady-speed", "8. Steady-state speed against a plain DDP loop and Ray Train", INTRO,
-            [table, profile_table(results)],
+            [table, cpu_table(results), profile_table(results)],
             verdicts, clock.seconds, {"results": results, "jobs": summary(results)}, clock.measured).emit(args.out)
     if known.json:
         print(json.dumps({"jobs": summary(results)}))

@@ -65,6 +65,27 @@ def test_steady_speed_ratios_are_paired_and_verdicts_name_the_jobs_below_target(
     assert "uptime before: u0" in table.notes[1]
 
 
+def test_the_cpu_meter_counts_the_cpu_time_spent_between_two_stamps_of_either_clock():
+    """A thread that spins for 0.3 s of its own CPU time between two stamps: the machine was busy for at
+    least that long between them (less a tick at each end), by wall-clock and by monotonic stamps."""
+    import time
+
+    from bench.observe import CpuMeter
+
+    with CpuMeter(every_s=0.01) as meter:
+        time.sleep(0.05)  # samples before the first stamp
+        wall0, mono0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
+        while time.thread_time() - cpu0 < 0.3:
+            pass
+        wall1, mono1, spun = time.time(), time.perf_counter(), time.thread_time() - cpu0
+        time.sleep(0.05)
+    tick = 1 / 100
+    assert meter.busy_seconds(wall0, wall1) >= spun - 3 * tick
+    assert meter.busy_seconds(mono0, mono1, monotonic=True) >= spun - 3 * tick
+    with pytest.raises(ValueError, match="not inside the samples"):
+        meter.busy_seconds(wall0 - 60, wall1)
+
+
 def _run(steps: list[tuple[int, int, float, list[str]]], killed_at=None, restarts=0, upsert=True) -> Run:
     runs = [Step(s, a, t, ids) for s, a, t, ids in steps]
     written = Counter((s.step, "loss") for s in runs)
