@@ -540,6 +540,8 @@ class Supervisor:
                                       detail=lost.detail, last_update=st.last_update, detected_at=st.detected_at,
                                       teardown_seconds=round(teardown, 4)))
         self.restarts += 1
+        log.warning("attempt %d lost rank %s on node %s (%s) at update %d: %s", st.attempt, lost.rank, lost.node_id,
+                    lost.cause, st.last_update, lost.detail)
         if self.restarts > self.spec.world.max_restarts:
             return Failed(f"rank {lost.rank} lost ({lost.cause}) and the job already restarted "
                           f"{self.spec.world.max_restarts} times (world.max_restarts); last cause: {lost.detail}")

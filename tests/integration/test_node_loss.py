@@ -92,6 +92,13 @@ class Background:
     def events(self):
         return self.ledger.read()
 
+    def story(self) -> str:
+        """The job's error and its ledger, one event a line: what a failed assertion shows (a rare failure
+        on a slow host is diagnosed from this alone)."""
+        lines = [f"error: {self.error!r}"]
+        lines += [f"{type(e).__name__} {e.model_dump(mode='json', exclude_none=True)}"[:400] for e in self.events()]
+        return "\n".join(lines)
+
     def wait_for(self, predicate, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():
@@ -138,7 +145,7 @@ def test_elastic_restarts_smaller_with_same_occurrences(cluster, reference, tmp_
     job.wait_for(lambda: job.trace_lines() >= 12)
     remove_rank_node(cluster, job, rank=1)
     job.join()
-    assert job.error is None and job.outcome.restarts == 1
+    assert job.error is None and job.outcome.restarts == 1, job.story()
     events = job.events()
     lost = next(e for e in events if isinstance(e, WorkerLost))
     assert lost.cause == "node-lost" and lost.rank == 1
@@ -184,7 +191,7 @@ def test_elastic_grows_back_when_a_node_returns_fsdp_resharding_its_bundles(clus
                      "checkpoint.keep_last=50", job_id="fsdp-grow")  # the restored bundles stay to be read
     job = Background(spec, tmp_path / "t.jsonl")
     shrink_then_grow(cluster, job, after_updates=30)
-    assert job.error is None and job.outcome.restarts == 1
+    assert job.error is None and job.outcome.restarts == 1, job.story()
     events = job.events()
     resizing = next(e for e in events if isinstance(e, Resizing))
     assert (resizing.world_size_before, resizing.world_size_target) == (1, 2)
@@ -269,7 +276,7 @@ def test_strict_waits_and_resumes_bitwise_when_a_node_returns(cluster, reference
     job.wait_for(lambda: any(isinstance(e, WorkerLost) for e in job.events()))
     cluster.add_node(num_cpus=1)  # capacity returns
     job.join()
-    assert job.error is None and job.outcome.restarts == 1
+    assert job.error is None and job.outcome.restarts == 1, job.story()
     events = job.events()
     wait = next(e for e in events if isinstance(e, CapacityWait))
     assert wait.outcome == "placed" and wait.waited_seconds > 0
@@ -313,7 +320,7 @@ def test_ray_drain_notice_checkpoints_then_moves_off_the_node(cluster, reference
         "DRAIN_NODE_REASON_PREEMPTION"), "spot interruption (test)", int(time.time() * 1000) + 60_000)
     assert accepted, why
     job.join()
-    assert job.error is None and job.outcome.restarts == 1
+    assert job.error is None and job.outcome.restarts == 1, job.story()
     events = job.events()
     handled = next(e for e in events if isinstance(e, NoticeHandled))
     assert handled.source == "ray-drain"
