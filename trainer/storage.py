@@ -138,14 +138,14 @@ class _DirectWriter:
                 self._flush()
 
     def finish(self) -> None:
-        self._flush(last=True)
+        self._flush()
         for w in self.writes:
             w.result()
 
-    def _flush(self, last: bool = False) -> None:
+    def _flush(self) -> None:
         """Write the current staging buffer (its fill a whole number of blocks, or padded to one when
         it is the file's end) and move to the other, once that one's write is done."""
-        if not self.filled and not (last and not self.started):
+        if not self.filled:  # nothing staged since the last write
             return
         padded = round_up(self.filled)
         buf = self.bufs[self.cur]
@@ -156,8 +156,10 @@ class _DirectWriter:
         if pending is not None:
             pending.result()
 
-    def _write(self, view: memoryview) -> Future[None]:
-        if not self.started:  # synchronously: a device that will not do direct I/O says so here, with nothing written
+    def _write(self, view: memoryview) -> Future[None] | None:
+        """Write ``view`` next: on the I/O thread (its future), but the file's first write here (None: done),
+        so that a device that will not do direct I/O says so with nothing written."""
+        if not self.started:
             self.started = True
             try:
                 _write_all(self.fd, view)
@@ -165,9 +167,7 @@ class _DirectWriter:
                 if e.errno == errno.EINVAL:
                     raise _Refused from e
                 raise
-            done: Future[None] = Future()
-            done.set_result(None)
-            return done
+            return None
         self.writes.append(self.io.submit(_write_all, self.fd, view))
         return self.writes[-1]
 

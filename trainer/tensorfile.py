@@ -21,6 +21,7 @@ other containers, stay in the skeleton as before: correct, only not zero-copy.
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 import warnings
@@ -109,6 +110,7 @@ def chunks(tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
     views: list[bytes | memoryview] = []
     offset = 0
     any_aligned = False
+    pads = itertools.count()
 
     def put(name: str, dtype: str, shape: list[int], nbytes: int) -> None:
         nonlocal offset
@@ -117,7 +119,7 @@ def chunks(tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
 
     def pad(nbytes: int) -> None:
         if nbytes:
-            put(f"{PAD}{sum(n.startswith(PAD) for n in index)}", "U8", [nbytes], nbytes)
+            put(f"{PAD}{next(pads)}", "U8", [nbytes], nbytes)
 
     for name, t in tensors.items():
         whole = aligned.padded_view(t)
