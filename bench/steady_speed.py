@@ -395,7 +395,14 @@ loop's rate, and at 98.7, 100.9 and 103.9 % of its CPU an update. Spotrun on DDP
 slower than both (21.7–22.5 updates/s, 79–81 ms of CPU): the hand-written flat all-reduce stays the
 default. So a few per cent more CPU an update on gpt-char ×2 shows in some rounds and not in
 others. The 1-rank rows (rate and CPU level with the plain loop or better) and the profile hold no
-part it could come from. What two ranks share with spotrun and not with the plain loop was
+part it could come from. Split by process (4 more rounds of gpt-char ×2 alone, CPU seconds of each
+process from /proc), it is in the ranks' own processes: 68.9–76.6 ms an update for spotrun's two,
+68.9–77.5 for the plain loop's, spotrun 4.1–7.3 ms above in 3 of the 4 rounds. The loader workers
+were level (2.6–3.2 ms), the driver 0.3–1.3 ms above. It is not more context switches (201–238 an
+update against the plain loop's 215–253, 3 rounds), nor the gradient buffer's copies (gathering,
+dividing and copying back 0.83 M gradients costs 0.43–0.47 ms of a rank's update, in process),
+nor gloo waiting (a rank blocked 1.0 s in an all-reduce for a late peer used 0.005 s of CPU).
+What two ranks share with spotrun and not with the plain loop was
 measured once (digits ×2 on Ray, 1,510 updates, CPU seconds of every process from /proc): the
 ranks and their loader workers took 94.2 %, the driver 2.2 %, Ray's GCS, raylet and agents 1.8 %.
 In the latest run, Ray Train also came out ahead of spotrun on gpt-char, by 2.9 % at one rank and
