@@ -241,6 +241,18 @@ def summary(results: dict) -> list[dict]:
 TARGET = 0.98
 
 
+def by_system_table(title: str, series: dict[str, dict[str, list[float]]]) -> Table:
+    """One row per ``job/world`` key of ``series``: each system's median (min–max) over the repetitions
+    and spotrun's paired ratios to the plain loop and to Ray Train (where it ran)."""
+    t = Table(title, ["job", "ranks", PLAIN, SPOTRUN, RAY_TRAIN, "spotrun / plain", "spotrun / Ray Train"])
+    for key, by in series.items():
+        name, world = key.split("/")
+        peer = RAY_TRAIN in by
+        t.add(name, int(world), spread(by[PLAIN]), spread(by[SPOTRUN]), spread(by[RAY_TRAIN]) if peer else "not run",
+              pct(paired(by[SPOTRUN], by[PLAIN])), pct(paired(by[SPOTRUN], by[RAY_TRAIN])) if peer else "—")
+    return t
+
+
 def profile_table(results: dict) -> Table:
     p = results["profile"]
     t = Table(f"Where one update of tiny goes (1 rank, in process, under cProfile, {results['shape']['profiled']} "
@@ -263,13 +275,8 @@ def profile_table(results: dict) -> Table:
 
 
 def tables(results: dict) -> tuple[Table, list[str]]:
-    t = Table("Updates per second between checkpoints, median (min–max) over the repetitions",
-              ["job", "ranks", PLAIN, SPOTRUN, RAY_TRAIN, "spotrun / plain", "spotrun / Ray Train"])
-    for row in summary(results):
-        r = results["rates"][f"{row['name']}/{row['world_size']}"]
-        t.add(row["name"], row["world_size"], spread(r[PLAIN]), spread(r[SPOTRUN]),
-              spread(r[RAY_TRAIN]) if RAY_TRAIN in r else "not run",
-              pct(row["ratio"]), pct(row["ratio_vs_ray_train"]) if "ratio_vs_ray_train" in row else "—")
+    t = by_system_table("Updates per second between checkpoints, median (min–max) over the repetitions",
+                        results["rates"])
     s = results["shape"]
     measured = {key.split("/")[0] for key in results["rates"]}
     slower = [f"{j.name} {min(j.timed, s['timed'])}" for j in JOBS if j.timed and j.name in measured]
@@ -298,14 +305,8 @@ def tables(results: dict) -> tuple[Table, list[str]]:
 
 
 def cpu_table(results: dict) -> Table:
-    t = Table("CPU time per update, every process of the machine, ms: median (min–max) over the repetitions",
-              ["job", "ranks", PLAIN, SPOTRUN, RAY_TRAIN, "spotrun / plain", "spotrun / Ray Train"])
-    for key, by_system in results.get("cpu_ms", {}).items():
-        name, world = key.split("/")
-        t.add(name, int(world), spread(by_system[PLAIN]), spread(by_system[SPOTRUN]),
-              spread(by_system[RAY_TRAIN]) if RAY_TRAIN in by_system else "not run",
-              pct(paired(by_system[SPOTRUN], by_system[PLAIN])),
-              pct(paired(by_system[SPOTRUN], by_system[RAY_TRAIN])) if RAY_TRAIN in by_system else "—")
+    t = by_system_table("CPU time per update, every process of the machine, ms: median (min–max) over the "
+                        "repetitions", results["cpu_ms"])
     t.notes += [
         "busy time from /proc/stat (user, nice, system, irq, softirq: not idle, I/O wait or steal) between the "
         "two stamps of the timed window, sampled every 20 ms, over the updates in it: the ranks, their loader "
