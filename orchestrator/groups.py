@@ -63,10 +63,11 @@ class WorkerGroup(Protocol):
     def poll(self) -> list[Report]:
         """Reports of every rank since the last poll; raises RankLost or RankFailed."""
 
-    def wait(self, seconds: float) -> None:
+    def wait(self, seconds: float, wake: threading.Event) -> None:
         """Block for up to ``seconds``; return sooner when a rank's run ends (it finished, stopped,
-        raised or died) or a rank has news the supervisor acts on at once (a written bundle, a
-        notice), so that the next poll sees it at once, however long the interval."""
+        raised or died), a rank has news the supervisor acts on at once (a written bundle, a
+        notice) or ``wake`` is set (a notice to the driver), so that the next poll sees it at once,
+        however long the interval."""
 
     def request(self, checkpoint: bool = True, stop: bool = False) -> None: ...
 
@@ -125,7 +126,8 @@ class InProcessGroup:
             raise RankFailed(f"rank 0 raised {type(self._error).__name__}: {self._error}") from self._error
         return [self.runner.poll()]
 
-    def wait(self, seconds: float) -> None:
+    def wait(self, seconds: float, wake: threading.Event) -> None:
+        # ``wake`` is not watched: the interval is a fiftieth of a second
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(seconds)
         else:  # the run ended already: a plain interval, not a busy loop

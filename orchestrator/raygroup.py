@@ -43,6 +43,7 @@ from spotrun.trainer.spec import JobSpec
 COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|c10d|Connection (closed|reset) by peer|[Tt]imed out")
 PEER_PROBE_S = 5.0  # long enough for Ray to report a SIGKILLed peer dead (well under a second here)
 NEWS_WAIT_S = 10.0  # how long a rank's wait_for_news call blocks before it answers no news (and is sent again)
+WAKE_CHECK_S = 0.1  # how often a wait looks at the supervisor's wake event (a driver's notice)
 POLL_TIMEOUT_S = 10.0  # a poll or request answers at once (threaded actor): longer means it hangs
 # Starting a rank (a Python process importing torch, then building the model and the data listing)
 # takes seconds, and many more on a loaded machine; a dead actor is reported at once anyway, so this
@@ -184,12 +185,16 @@ def room_for_more_ranks(spec: JobSpec, extra: int, timeout_s: float = 2.0) -> bo
 
 class RayGroup:
     # A poll is an actor call to every rank, served beside its training thread, and a driver that
-    # polls often takes CPU from the ranks: tiny on 2 ranks here ran at 39.5 updates/s polled every
-    # 0.02 s and 45.6 every 0.2 s (bench 8's run, 3 paired repetitions). wait() still ends at once
-    # when a rank's run ends, a rank wrote a bundle or saw a notice (each rank has a wait_for_news
-    # call in flight); only progress (trace lines, the dashboard's counters) waits for the interval,
-    # and verify's node removals time themselves by the trace: longer intervals let them land later.
-    poll_interval_s = 0.1
+    # polls often takes CPU from the ranks: tiny on 2 ranks ran at 39.5 updates/s polled every
+    # 0.02 s and 45.6 every 0.2 s, gpt-char on 2 ranks at 30.0-30.3 every 0.1 s and 31.0-31.7 every
+    # 1 s (bench 8's runs). wait() still ends at once when a rank's run ends, a rank wrote a bundle or
+    # saw a notice (each rank has a wait_for_news call in flight) or the driver got a notice (the
+    # supervisor's wake event); only progress (the progress line, the dashboard's counters) waits
+    # for the interval.
+    poll_interval_s = 1.0
+    # With a trace, polls come often: the trace's lines are written at each poll, and its readers
+    # (verify's node removals, the kill tests) time their faults by them.
+    traced_poll_interval_s = 0.1
 
     def __init__(self, spec: JobSpec, world_size: int, *, attempt: int, lineage_id: str, recovery_label: str,
                  restore_mode: RestoreMode | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,
@@ -197,6 +202,8 @@ class RayGroup:
                  placement_timeout_s: float = 60.0) -> None:
         t0 = time.perf_counter()
         self.world_size = world_size
+        if trace:
+            self.poll_interval_s = min(self.poll_interval_s, self.traced_poll_interval_s)
         w = spec.world
         bundle = rank_bundle(spec)
         self.pg: PlacementGroup | None = placement_group([bundle] * world_size, strategy=w.placement)
@@ -306,16 +313,20 @@ class RayGroup:
             self.notices += notices
         return reports
 
-    def wait(self, seconds: float) -> None:
+    def wait(self, seconds: float, wake: threading.Event) -> None:
         running = [ref for ref in self._runs if ref not in self._ended]
         if not running:  # every run ended already: a plain interval, not a busy loop
-            time.sleep(seconds)
+            wake.wait(seconds)
             return
         for rank, actor in enumerate(self.actors):  # one call per rank in flight, sent again once it answered
             if rank not in self._news:
                 self._news[rank] = actor.wait_for_news.remote(NEWS_WAIT_S)
         news = {ref: rank for rank, ref in self._news.items()}
-        done, _ = ray.wait([*running, *news], num_returns=1, timeout=seconds)
+        # In slices, to see the wake event: a ray.wait is local to the driver, unlike a poll
+        end = time.monotonic() + seconds
+        done: list[Any] = []
+        while not done and not wake.is_set() and (left := end - time.monotonic()) > 0:
+            done, _ = ray.wait([*running, *news], num_returns=1, timeout=min(left, WAKE_CHECK_S))
         for ref in done:
             if ref in news:
                 del self._news[news[ref]]  # its outcome (news, a timeout, a lost rank) is the next poll's

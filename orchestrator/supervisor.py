@@ -171,6 +171,7 @@ class Supervisor:
         self.restored_from: str | None = None
         self._faults: FaultInjector | None = None
         self.notices: queue.Queue[Notice] = queue.Queue()  # the driver's own watchers and tests feed it
+        self._woken = threading.Event()  # set with each notice: ends the wait between two polls
         self.drain_source = drain_source  # node ids Ray reports as draining
         # Ask an autoscaler for the largest allowed world while placing (a waiting supervisor that
         # asks for nothing would never see a scaled-to-zero spot pool grow); cleared at the end.
@@ -226,6 +227,7 @@ class Supervisor:
     def notify(self, notice: Notice) -> None:
         """Hand the supervisor a notice (its own signal handlers and tests call this)."""
         self.notices.put(notice)
+        self._woken.set()
 
     def _watch_driver_signals(self) -> Callable[[], None]:
         """SIGTERM/SIGINT to the driver become notices; returns a function restoring the old handlers."""
@@ -402,7 +404,7 @@ class Supervisor:
             st.group.teardown()
             return Placing(cause="scale-up", last_update=st.last_update, world_before=st.world_size)
         self._consider_growing(st)
-        st.group.wait(st.group.poll_interval_s)
+        st.group.wait(st.group.poll_interval_s, self._woken)
         return st
 
     def _consider_growing(self, st: Running) -> None:
@@ -433,6 +435,7 @@ class Supervisor:
 
     def _new_notices(self, st: Running) -> list[Notice]:
         out = st.group.take_notices()
+        self._woken.clear()  # before the queue is read: a notice put after this wakes the next wait
         while not self.notices.empty():
             out.append(self.notices.get_nowait())
         if self.drain_source is not None and self.clock() - self._drain_checked >= self.spec.preemption.drain_poll_s:

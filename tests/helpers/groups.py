@@ -34,7 +34,7 @@ class ScriptedGroup:
             raise RankLost(1 - self._salvage[0].rank, "process-exit", "SIGKILL", self.node_ids[0])
         return nxt
 
-    def wait(self, seconds: float) -> None:
+    def wait(self, seconds: float, wake=None) -> None:
         pass  # the script's next poll is ready at once
 
     def salvage(self) -> list[Report]:

@@ -121,3 +121,40 @@ def test_a_rank_s_death_a_written_bundle_and_the_job_s_end_are_seen_without_wait
     assert time.monotonic() - t0 < 60, "the supervisor slept out its poll interval"
     restored = [e for e in Ledger(open_storage(spec.storage), "waits").read() if isinstance(e, Restored)]
     assert len(restored) == 1, "nothing was published before the kill: the restart began again from update 1"
+
+
+def test_a_notice_to_the_driver_ends_the_wait_between_polls(tmp_path, monkeypatch):
+    """A notice handed to the driver (here its SIGTERM) wakes the supervisor's wait: with a poll interval
+    of a minute, the job still checkpoints at the next boundary and stops within seconds. A wait that
+    slept the interval out would see the notice a minute later."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from spotrun.orchestrator.ledger import AttemptStarted, NoticeHandled
+    from spotrun.orchestrator.raygroup import NEWS_WAIT_S, RayGroup
+
+    monkeypatch.setattr(RayGroup, "poll_interval_s", 60.0)
+    spec = make_spec(tmp_path, "world.size=2", "train.updates=1000000", "checkpoint.every_updates=1000000",
+                     "data.workers=0", job_id="wakes")
+    ledger = Ledger(open_storage(spec.storage), "wakes")
+    signalled: list[float] = []
+
+    def stop_once_started() -> None:
+        deadline = time.monotonic() + 120
+        while not any(isinstance(e, AttemptStarted) for e in ledger.read()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling a condition
+        signalled.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)  # the supervisor's handler: a driver notice
+
+    thread = threading.Thread(target=stop_once_started, daemon=True)
+    thread.start()
+    outcome = run_on_ray(spec)
+    thread.join()
+    assert outcome.state == "stopped"
+    # a rank's wait_for_news call answers "no news" every NEWS_WAIT_S (10 s): a wait blind to the
+    # driver's notice ends then (measured: the bundle published 10.2 s after the signal)
+    assert time.monotonic() - signalled[0] < NEWS_WAIT_S / 2, "the driver's notice did not end the wait"
+    handled = [e for e in ledger.read() if isinstance(e, NoticeHandled)]
+    assert [e.source for e in handled] == ["sigterm"]
