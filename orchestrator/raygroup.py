@@ -186,11 +186,11 @@ def room_for_more_ranks(spec: JobSpec, extra: int, timeout_s: float = 2.0) -> bo
 class RayGroup:
     # A poll is an actor call to every rank, served beside its training thread, and a driver that
     # polls often takes CPU from the ranks: tiny on 2 ranks ran at 39.5 updates/s polled every
-    # 0.02 s and 45.6 every 0.2 s, gpt-char on 2 ranks at 30.0-30.3 every 0.1 s and 31.0-31.7 every
-    # 1 s (bench 8's runs). wait() still ends at once when a rank's run ends, a rank wrote a bundle or
-    # saw a notice (each rank has a wait_for_news call in flight) or the driver got a notice (the
-    # supervisor's wake event); only progress (the progress line, the dashboard's counters) waits
-    # for the interval.
+    # 0.02 s and 45.6 every 0.2 s (bench 8's run), gpt-char on 2 ranks at 30.0-30.3 every 0.1 s and
+    # 31.0-31.7 every 1 s (a per-process split, bench/RESULTS.md section 8). wait() still ends at
+    # once when a rank's run ends, a rank wrote a bundle or saw a notice (each rank has a
+    # wait_for_news call in flight) or the driver got a notice (the supervisor's wake event); only
+    # progress (the progress line, the dashboard's counters) waits for the interval.
     poll_interval_s = 1.0
     # With a trace, polls come often: the trace's lines are written at each poll, and its readers
     # (verify's node removals, the kill tests) time their faults by them.
