@@ -9,10 +9,10 @@ from spotrun.trainer.sharding import local
 
 
 class EMA:
-    """``ema <- decay * ema + (1 - decay) * param`` after every applied update.
+    """``ema <- ema + (1 - decay) * (param - ema)`` (a lerp) after every applied update.
 
     Each shadow tensor is placed like its parameter: sharded under FSDP, so the update needs no
-    communication."""
+    communication: it is element-wise, so each rank updates the rows it holds."""
 
     def __init__(self, model: nn.Module, decay: float) -> None:
         self.decay = decay
@@ -20,8 +20,13 @@ class EMA:
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
+        # One fused lerp over every tensor (what torch's own EMA, swa_utils.get_ema_multi_avg_fn,
+        # does): one pass over memory, about half the time of a mul_ then an add_ per tensor.
+        shadows, params = [], []
         for n, p in model.named_parameters():
-            self.shadow[n].mul_(self.decay).add_(p.detach().float(), alpha=1 - self.decay)
+            shadows.append(local(self.shadow[n]))
+            params.append(local(p.detach()).float())  # a copy only for parameters below fp32
+        torch._foreach_lerp_(shadows, params, 1 - self.decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.shadow)
