@@ -23,6 +23,11 @@ What it does, following Ray Train's "Saving and Loading Checkpoints" and
   resumes, skipping the batches of the steps already done in the saved epoch
   (exact here: the sampler's order is a function of (seed, epoch) and the world
   size is unchanged);
+- with ``job_update`` (bench 8, where the rate is what is compared), each update does all that
+  the char LM job's does: the recipe's AdamW groups and warmup-cosine schedule, gradient clipping
+  at ``grad_clip`` and an EMA of the parameters with torch's own ``AveragedModel`` (one fused lerp);
+  without it (bench 4), plain AdamW and nothing more (bench 8 never resumes: a resume restores
+  the model and optimizer only);
 - the controller polls its workers every ``poll_s`` seconds
   (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default).
 
@@ -116,7 +121,20 @@ class Worker:
         model = build_network(ModelSpec(**config["model"]), self.vocab_size, config["seq_len"])
         self.model = ray.train.torch.prepare_model(model)  # DDP only at 2 workers or more
         self.net = getattr(self.model, "module", self.model)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=config["lr"])
+        self.scheduler: Any = None
+        self.ema: Any = None
+        if config.get("job_update"):
+            from torch.optim.lr_scheduler import LambdaLR
+            from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+            from spotrun.recipes.char_lm import adamw, warmup_cosine
+
+            self.opt = adamw(self.net, config["lr"], tuple(config["betas"]), config["weight_decay"])
+            self.scheduler = LambdaLR(self.opt, warmup_cosine(config["lr"], config["min_lr"],
+                                                              config["warmup_updates"], config["updates"]))
+            self.ema = AveragedModel(self.net, multi_avg_fn=get_ema_multi_avg_fn(config["ema_decay"]))
+        else:
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=config["lr"])
         loader = DataLoader(dataset, batch_size=config["micro_batch"], shuffle=True,
                             num_workers=config["workers"], drop_last=True,
                             persistent_workers=config.get("persistent_workers", False) and config["workers"] > 0,
@@ -167,8 +185,14 @@ class Worker:
                 (loss / c["accum_steps"]).backward()
             ids += [f"{self.epoch}/chunk{j}" for j in idx.tolist()]
             losses.append(float(loss))
+        if c.get("job_update"):
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), c["grad_clip"])
         self.opt.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update_parameters(self.net)
         self.step, self.step_in_epoch = self.step + 1, i + 1
         _append(self.log, {"event": "step", "step": self.step, "attempt": self.attempt, "t": time.time(),
                            "ids": ids})

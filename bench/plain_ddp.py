@@ -8,7 +8,9 @@ occurrence bookkeeping.
 
 The job's own pieces come from its entrypoint, as a user would reuse them: the model, optimizer,
 scheduler and step (forward and loss) that spotrun trains, the same micro-batch, accumulation,
-gradient clipping, loader workers and intra-op threads. The records are the job's: a map-style
+gradient clipping, loader workers and intra-op threads, and the EMA of the parameters where the job
+keeps one (``spotrun.Job(ema_decay=...)``), with torch's own: ``swa_utils.AveragedModel`` and
+``get_ema_multi_avg_fn``, one fused lerp over every tensor. The records are the job's: a map-style
 job's dataset with its transform (a generator seeded per index, as spotrun seeds it per
 occurrence), or, for the built-in char LM, the corpus as one token stream cut into sequences
 (bench/peer_loop.py's ``ChunkDataset``: no packer, no masking; both cost little beside a step).
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -87,6 +90,8 @@ def _rank(rank: int, world: int, port: int, config: str, sets: list[str], out: s
     model = DistributedDataParallel(job.model())
     optimizer = job.optimizer(model.module)
     scheduler = job.scheduler(optimizer, spec.train.updates) if job.scheduler is not None else None
+    ema = (AveragedModel(model.module, multi_avg_fn=get_ema_multi_avg_fn(job.ema_decay))
+           if job.ema_decay is not None else None)
     dataset, collate = _dataset(job, spec)
     sampler: DistributedSampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
                                                      seed=spec.seed)
@@ -117,6 +122,8 @@ def _rank(rank: int, world: int, port: int, config: str, sets: list[str], out: s
         if scheduler is not None:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update_parameters(model.module)
         if rank == 0:
             stamps.append(time.perf_counter())
     if rank == 0:

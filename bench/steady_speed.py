@@ -6,13 +6,15 @@ The same job (model, optimizer, step, micro-batch, accumulation, world size, one
 per rank, one intra-op thread per rank) trained three ways, each rank on its own process:
 
 - **plain DDP**: bench/plain_ddp.py, the PyTorch tutorial's loop (``torch.multiprocessing`` +
-  gloo, ``DistributedDataParallel``), nothing else;
+  gloo, ``DistributedDataParallel``) with the job's own update (optimizer, schedule, gradient
+  clipping, and its EMA with torch's ``AveragedModel``), nothing else;
 - **spotrun**: ``spotrun run`` on local Ray with its defaults (SQLite metric sink, every
   bookkeeping duty of an update), no checkpoint inside the timed window
   (``checkpoint.every_updates`` beyond the run: the only bundle is the job's last);
 - **Ray Train**: bench/peer_loop.py on ``TorchTrainer`` (the char LM jobs only: its loop is
   written for them; for the digits example it would need a loop of its own, and the plain loop is
-  the baseline the target is about), checkpointing once, at the end, with async upload.
+  the baseline the target is about), checkpointing once, at the end, with async upload; its update
+  is the job's too (``job_update``: the recipe's optimizer and schedule, clipping, the EMA).
 
 Each run's rate is ``timed / (t[warm-up + timed] - t[warm-up])`` from rank 0's completion time of
 each update (spotrun: the timestamp of its ``loss`` metric point; the others: their own stamps),
@@ -155,7 +157,11 @@ def ray_train_run(job: Job, world: int, shape: Shape, folder: Path) -> Window:
               "micro_batch": spec.train.micro_batch, "accum_steps": spec.accum_steps_for(world),
               "updates": updates, "every": updates + 1, "kill_at": 0, "kill_rank": 0, "lr": spec.train.lr,
               "seed": spec.seed, "model": spec.model.model_dump(), "workers": spec.data.workers, "loader_fix": True,
-              "persistent_workers": True, "world_size": world}
+              "persistent_workers": True, "world_size": world,
+              # the job's whole update, as spotrun and the plain loop do it (bench/peer_loop.py)
+              "job_update": True, "betas": list(spec.train.betas), "weight_decay": spec.train.weight_decay,
+              "min_lr": spec.train.min_lr, "warmup_updates": spec.train.warmup_updates,
+              "grad_clip": spec.train.grad_clip, "ema_decay": spec.train.ema_decay}
     result = fit(config, folder / "ray-train-storage", f"steady-{job.name}-{world}", None)
     if result.error is not None:
         raise RuntimeError(f"Ray Train {job.name} at {world} ranks failed: {result.error}")
