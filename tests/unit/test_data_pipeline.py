@@ -18,7 +18,7 @@ from spotrun.trainer.data.listing import DatasetError, scan, version_of
 from spotrun.trainer.data.loader import PlanDataset, PlanSampler, make_loader
 from spotrun.trainer.data.planner import Planner
 from spotrun.trainer.data.tokenizer import EOS, MASK, CharTokenizer
-from spotrun.trainer.data.transform import occurrence_generator
+from spotrun.trainer.data.transform import occurrence_generator, occurrence_seed
 from spotrun.trainer.storage import LocalStorage
 from tests.conftest import ROOT
 
@@ -116,6 +116,16 @@ def test_transform_is_a_function_of_the_occurrence():
     assert not torch.equal(a, mask(tokens, occurrence_generator(2, 2, 7)))
     assert a[-1] == EOS
     assert 0.2 < (a == MASK).float().mean() < 0.4
+
+
+def test_occurrence_seeds_are_distinct_and_ordered():
+    """No two occurrences of a grid share a seed, and (epoch, record) is not (record, epoch)."""
+    seeds = {occurrence_seed(seed, epoch, record)
+             for seed in (0, 1, 2**40 + 7) for epoch in range(40) for record in range(2000)}
+    assert len(seeds) == 3 * 40 * 2000
+    assert all(0 <= s < 2**63 for s in seeds)  # what torch.Generator.manual_seed takes
+    assert occurrence_seed(1, 2, 7) != occurrence_seed(1, 7, 2)
+    assert occurrence_seed(-1, 0, 0) == occurrence_seed(2**64 - 1, 0, 0)  # a negative seed is its 64-bit word
 
 
 def test_listing_version_tracks_content(tmp_path):

@@ -7,11 +7,16 @@ cannot change what it draws: a random augmentation is exact across restarts by c
 
 from __future__ import annotations
 
-import numpy as np
 import torch
+
+from spotrun.trainer.rng import derive_seed
+
+
+def occurrence_seed(seed: int, epoch: int, record: int) -> int:
+    """The 63-bit seed of the occurrence ``(seed, epoch, record)``."""
+    return derive_seed(0x7A5F, seed, epoch, record)
 
 
 def occurrence_generator(seed: int, epoch: int, record: int) -> torch.Generator:
     """A fresh ``torch.Generator`` seeded from the occurrence ``(seed, epoch, record)``."""
-    words = np.random.SeedSequence([seed % 2**63, epoch, record, 0x7A5F]).generate_state(2, np.uint64)
-    return torch.Generator().manual_seed(int(words[0]) >> 1)
+    return torch.Generator().manual_seed(occurrence_seed(seed, epoch, record))
