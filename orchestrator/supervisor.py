@@ -404,8 +404,18 @@ class Supervisor:
             st.group.teardown()
             return Placing(cause="scale-up", last_update=st.last_update, world_before=st.world_size)
         self._consider_growing(st)
-        st.group.wait(st.group.poll_interval_s, self._woken)
+        st.group.wait(self._until_next_look(st), self._woken)
         return st
+
+    def _until_next_look(self, st: Running) -> float:
+        """How long to wait before the next poll: the group's interval, or less when Ray's drain state
+        is due to be read sooner (``preemption.drain_poll_s``). The drain state is read only after a
+        wait, so an interval longer than the drain poll would otherwise hold a notice back."""
+        seconds = st.group.poll_interval_s
+        if self.drain_source is not None:
+            due = self._drain_checked + self.spec.preemption.drain_poll_s - self.clock()
+            seconds = min(seconds, max(0.0, due))
+        return seconds
 
     def _consider_growing(self, st: Running) -> None:
         """elastic below its largest size: every world.grow_check_s, look for room; when a larger

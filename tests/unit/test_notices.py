@@ -283,3 +283,39 @@ def test_a_rank_lost_while_the_notice_is_passed_on_is_a_loss_not_a_crash(tmp_pat
     assert outcome.state == "finished" and outcome.restarts == 1
     lost = [e for e in Ledger(open_storage(spec.storage), "n").read() if isinstance(e, WorkerLost)]
     assert [(e.rank, e.cause, e.last_update) for e in lost] == [(0, "node-lost", 2)]
+
+
+@pytest.mark.parametrize(("drain_poll_s", "expected_wait", "expected_reads"),
+                         [(0.5, 0.5, [0.0, 0.5, 1.0]), (10.0, 5.0, [0.0, 10.0])])
+def test_the_wait_between_polls_ends_when_ray_drain_state_is_due(tmp_path, drain_poll_s, expected_wait,
+                                                                 expected_reads):
+    """The drain state is read after each wait, so a group polled every 5 s still has it read every
+    ``preemption.drain_poll_s`` (and a longer drain poll leaves the group's interval as it is)."""
+    from spotrun.orchestrator.supervisor import Supervisor
+    from spotrun.trainer.rank import Report
+    from tests.conftest import make_spec
+    from tests.helpers.groups import ScriptedGroup
+
+    now = [0.0]
+    waits: list[float] = []
+    reads: list[float] = []
+
+    class SlowPolls(ScriptedGroup):
+        poll_interval_s = 5.0
+
+        def wait(self, seconds, wake=None):
+            waits.append(seconds)
+            now[0] += seconds
+
+    def draining() -> set[str]:
+        reads.append(now[0])
+        return set()
+
+    spec = make_spec(tmp_path, "train.updates=4", f"preemption.drain_poll_s={drain_poll_s}", job_id="d")
+    group = SlowPolls(1, [[Report(rank=0, last_update=u)] for u in (1, 2, 3)]
+                      + [[Report(rank=0, last_update=4, state="finished")]])
+    sup = Supervisor(spec, lambda *args: group, capacity=lambda: 1, sleep=lambda s: None, clock=lambda: now[0],
+                     drain_source=draining)
+    assert sup.run().state == "finished"
+    assert waits == pytest.approx([expected_wait] * 3)
+    assert reads == pytest.approx(expected_reads)  # when the drain state was read, on the job's clock
