@@ -413,9 +413,12 @@ class Supervisor:
         wait, so an interval longer than the drain poll would otherwise hold a notice back."""
         seconds = st.group.poll_interval_s
         if self.drain_source is not None:
-            due = self._drain_checked + self.spec.preemption.drain_poll_s - self.clock()
-            seconds = min(seconds, max(0.0, due))
+            seconds = min(seconds, max(0.0, self._drain_due_in()))
         return seconds
+
+    def _drain_due_in(self) -> float:
+        """Seconds until Ray's drain state is to be read again (zero or less: now)."""
+        return self._drain_checked + self.spec.preemption.drain_poll_s - self.clock()
 
     def _consider_growing(self, st: Running) -> None:
         """elastic below its largest size: every world.grow_check_s, look for room; when a larger
@@ -448,7 +451,7 @@ class Supervisor:
         self._woken.clear()  # before the queue is read: a notice put after this wakes the next wait
         while not self.notices.empty():
             out.append(self.notices.get_nowait())
-        if self.drain_source is not None and self.clock() - self._drain_checked >= self.spec.preemption.drain_poll_s:
+        if self.drain_source is not None and self._drain_due_in() <= 0:
             self._drain_checked = self.clock()
             for node in self.drain_source() & set(st.group.node_ids):
                 out.append(Notice(source="ray-drain", node_id=node, rank=st.group.node_ids.index(node),
