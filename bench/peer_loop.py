@@ -23,11 +23,11 @@ What it does, following Ray Train's "Saving and Loading Checkpoints" and
   resumes, skipping the batches of the steps already done in the saved epoch
   (exact here: the sampler's order is a function of (seed, epoch) and the world
   size is unchanged);
-- with ``job_update`` (bench 8, where the rate is what is compared), each update does all that
-  the char LM job's does: the recipe's AdamW groups and warmup-cosine schedule, gradient clipping
-  at ``grad_clip`` and an EMA of the parameters with torch's own ``AveragedModel`` (one fused lerp);
-  without it (bench 4), plain AdamW and nothing more (bench 8 never resumes: a resume restores
-  the model and optimizer only);
+- with ``job_update`` (bench 8, where the rate is what is compared: the spec's file and overrides),
+  each update is the job's, built from its spec as bench/plain_ddp.py builds it: the job's
+  optimizer and scheduler, gradient clipping at ``train.grad_clip`` and the job's EMA with torch's
+  own ``AveragedModel``; without it (bench 4), plain AdamW and nothing more (bench 8 never resumes:
+  a resume restores the model and optimizer only);
 - the controller polls its workers every ``poll_s`` seconds
   (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default).
 
@@ -123,16 +123,18 @@ class Worker:
         self.net = getattr(self.model, "module", self.model)
         self.scheduler: Any = None
         self.ema: Any = None
+        self.grad_clip = 0.0
         if config.get("job_update"):
-            from torch.optim.lr_scheduler import LambdaLR
-            from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+            from bench.plain_ddp import ema_of
+            from spotrun.orchestrator.specfile import load_spec
+            from spotrun.trainer.job import build_job
 
-            from spotrun.recipes.char_lm import adamw, warmup_cosine
-
-            self.opt = adamw(self.net, config["lr"], tuple(config["betas"]), config["weight_decay"])
-            self.scheduler = LambdaLR(self.opt, warmup_cosine(config["lr"], config["min_lr"],
-                                                              config["warmup_updates"], config["updates"]))
-            self.ema = AveragedModel(self.net, multi_avg_fn=get_ema_multi_avg_fn(config["ema_decay"]))
+            spec = load_spec(config["job_update"]["config"], config["job_update"]["sets"], "peer")
+            job = build_job(spec, rank=self.rank, world_size=self.world, device="cpu")
+            self.opt = job.optimizer(self.net)
+            self.scheduler = job.scheduler(self.opt, spec.train.updates) if job.scheduler is not None else None
+            self.ema = ema_of(job, self.net)
+            self.grad_clip = spec.train.grad_clip
         else:
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=config["lr"])
         loader = DataLoader(dataset, batch_size=config["micro_batch"], shuffle=True,
@@ -185,8 +187,8 @@ class Worker:
                 (loss / c["accum_steps"]).backward()
             ids += [f"{self.epoch}/chunk{j}" for j in idx.tolist()]
             losses.append(float(loss))
-        if c.get("job_update"):
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), c["grad_clip"])
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.opt.step()
         if self.scheduler is not None:
             self.scheduler.step()

@@ -69,6 +69,14 @@ class Transformed(Dataset):
         return self.data.transform(sample, torch.Generator().manual_seed(self.seed * 1_000_003 + i))
 
 
+def ema_of(job: Any, module: torch.nn.Module) -> AveragedModel | None:
+    """The job's EMA of ``module`` kept with torch's own tools (one fused lerp), or None when the job
+    keeps none; ``update_parameters(module)`` after each optimizer step updates it."""
+    if job.ema_decay is None:
+        return None
+    return AveragedModel(module, multi_avg_fn=get_ema_multi_avg_fn(job.ema_decay))
+
+
 def _dataset(job: Any, spec: Any) -> tuple[Dataset, Any]:
     from spotrun.trainer.data.kinds import MapData
 
@@ -90,8 +98,7 @@ def _rank(rank: int, world: int, port: int, config: str, sets: list[str], out: s
     model = DistributedDataParallel(job.model())
     optimizer = job.optimizer(model.module)
     scheduler = job.scheduler(optimizer, spec.train.updates) if job.scheduler is not None else None
-    ema = (AveragedModel(model.module, multi_avg_fn=get_ema_multi_avg_fn(job.ema_decay))
-           if job.ema_decay is not None else None)
+    ema = ema_of(job, model.module)
     dataset, collate = _dataset(job, spec)
     sampler: DistributedSampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
                                                      seed=spec.seed)

@@ -150,7 +150,8 @@ def ray_train_run(job: Job, world: int, shape: Shape, folder: Path) -> Window:
     from spotrun.orchestrator.specfile import load_spec
 
     updates = shape.warmup + shape.timed
-    spec = load_spec(ROOT / job.config, spec_sets(job, world, updates, folder), "peer")
+    sets = spec_sets(job, world, updates, folder)
+    spec = load_spec(ROOT / job.config, sets, "peer")
     out = folder / "ray-train"
     out.mkdir(parents=True)
     config = {"out": str(out), "shards": spec.data.shards, "vocab": spec.data.vocab, "seq_len": spec.data.seq_len,
@@ -158,10 +159,8 @@ def ray_train_run(job: Job, world: int, shape: Shape, folder: Path) -> Window:
               "updates": updates, "every": updates + 1, "kill_at": 0, "kill_rank": 0, "lr": spec.train.lr,
               "seed": spec.seed, "model": spec.model.model_dump(), "workers": spec.data.workers, "loader_fix": True,
               "persistent_workers": True, "world_size": world,
-              # the job's whole update, as spotrun and the plain loop do it (bench/peer_loop.py)
-              "job_update": True, "betas": list(spec.train.betas), "weight_decay": spec.train.weight_decay,
-              "min_lr": spec.train.min_lr, "warmup_updates": spec.train.warmup_updates,
-              "grad_clip": spec.train.grad_clip, "ema_decay": spec.train.ema_decay}
+              # the job's whole update, built from its spec as the plain loop builds it (bench/peer_loop.py)
+              "job_update": {"config": str(ROOT / job.config), "sets": sets}}
     result = fit(config, folder / "ray-train-storage", f"steady-{job.name}-{world}", None)
     if result.error is not None:
         raise RuntimeError(f"Ray Train {job.name} at {world} ranks failed: {result.error}")
