@@ -6,6 +6,14 @@ summed in one flat buffer and averaged, and rank 0's persistent buffers are
 broadcast after every update (as DDP does), so every replica stays identical
 and rank 0's copy is the whole model state. A sharded model (FSDP) has had its
 gradients reduce-scattered in backward: only the riders and the buffers travel.
+
+Unused parameters. Every rank contributes a slot for every trainable parameter, in the
+model's order, whether or not its step used that parameter (a branch only some batches
+take, an expert a router skipped, a head the loss never reads), and a *used mask* travels
+with the riders: a parameter some rank used gets the sum of the ranks' gradients (a rank
+that did not use it adds zeros), one that no rank used keeps no gradient, so the optimizer
+skips it exactly as a single process would. Ranks therefore always reduce buffers of the
+same length, and the riders read from its tail are at the same offset on every rank.
 """
 
 from __future__ import annotations
@@ -17,18 +25,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from spotrun.trainer.sharding import drop_unused
+
 
 class Collective(Protocol):
     rank: int
     world_size: int
 
-    def sync_gradients(self, model: nn.Module, riders: list[float]) -> list[float]:
+    def sync_gradients(self, model: nn.Module, riders: list[float], used: list[bool] | None = None) -> list[float]:
         """Average the gradients over the ranks; in the same collective, sum ``riders`` (the
-        update's loss, metrics and boundary flags) and return their sums."""
+        update's loss, metrics and boundary flags) and return their sums. A trainable parameter
+        without a gradient on this rank adds zeros; it gets the average when another rank used it
+        and stays without a gradient when none did (``used`` is ignored: a gradient says it)."""
 
-    def sync_sharded(self, model: nn.Module, riders: list[float]) -> list[float]:
+    def sync_sharded(self, model: nn.Module, riders: list[float], used: list[bool] | None = None) -> list[float]:
         """FSDP reduced the gradients during backward: sum ``riders`` over the ranks, and broadcast
-        rank 0's buffers as :meth:`sync_gradients` does, in one rendezvous of the ranks."""
+        rank 0's buffers as :meth:`sync_gradients` does, in one rendezvous of the ranks. ``used``
+        says which trainable parameters (in the model's order) this rank's backward passes reached:
+        a parameter no rank reached is left without a gradient (see :class:`~spotrun.trainer.sharding.GradUse`)."""
 
     def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
         """The element-wise mean of ``values`` over the ranks and the element-wise OR of every rank's
@@ -44,10 +58,10 @@ class LocalCollective:
     rank = 0
     world_size = 1
 
-    def sync_gradients(self, model: nn.Module, riders: list[float]) -> list[float]:
+    def sync_gradients(self, model: nn.Module, riders: list[float], used: list[bool] | None = None) -> list[float]:
         return list(riders)
 
-    def sync_sharded(self, model: nn.Module, riders: list[float]) -> list[float]:
+    def sync_sharded(self, model: nn.Module, riders: list[float], used: list[bool] | None = None) -> list[float]:
         return list(riders)
 
     def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
@@ -69,33 +83,43 @@ class TorchCollective:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
 
-    def sync_gradients(self, model: nn.Module, riders: list[float]) -> list[float]:
+    def sync_gradients(self, model: nn.Module, riders: list[float], used: list[bool] | None = None) -> list[float]:
         # The riders travel at the end of the gradients' flat buffer: one synchronisation point per
         # update, as DDP's all-reduce is, instead of a second collective of their own. Gradients
         # below float32 would round them, so those get a float64 collective of their own.
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        dtype = grads[0].dtype if grads else torch.float64
+        params = trainable(model)
+        grads = [p.grad for p in params]
+        dtype = next((g.dtype for g in grads if g is not None), params[0].dtype if params else torch.float64)
         ride = dtype in (torch.float32, torch.float64)
-        extra = torch.tensor(riders, dtype=dtype if ride else torch.float64, device=self.device)
-        flat = torch.cat([*(g.reshape(-1) for g in grads), *([extra] if ride else [])])
+        extra = torch.tensor([*riders, *used_mask(grads)], dtype=dtype if ride else torch.float64,
+                             device=self.device)
+        flat = torch.cat([*(g.reshape(-1) if g is not None else torch.zeros(p.numel(), dtype=dtype, device=self.device)
+                            for p, g in zip(params, grads, strict=True)), *([extra] if ride else [])])
         dist.all_reduce(flat)
         if not ride:
             dist.all_reduce(extra)
-        sums = (flat[flat.numel() - len(riders):] if ride else extra).tolist()
+        tail = (flat[flat.numel() - extra.numel():] if ride else extra).tolist()
+        sums, used = tail[:len(riders)], tail[len(riders):]
         flat /= self.world_size
         offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset:offset + n].view_as(g))
+        for p, g, users in zip(params, grads, used, strict=True):
+            n = p.numel()
+            if g is not None:
+                g.copy_(flat[offset:offset + n].view_as(g))
+            elif users > 0:  # another rank used it: this rank's zeros are in the sum
+                p.grad = flat[offset:offset + n].view_as(p).to(p.dtype, copy=True)
             offset += n
         _broadcast_buffers(model)
         return sums
 
-    def sync_sharded(self, model: nn.Module, riders: list[float]) -> list[float]:
-        t = torch.tensor(riders, dtype=torch.float64, device=self.device)
+    def sync_sharded(self, model: nn.Module, riders: list[float], used: list[bool] | None = None) -> list[float]:
+        used = used if used is not None else [p.grad is not None for p in trainable(model)]
+        t = torch.tensor([*riders, *(float(u) for u in used)], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         _broadcast_buffers(model)
-        return t.tolist()
+        sums = t.tolist()
+        drop_unused(model, [int(n) for n in sums[len(riders):]])
+        return sums[:len(riders)]
 
     def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
         # One float64 sum: a flag is raised on some rank iff its sum of 0s and 1s is positive (exact
@@ -116,6 +140,16 @@ class TorchCollective:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that take gradients, in the model's order: the slots of the gradient sync."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def used_mask(grads: list[torch.Tensor | None]) -> list[float]:
+    """1.0 for each gradient this rank's backward passes produced, 0.0 for each it did not."""
+    return [0.0 if g is None else 1.0 for g in grads]
 
 
 def _broadcast_buffers(model: nn.Module) -> None:

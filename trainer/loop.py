@@ -35,8 +35,9 @@ from spotrun.trainer.trace import (
 )
 
 # Syncs the gradients and sums ``riders`` (the update's loss, metrics and boundary flags) over the
-# ranks in the same collective; returns the riders' sums.
-GradSync = Callable[[torch.nn.Module, list[float]], list[float]]
+# ranks in the same collective; returns the riders' sums. The third argument says which trainable
+# parameters this rank's backward passes reached (FSDP's, from GradUse; None: those with a gradient).
+GradSync = Callable[[torch.nn.Module, list[float], list[bool] | None], list[float]]
 # The rank's boundary flags for an update (checkpoint here, stop after it, abort), read at the sync.
 BoundaryFlags = Callable[[int], list[bool]]
 
@@ -88,6 +89,19 @@ def forward(st: TrainState, batch: Any) -> tuple[torch.Tensor, dict[str, float]]
     """One microstep's forward pass: the job's step on the batch, on the device, under autocast."""
     with autocast(st.spec.train.precision, st.device):
         return split_step(st.job.step(st.trained, to_device(batch, st.device)))
+
+
+def _check_all_reached(ddp: DistributedDataParallel, update: int) -> None:
+    """DDP without ``find_unused_parameters`` waits for a gradient of every parameter: one the step did
+    not reach leaves its bucket unreduced, so ranks hang or sum mismatched buckets. Refuse it here, before
+    the next collective, naming the parameters and the fix."""
+    missing = [n for n, p in ddp.module.named_parameters() if p.requires_grad and p.grad is None]
+    if missing:
+        raise JobError(
+            f"update {update}: parameters {missing[:8]}{' ...' if len(missing) > 8 else ''} got no gradient on "
+            "this rank, and train.grad_sync=ddp waits for every parameter's. Set "
+            "train.find_unused_parameters=true (DDP then finds them at every backward, at some cost), or use "
+            "train.grad_sync=allreduce (the default), which sums any parameter a rank did not use exactly.")
 
 
 class TrainLoop:
@@ -166,6 +180,8 @@ class TrainLoop:
                 sums[k] = sums.get(k, 0.0) + v
         if plan is None or first is None:
             raise ValueError(f"an update needs at least one microstep (accum_steps={self.accum_steps})")
+        if isinstance(st.trained, DistributedDataParallel) and not st.spec.train.find_unused_parameters:
+            _check_all_reached(st.trained, update)
         self.faults.hit("before_update", update)
         lr = st.optimizer.param_groups[0]["lr"]
         mean_loss = float(torch.stack(losses).float().mean())
@@ -223,7 +239,8 @@ class TrainLoop:
         sums = None
         if self.grad_sync is not None:
             raised = flags(st.counters.value.attempted_updates + 1) if flags is not None else []  # read late
-            sums = self.grad_sync(st.model, [*riders, *(float(f) for f in raised)])
+            used = st.grad_use.take() if st.grad_use is not None else None
+            sums = self.grad_sync(st.model, [*riders, *(float(f) for f in raised)], used)
         _wait_for_copies(st.pending_copy)  # the step overwrites what the capture copies
         st.pending_copy = None
         st.scaler.unscale_(st.optimizer)

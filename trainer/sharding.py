@@ -202,3 +202,64 @@ def _join(spans: Iterable[tuple[int, int, list[int], torch.Tensor]], start: int,
     if not parts:  # a rank that holds no rows of a short tensor
         return spans[0][3][:0]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# -- parameters a rank's backward did not reach -------------------------------------------------
+
+
+def _fsdp_params(model: nn.Module) -> Iterable[tuple[nn.Module, str, Any]]:
+    """(unit, parameter name, FSDP2's record of it) for every parameter of every unit of ``model``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:  # type: ignore[attr-defined]
+                for fsdp_param in group.fsdp_params:
+                    yield module, name_of[id(fsdp_param.sharded_param)], fsdp_param
+
+
+class GradUse:
+    """Which trainable parameters of an FSDP2 model this rank's backward passes reached in an update.
+
+    FSDP2 is told to reduce-scatter zeros for a parameter without a gradient
+    (``set_reduce_scatter_unused_params``), so that a unit's reduce-scatter has the same length on
+    every rank; whether a parameter was reached is seen on its unsharded copy (a hook on its
+    gradient's accumulation) and travels with the update's riders: a parameter no rank reached gets
+    its gradient taken off again (:func:`drop_unused`), as a single process would have none.
+
+    What FSDP2 itself cannot do: a *unit* whose forward runs on some ranks and not on others.
+    Its parameters are all-gathered when its forward starts, a collective the other ranks never
+    join, so a submodule a step may skip must sit inside a unit every rank runs (the root unit:
+    ``spotrun.Job(shard=...)`` does not call ``fully_shard`` on it)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        assert isinstance(model, FSDPModule)
+        model.set_reduce_scatter_unused_params(True)  # recursive: every unit
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.reached: set[str] = set()
+        # The unsharded copies exist from a unit's first all-gather on: gather each unit once, one at a
+        # time (never the whole model at once), and free it again. Names are read while sharded.
+        records = [(unit, name, fp) for unit, name, fp in _fsdp_params(model) if name in self.names]
+        for unit in dict.fromkeys(u for u, _, _ in records):
+            unit.unshard()  # type: ignore[operator]
+            for name, fp in ((n, f) for u, n, f in records if u is unit):
+                fp.unsharded_param.register_post_accumulate_grad_hook(lambda _, name=name: self.reached.add(name))
+            unit.reshard()  # type: ignore[operator]
+
+    def take(self) -> list[bool]:
+        """The update's mask in the model's order, and a fresh start for the next update."""
+        mask = [n in self.reached for n in self.names]
+        self.reached = set()
+        return mask
+
+
+def drop_unused(model: nn.Module, users: list[int]) -> None:
+    """After FSDP's reduce-scatter, given how many ranks reached each trainable parameter (in the
+    model's order): take the gradient off each parameter no rank reached (FSDP reduced zeros for it)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p, n in zip(params, users, strict=True):
+        if n == 0:
+            p.grad = None

@@ -117,6 +117,9 @@ class TrainSpec(_Strict):
     # the model in torch's DistributedDataParallel (bucketed, overlapped with backward, no_sync on the
     # earlier microsteps; the step must call the model it is given, not its submodules). See README.
     grad_sync: Literal["allreduce", "ddp"] = "allreduce"
+    # grad_sync=ddp only: let DDP find the parameters a backward did not reach (a branch some batches
+    # skip) by walking the autograd graph at every backward. Without it such a parameter is refused.
+    find_unused_parameters: bool = False
     # "ddp": every rank holds the whole model, optimizer and EMA (replicas; rank 0 writes them).
     # "fsdp": FSDP2 shards parameters, gradients, optimizer state and EMA over the ranks on dim 0
     # (fully_shard per unit, see spotrun.Job(shard=...)), and every rank writes its own shard.
@@ -129,6 +132,9 @@ class TrainSpec(_Strict):
     def _check(self) -> TrainSpec:
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} exceeds train.lr={self.lr}")
+        if self.find_unused_parameters and self.grad_sync != "ddp":
+            raise ValueError("train.find_unused_parameters applies to train.grad_sync=ddp only (allreduce and fsdp "
+                             "handle parameters a backward did not reach by themselves): drop it")
         if self.parallelism == "fsdp" and self.grad_sync == "ddp":
             raise ValueError("train.parallelism=fsdp reduces the gradients itself (reduce-scatter in backward); "
                              "train.grad_sync=ddp applies to replicated models only: drop train.grad_sync")
@@ -286,7 +292,7 @@ class JobSpec(_Strict):
                 mode="json", include={"seq_len", "mask_prob", "shuffle_buffer", "vocab", "order"}
             ),
             "train": self.train.model_dump(
-                mode="json", exclude={"updates", "threads"}
+                mode="json", exclude={"updates", "threads", "find_unused_parameters"}  # neither shapes an update
             ),
             "global_sequences": self.global_sequences,
         }

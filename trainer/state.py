@@ -46,7 +46,17 @@ from spotrun.trainer.ema import EMA
 from spotrun.trainer.job import Job, JobError, check_weights_only
 from spotrun.trainer.optim import build_scaler, group_names, load_named_state, named_state
 from spotrun.trainer.rng import RngState, seed_all
-from spotrun.trainer.sharding import LAYOUT, Pieces, apply_fsdp, held_rows, is_sharded, layout_entry, like, local
+from spotrun.trainer.sharding import (
+    LAYOUT,
+    GradUse,
+    Pieces,
+    apply_fsdp,
+    held_rows,
+    is_sharded,
+    layout_entry,
+    like,
+    local,
+)
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.stateful import check_version
 
@@ -193,13 +203,16 @@ class TrainState:
         self.sharded = spec.train.parallelism == "fsdp"
         self.wrapped = (self.sharded and world_size > 1 and dist.is_initialized()
                         and dist.get_world_size() == world_size)  # the model holds only its rows
+        self.grad_use: GradUse | None = None  # FSDP: which parameters this rank's backward reached
         if self.wrapped:
             apply_fsdp(self.model, job.shard, world_size, device)
+            self.grad_use = GradUse(self.model)
         # The module the step is given: the model, or (train.grad_sync=ddp, several ranks) torch's DDP
         # around it, whose hooks average the gradients during backward. State is always the model's.
         self.trained: nn.Module = self.model
         if spec.train.grad_sync == "ddp" and world_size > 1 and not self.sharded:
-            self.trained = DistributedDataParallel(self.model, device_ids=None if device == "cpu" else [device])
+            self.trained = DistributedDataParallel(self.model, device_ids=None if device == "cpu" else [device],
+                                                   find_unused_parameters=spec.train.find_unused_parameters)
         seed_all(rank_seed(spec.seed, rank))
         self.ema = EMA(self.model, job.ema_decay) if job.ema_decay is not None else None
         self.optimizer = job.optimizer(self.model)

@@ -178,3 +178,68 @@ def state_turns_unsaveable(ctx: spotrun.BuildContext) -> spotrun.Job:
 
     return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.StreamData(NoiseStream(ctx.seed)), step=step,
                        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01), state={"late": calls})
+
+
+# -- parameters a step does not always reach (mixture-of-experts, optional heads, unused layers) ------
+
+
+class Routed:
+    """48 regression samples; every 5th is routed to the second expert (route 1), the rest to none."""
+
+    def __init__(self, seed: int, n: int = 48, width: int = 8) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, width, generator=g)
+        self.y = (self.x * torch.linspace(-1, 1, width)).sum(1, keepdim=True)
+        self.route = torch.tensor([float(i % 5 == 0) for i in range(n)])
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i], self.route[i]
+
+
+class Branchy(nn.Module):
+    """A frozen input projection, a trunk, an expert every batch uses, one only routed samples reach
+    (a micro-batch without one skips it), and a layer no step ever calls (a third-party model's unused
+    pooler, say)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(width, width)
+        self.frozen.requires_grad_(False)
+        self.trunk = nn.Linear(width, 16)
+        self.expert = nn.Linear(16, 1)
+        self.rare = nn.Linear(16, 1)
+        self.unused = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.trunk(self.frozen(x)))
+        out = self.expert(h)
+        if bool(route.any()):  # data-dependent control flow: the branch only some micro-batches take
+            out = out + self.rare(h) * route[:, None]
+        return out
+
+
+def branching(ctx: spotrun.BuildContext) -> spotrun.Job:
+    """A regression whose ``rare`` expert only some micro-batches (so some ranks) reach, with AdamW (whose
+    weight decay and step count show whether a parameter without a gradient was skipped)."""
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y, route = batch
+        return nn.functional.mse_loss(model(x, route), y)
+
+    def shard(model: nn.Module, mesh: Any) -> None:  # FSDP: the branch in a unit of its own (config)
+        from torch.distributed.fsdp import fully_shard
+
+        for name in ctx.config.get("units", []):
+            fully_shard(getattr(model, name), mesh=mesh)
+
+    return spotrun.Job(
+        model=Branchy,
+        data=spotrun.MapData(Routed(ctx.seed)),
+        step=step,
+        optimizer=lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.01,
+                                              weight_decay=0.1),
+        shard=shard,
+    )
