@@ -69,7 +69,7 @@ def in_process_supervisor(spec: JobSpec, *, trace_path: str | None = None, recor
                               restore_mode=mode, drop=drop, record_ids=record_ids, trace=trace_path is not None)
 
     return Supervisor(spec, make_group, capacity=lambda: 1, trace_path=trace_path, record_ids=record_ids,
-                      init_from=init_from, reset=reset, progress=progress)
+                      init_from=init_from, reset=reset, progress=progress, oracle_acts=not drop)
 
 
 def embedded_cpus(spec: JobSpec) -> int:
@@ -142,5 +142,6 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | N
 
     sup = Supervisor(spec, make_group, capacity=capacity, trace_path=trace_path, record_ids=record_ids,
                      init_from=init_from, reset=reset, drain_source=drain_source, request_capacity=request_capacity,
-                     room_for=lambda extra: room_for_more_ranks(spec, extra), progress=progress)
+                     room_for=lambda extra: room_for_more_ranks(spec, extra), progress=progress,
+                     oracle_acts=not drop)
     return sup.run()

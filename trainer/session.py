@@ -122,17 +122,38 @@ class TrainSession:
 
     def roundtrip(self, bundle: LoadedBundle) -> list[str]:
         """The restore oracle: capture right after :meth:`restore` and name every state category
-        that differs from the bundle (empty for a faithful restore). Same world size only: at
-        another size the ranks' random streams are new by design."""
-        if bundle.manifest.world.size != self.world_size:
-            return []
+        that differs from the bundle (empty for a faithful restore).
+
+        At the bundle's world size every file this rank writes is compared, and one the bundle holds
+        that the capture lacks is named too (``missing:<file>``). At another world size (elastic) the
+        state that is the same at any size is compared: the replicated model, EMA and optimizer,
+        counters, scaler, data planner and modes; each rank's random streams and registered state
+        where the bundle has that rank's; not a sharded model's rows (they are laid out anew)."""
         capture = self.state.capture()
         capture.wait()
-        restored = {**capture.torch_files, **capture.json_files}
-        found = roundtrip_mismatches(bundle.payloads, restored)
+        restored: dict[str, Any] = {**capture.torch_files, **capture.json_files}
+        saved = dict(bundle.payloads)
+        if bundle.manifest.world.size != self.world_size and bundle.manifest.world.parallelism == "fsdp":
+            for files in (saved, restored):
+                for path in [p for p in files if p.endswith(("/model.pt", "/optimizer.pt"))]:
+                    del files[path]
+        state = saved.get("rank-0/state.json")
+        if state is not None and "train_modes" not in state:  # older bundles kept the root's flag alone
+            restored["rank-0/state.json"] = {k: v for k, v in restored["rank-0/state.json"].items()
+                                             if k != "train_modes"} | {"train_mode": self.state.model.training}
+        found = roundtrip_mismatches(saved, restored)
+        if bundle.manifest.world.size == self.world_size:
+            found += [f"missing:{path}" for path in sorted(set(saved) - set(restored)) if self._writes(path)]
         if self.state.planner.restore_mode in ("bounded-repetition", "fresh-epoch"):
             found = [c for c in found if c not in DATA_CATEGORIES]  # the data side moves on purpose
         return found
+
+    def _writes(self, path: str) -> bool:
+        """Whether this rank's capture writes bundle file ``path`` (its own files; rank 0's shared ones)."""
+        rank_dir, _, name = path.partition("/")
+        if rank_dir == f"rank-{self.rank}":
+            return self.rank == 0 or self.state.sharded or not name.startswith(("model.", "optimizer."))
+        return False
 
     def known_shards(self) -> list[ShardInfo]:
         """The shards listed when the last consumed update was planned: what a bundle records (the

@@ -281,7 +281,8 @@ class TrainState:
                 "counters": self.counters.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "planner": planner,
-                "train_mode": self.model.training,
+                # every submodule's own flag: a frozen backbone kept in eval() stays there after a restore
+                "train_modes": {name: m.training for name, m in self.model.named_modules()},
             })
         self.pending_copy = self.host.done()
         return Capture(self.counters.value.attempted_updates, self.rank, files, json_files, ready=self.pending_copy)
@@ -332,7 +333,7 @@ class TrainState:
             planner["stream"] = _clone(payloads["rank-0/stream.pt"]["stream"])
         self.planner.load_state_dict(planner)
         self.planner_state = self.planner.state_dict()
-        self.model.train(state["train_mode"])
+        restore_modes(self.model, state)
         user = payloads.get(f"rank-{self.rank}/user.pt")
         if user is not None:  # absent for a rank beyond the bundle's world (elastic): keeps its built state
             check_version(f"rank-{self.rank}/user.pt", user, STATE_VERSION)
@@ -411,6 +412,23 @@ class TrainState:
         if isinstance(obj, list):
             return [self._held(f"{key}/{i}" if key else str(i), v, layout) for i, v in enumerate(obj)]
         return obj
+
+
+def restore_modes(model: nn.Module, state: dict[str, Any]) -> None:
+    """Set every submodule's ``training`` flag as the bundle's ``state.json`` holds it, by module path
+    (never ``model.train(mode)``, which would set every submodule alike). A bundle written before
+    the flags were kept per submodule holds the root's alone, which is then applied to every one."""
+    modes = state.get("train_modes")
+    if modes is None:
+        model.train(state["train_mode"])
+        return
+    own = dict(model.named_modules())
+    if set(own) != set(modes):
+        raise JobError(f"the bundle's submodules {sorted(set(modes) ^ set(own))[:8]} differ from this model's "
+                       "(the parameter names matched, so a module without parameters was added or removed); "
+                       "a model built differently starts a new lineage (--init-from)")
+    for name, module in own.items():
+        module.training = bool(modes[name])
 
 
 def _clone(obj: Any) -> Any:

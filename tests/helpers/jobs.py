@@ -243,3 +243,60 @@ def branching(ctx: spotrun.BuildContext) -> spotrun.Job:
                                               weight_decay=0.1),
         shard=shard,
     )
+
+
+# -- fine-tuning with a frozen backbone kept in eval() (batch norm statistics kept, dropout off) ------
+
+
+class Backbone(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(torch.relu(self.norm(self.proj(x))))
+
+
+class FineTune(nn.Module):
+    """A frozen backbone in eval mode (its batch-norm statistics must not move, its dropout must stay
+    off) under a head that trains, with dropout of its own (on: the root is in train mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = Backbone()
+        self.backbone.requires_grad_(False)
+        self.backbone.eval()
+        self.head = nn.Sequential(nn.Dropout(0.2), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+def frozen_backbone(ctx: spotrun.BuildContext) -> spotrun.Job:
+    return spotrun.Job(
+        model=FineTune,
+        data=spotrun.MapData(Points(ctx.seed)),
+        step=regression,
+        optimizer=lambda m: torch.optim.AdamW(m.head.parameters(), lr=0.01),
+    )
+
+
+class Forgetful(Calls):
+    """A registered counter whose load_state_dict puts back half of what was saved: a restore the
+    restore oracle sees differ from its bundle."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.n = int(state["n"]) // 2
+
+
+def forgetful_state(ctx: spotrun.BuildContext) -> spotrun.Job:
+    calls = Forgetful()
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        calls.n += 1
+        return regression(model, batch)
+
+    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.MapData(Points(ctx.seed)), step=step,
+                       optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01), state={"calls": calls})
