@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 EXAMPLES = {"digits": "examples/digits/digits.yaml", "bpe_lm": "examples/bpe_lm/bpe_lm.yaml",
-            "center_loss": "examples/center_loss/center_loss.yaml"}
+            "center_loss": "examples/center_loss/center_loss.yaml", "hf_gpt2": "examples/hf_gpt2/hf_gpt2.yaml"}
 SHORT = ("train.updates=24", "checkpoint.every_updates=3")
 
 
