@@ -36,7 +36,9 @@ is counted in :attr:`S3Storage.retries` (and by reason in
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import logging
 import re
 import threading
@@ -168,6 +170,26 @@ def _plain(key: str) -> bool:
     return True
 
 
+class _Slices:
+    """Byte ranges of the concatenation of ``chunks``, gathered when asked for (nothing joined whole)."""
+
+    def __init__(self, chunks: Sequence[bytes | memoryview]) -> None:
+        self.chunks = [memoryview(c).cast("B") for c in chunks]
+        self.starts = list(itertools.accumulate((len(c) for c in self.chunks), initial=0))
+        self.size = self.starts[-1]
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset + length)``: one copy of that range (a request body must be bytes)."""
+        i = bisect.bisect_right(self.starts, offset) - 1
+        pieces = []
+        while length > 0 and i < len(self.chunks):
+            lo = offset - self.starts[i]
+            piece = self.chunks[i][lo:lo + length]  # a view: the one copy is the join below
+            pieces.append(piece)
+            offset, length, i = offset + len(piece), length - len(piece), i + 1
+        return b"".join(pieces)
+
+
 def multipart_etag(parts: Iterable[dict[str, Any]]) -> str:
     """S3's ETag of a completed multipart upload: md5 of the parts' binary md5s, dash, part count."""
     parts = list(parts)
@@ -295,32 +317,39 @@ class S3Storage:
     # -- the protocol -------------------------------------------------------------------------
 
     def put(self, key: str, data: bytes) -> None:
-        k = self._key(key)
-        try:
-            if len(data) >= self.transfer.multipart_threshold:
-                self._multipart(k, data, create_only=False)
-            else:
-                self._run(lambda: self._client.put_object(Bucket=self.bucket, Key=k, Body=data))
-        except (ClientError, BotoCoreError, *TRANSIENT_EXCEPTIONS) as e:
-            raise self._fail("write", key, e) from e
+        self._put(key, len(data), _Slices([data]))
 
     def put_chunks(self, key: str, chunks: Sequence[bytes | memoryview], algorithm: str = DEFAULT) -> str:
-        """:meth:`put` of the chunks joined (a request body, or each multipart part, is a slice of one
-        buffer), its digest under ``algorithm`` computed on threads while it is sent."""
-        data = b"".join(chunks)
+        """:meth:`put` of the chunks' concatenation, never joined whole: a body below the multipart
+        threshold is one request's buffer, a larger one goes in parts, each gathered from the chunks
+        it spans when it is sent (at most ``max_concurrency`` parts held at once). Its digest under
+        ``algorithm`` is computed on threads while it is sent."""
         digest = FileDigest(algorithm)
         try:
-            digest.update(data)
-            self.put(key, data)
+            for c in chunks:
+                digest.update(c)
+            body = _Slices(chunks)
+            self._put(key, body.size, body)
             return digest.hexdigest()
         finally:
             digest.close()
+
+    def _put(self, key: str, size: int, body: _Slices) -> None:
+        k = self._key(key)
+        try:
+            if size >= self.transfer.multipart_threshold:
+                self._multipart(k, size, body.read, create_only=False)
+            else:
+                data = body.read(0, size)
+                self._run(lambda: self._client.put_object(Bucket=self.bucket, Key=k, Body=data))
+        except (ClientError, BotoCoreError, *TRANSIENT_EXCEPTIONS) as e:
+            raise self._fail("write", key, e) from e
 
     def put_new(self, key: str, data: bytes) -> bool:
         k = self._key(key)
         if len(data) >= self.transfer.multipart_threshold:
             try:
-                return self._multipart(k, data, create_only=True)
+                return self._multipart(k, len(data), _Slices([data]).read, create_only=True)
             except (ClientError, BotoCoreError, *TRANSIENT_EXCEPTIONS) as e:
                 raise self._fail("create", key, e) from e
         maybe_sent = False  # did an earlier attempt perhaps reach the service?
@@ -478,9 +507,10 @@ class S3Storage:
             chunk = -(-chunk // MiB) * MiB
         return chunk
 
-    def _multipart(self, k: str, data: bytes, *, create_only: bool) -> bool:
-        """Upload ``data`` in parts; completing makes it visible atomically. Returns False only when
-        ``create_only`` and the object already exists.
+    def _multipart(self, k: str, size: int, read: Callable[[int, int], bytes], *, create_only: bool) -> bool:
+        """Upload ``size`` bytes in parts, ``read(offset, length)`` giving each part's body when it is
+        sent; completing makes the object visible atomically. Returns False only when ``create_only``
+        and the object already exists.
 
         Driven by the ``TransferConfig``'s threshold, chunk size and concurrency, but not by
         boto3's ``upload_fileobj``: with botocore's retries off, one transient part failure there
@@ -489,13 +519,15 @@ class S3Storage:
         lost is recognised by the object's multipart ETag (md5 of the part md5s; not so for
         SSE-KMS objects, where such a call then errs rather than claim a write it cannot prove)."""
         upload_id = self._run(lambda: self._client.create_multipart_upload(Bucket=self.bucket, Key=k)["UploadId"])
-        chunk = self._chunk_size(len(data))
-        ranges = [(n + 1, off) for n, off in enumerate(range(0, len(data), chunk))]
+        chunk = self._chunk_size(size)
+        ranges = [(n + 1, off) for n, off in enumerate(range(0, size, chunk))]
 
         def part(n: int, off: int) -> dict[str, Any]:
+            body = read(off, min(chunk, size - off))  # held while this part is sent (and retried)
+
             def send() -> str:
                 return self._client.upload_part(Bucket=self.bucket, Key=k, UploadId=upload_id, PartNumber=n,
-                                                Body=data[off:off + chunk])["ETag"]
+                                                Body=body)["ETag"]
             return {"PartNumber": n, "ETag": self._run(send)}
 
         done = False

@@ -60,6 +60,24 @@ def test_put_chunks_stores_the_concatenation_and_returns_its_digest(moto, bucket
 
 
 
+
+def test_a_large_body_goes_in_parts_gathered_from_the_chunks_never_joined_whole(moto, bucket, monkeypatch):
+    """Each part's body is gathered from the chunks it spans when it is sent: no buffer the size of
+    the file (the old path joined every chunk into one, then copied each part out of it)."""
+    import os
+
+    from spotrun.trainer import s3
+
+    reads: list[int] = []
+    read = s3._Slices.read
+    monkeypatch.setattr(s3._Slices, "read", lambda self, off, n: reads.append(n) or read(self, off, n))
+    chunks = [os.urandom(n) for n in (3 * MiB, 1, 5 * MiB + 7, 2 * MiB)]  # parts straddle every boundary
+    s = storage(moto, bucket, transfer=SMALL_PARTS)
+    s.put_chunks("b/rank-0/model.safetensors", [memoryview(c) for c in chunks])
+    assert s.get("b/rank-0/model.safetensors") == b"".join(chunks)
+    size = sum(map(len, chunks))
+    assert len(reads) > 1 and sum(reads) == size and max(reads) < size, reads
+
 def test_put_get_exists_list_delete_prefix(moto, bucket):
     s = open_storage(f"s3://{bucket}/some/prefix", moto.url)
     assert isinstance(s, S3Storage) and s.uri == f"s3://{bucket}/some/prefix"
