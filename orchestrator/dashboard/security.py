@@ -124,7 +124,7 @@ def guard(token: str | None) -> Callable[[Request, Callable[[Request], Awaitable
                 return _deny(request, 403, "this dashboard answers only requests addressed to the loopback")
             return await call_next(request)
         offered, via = _offered(request)
-        if via == "query" and request.url.path != ENTRY_PAGE:
+        if "token" in request.query_params and request.url.path != ENTRY_PAGE:  # whatever else was sent
             return _deny(request, 401, "a token in the query string is accepted on the entry page / only; "
                                        "send 'Authorization: Bearer <token>' instead")
         if offered is None or not hmac.compare_digest(offered.encode(), expected):

@@ -35,7 +35,7 @@ def resolve_token(token_file: str | None, flag: str | None = None, warn=print) -
             text = path.read_text()
         except OSError as e:
             raise BindError(f"--token-file {token_file}: cannot read it ({e.strerror})") from e
-        token = text.strip()
+        token = text.splitlines()[0].strip() if text.strip() else ""  # the first line: a trailing note stays out
         if not token:
             raise BindError(f"--token-file {token_file} is empty; write the token on its first line")
         if path.stat().st_mode & 0o077:

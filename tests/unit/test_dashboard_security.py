@@ -100,6 +100,9 @@ def test_token_is_checked_on_every_request(root):
     assert "secure" not in cookie  # plain HTTP: a Secure cookie would never come back
     client.cookies.set(COOKIE, TOKEN)
     assert client.get("/jobs/ok").status_code == 200 and client.get("/api/jobs").status_code == 200
+    # a token in the query string is refused off the entry page even beside a valid cookie or header
+    assert client.get(f"/api/jobs?token={TOKEN}").status_code == 401
+    assert client.get(f"/api/jobs?token={TOKEN}", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 401
 
 
 def test_bind_rule():
@@ -119,7 +122,7 @@ def test_token_file_env_and_the_deprecated_flag(tmp_path, monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "from-the-environment-0123")
     warned: list[str] = []
     file = tmp_path / "token"
-    file.write_text(TOKEN + "\n")
+    file.write_text(TOKEN + "\nrotated 2026-12-01 by ops\n")  # the first line is the token, the rest is not
     file.chmod(0o600)
     assert resolve_token(str(file), None, warn=warned.append) == TOKEN and warned == []
     assert resolve_token(None, None, warn=warned.append) == "from-the-environment-0123"
