@@ -25,7 +25,7 @@ def killed_then_rerun(tmp_path, *sets: str):
 
 def test_strict_refuses_every_bundle_the_oracle_finds_different_and_names_the_category(tmp_path):
     done, events = killed_then_rerun(tmp_path)
-    assert done.returncode != 0
+    assert done.returncode == 2, done.stderr[-2000:]
     rejected = [e for e in events if isinstance(e, BundleRejected)]
     assert [e.bundle.rsplit("/", 1)[-1] for e in rejected] == ["u0000000006-a1", "u0000000003-a1"]
     assert all("state:calls" in e.reason and "restore oracle" in e.reason for e in rejected), rejected
