@@ -72,7 +72,9 @@ class Job:
     ema_decay: float | None = None  # keep an fp32 exponential moving average of the parameters
     # train.parallelism=fsdp: shard(model, mesh) calls torch's fully_shard(module, mesh=mesh) on each
     # submodule that should be a unit of its own (each transformer block, say); spotrun then wraps
-    # the root. None: each top-level child that holds parameters is a unit.
+    # the root. None: each top-level child that holds parameters is a unit. A submodule the step may
+    # skip on some ranks (an expert, an optional head) must stay in a unit every rank runs (the root):
+    # FSDP2 gathers a unit's parameters when its forward starts, which ranks that skip it never join.
     shard: Callable[[nn.Module, Any], None] | None = None
 
     def __post_init__(self) -> None:
