@@ -129,17 +129,36 @@ class NodeRemoval:
 def plan_faults(spec: JobSpec, kills: int, seed: int,
                 nodes: bool = False) -> tuple[list[FaultSpec], list[NodeRemoval]]:
     """``kills`` faults at increasing updates, one per attempt, cycling through the fault sites
-    (with node removals among them when the job runs on several nodes)."""
-    rng = random.Random(seed)  # verify's own generator, never the job's streams
-    every, last = spec.checkpoint.every_updates, spec.train.updates
-    accum = spec.train.accum_steps
+    (with node removals among them when the job runs on several nodes), as many as fit before
+    ``train.updates``.
+
+    The plan starts after the second checkpoint boundary, so that the first bundle is published
+    before any fault. When the interval is too long for that (no fault would fit), it starts
+    instead with a kill right after the first bundle is published (the publish-to-offsets site),
+    which the next attempt is sure to restore. With ``checkpoint.every_updates >= train.updates``
+    no bundle comes before the end and nothing is planned."""
     sites = (*SITES, NODE_SITE) if nodes else SITES
-    faults: list[FaultSpec] = []
-    removals: list[NodeRemoval] = []
+    every, last = spec.checkpoint.every_updates, spec.train.updates
     # From one interval after the first bundle on: it is written in the background and published by
     # the supervisor's next poll, and a fault an update after its boundary often came first (under
     # load, every fault of a short plan did), so that no restart restored a bundle at all.
-    update = 2 * every
+    faults, removals = _plan(spec, kills, random.Random(seed), sites, start=2 * every)
+    if faults or removals or every >= last:
+        return faults, removals
+    first = ("publish-to-offsets", *(s for s in sites if s != "publish-to-offsets"))
+    return _plan(spec, kills, random.Random(seed), first, start=0)
+
+
+def _plan(spec: JobSpec, kills: int, rng: random.Random, sites: Sequence[str],
+          start: int) -> tuple[list[FaultSpec], list[NodeRemoval]]:
+    """:func:`plan_faults`' plan through ``sites`` in turn, the first fault after update ``start``
+    (a boundary site: at the first boundary after it). ``rng`` is verify's own generator, never the
+    job's streams."""
+    every, last = spec.checkpoint.every_updates, spec.train.updates
+    accum = spec.train.accum_steps
+    faults: list[FaultSpec] = []
+    removals: list[NodeRemoval] = []
+    update = start
     for i in range(kills):
         site = sites[i % len(sites)]
         if site in ("bundle-write", "publish-to-offsets"):

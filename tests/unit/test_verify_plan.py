@@ -36,3 +36,19 @@ def test_the_last_update_of_a_trace_is_read_from_its_end(tmp_path):
     trace.write_text("\n".join(lines) + "\n" + '{"update": 9, "occ')  # the last line still being written
     assert last_update(trace) == 2
     assert last_update(trace, tail=64) == 2  # lines longer than the tail: it reads further back
+
+
+def test_a_long_interval_starts_the_plan_with_a_kill_right_after_the_first_publish(tmp_path):
+    """30 updates with a bundle every 20: no fault fits after the second boundary (the usual start),
+    so the first kills right after the bundle of update 20 is published, which its restart surely
+    restores; the rest follow it. With a bundle only at the end nothing fits."""
+    faults, removals = plan_faults(make_spec(tmp_path, "train.updates=30", "checkpoint.every_updates=20"), 10, 0)
+    assert not removals and len(faults) >= 2
+    assert (faults[0].site, faults[0].update, faults[0].attempt) == ("after_publish", 20, 1)
+    assert all(20 < f.update < 30 for f in faults[1:])
+    assert [f.attempt for f in faults] == list(range(1, len(faults) + 1))
+    assert plan_faults(make_spec(tmp_path, "train.updates=30", "checkpoint.every_updates=30"), 10, 0) == ([], [])
+    # a plan that fits is left as it was: the usual start, after the second boundary
+    usual, _ = plan_faults(make_spec(tmp_path, "train.updates=30", "checkpoint.every_updates=3"), 10, 0)
+    assert usual[0].site == "microstep" and usual[0].update > 6
+
