@@ -26,8 +26,8 @@ published bundle (otherwise nothing was tested: :func:`proof_failures` says whic
 change), the contract that held is at least the declared one (strict: ``exact``; elastic:
 ``exact-data``; fresh-epoch: ``fresh-epoch``), the run reached its end, every metric check is 0,
 the final counters are equal and every planned fault site was hit. ``failures`` says which did
-not hold. With ``--mutate`` the build is broken on purpose: it is caught when verify fails it
-after a restore exercised it (``Report.mutation_caught``).
+not hold. With ``--mutate`` the build is broken on purpose and verify succeeds (exit 0) only when
+it fails that build after a restore exercised it (``Report.mutation_caught``).
 """
 
 from __future__ import annotations
@@ -120,6 +120,11 @@ class Report:
     mutated: list[str] = field(default_factory=list)  # a deliberately broken build lost these at every restore
     # with ``mutated``: whether verify failed the broken build after faults and restores that exercised it
     mutation_caught: bool | None = None
+
+    def succeeded(self) -> bool:
+        """Whether verify did what it promises (exit status 0): a pass, or, for a deliberately broken
+        build (``--mutate``), catching it."""
+        return bool(self.mutation_caught) if self.mutated else self.verdict == "pass"
 
 
 @dataclass(frozen=True)
