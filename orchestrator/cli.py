@@ -215,7 +215,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
         render(report, Console())
         err.print(f"traces in {workdir}; jobs {report.reference_job} and {report.chaos_job} in "
                   f"{verifier.spec.storage}", highlight=False)
-    return 0 if report.verdict == "pass" else 1
+    return 0 if report.succeeded() else 1
 
 
 def cmd_inventory(a: argparse.Namespace) -> int:
@@ -305,7 +305,8 @@ def parser() -> argparse.ArgumentParser:
                    help="run on a local cluster of this many nodes and remove nodes too (one rank per node)")
     f.add_argument("--mutate", metavar="CATEGORIES",
                    help="prove the proof: a deliberately broken chaos run whose restores lose these state "
-                        "categories (docs/STATE.md; state:NAME for a registered object); verify must fail")
+                        "categories (docs/STATE.md; state:NAME for a registered object); its verdict must FAIL: "
+                        "exit 0 when verify caught it, 1 when not")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_verify)
 

@@ -17,7 +17,8 @@ from typing import Protocol
 from spotrun.orchestrator.notices import Notice
 from spotrun.trainer.collective import LocalCollective
 from spotrun.trainer.data.planner import RestoreMode
-from spotrun.trainer.device import gpu_facts, rank_device
+from spotrun.trainer.device import rank_device
+from spotrun.trainer.manifest import Versions
 from spotrun.trainer.rank import RankRunner, Report
 from spotrun.trainer.spec import JobSpec
 
@@ -50,7 +51,7 @@ class CapacityUnavailable(RuntimeError):
 class WorkerGroup(Protocol):
     world_size: int
     node_ids: list[str]
-    gpus: list[str | None]  # each rank's GPU model (None: CPU)
+    runtimes: list[Versions]  # each rank's device model and library versions, as its manifests record them
     poll_interval_s: float  # how long the supervisor waits between polls (a poll's cost differs by group)
 
     def restore(self, bundle_key: str, storage_uri: str | None = None,
@@ -98,11 +99,11 @@ class InProcessGroup:
         else:
             assigned = [g for g in (visible or "").split(",") if g]
         device = rank_device(spec.world.num_gpus_per_rank, assigned, "local")  # DeviceError: exit 2
-        self.gpus = [gpu_facts(device)["gpu"]]
         self.runner = RankRunner(spec, rank=0, world_size=1, attempt=attempt, lineage_id=lineage_id,
                                  recovery_label=recovery_label, collective=LocalCollective(),
                                  restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace,
                                  device=device)
+        self.runtimes = [self.runner.session.desc.runtime]
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 

@@ -34,7 +34,7 @@ from spotrun.orchestrator.priority import run_at_normal_priority
 from spotrun.trainer.bundle import BundleError
 from spotrun.trainer.collective import Collective, LocalCollective, TorchCollective
 from spotrun.trainer.data.planner import RestoreMode
-from spotrun.trainer.device import gpu_facts, rank_device
+from spotrun.trainer.device import rank_device
 from spotrun.trainer.manifest import ManifestError
 from spotrun.trainer.rank import RankRunner, Report
 from spotrun.trainer.spec import JobSpec
@@ -89,7 +89,8 @@ class RankActor:
               lineage_id: str, recovery_label: str, restore_mode: RestoreMode | None, drop: tuple[str, ...],
               record_ids: bool, trace: bool) -> dict[str, Any]:
         """Pick the device (refusing a GPU this torch cannot see), form the process group, build the
-        rank. Returns the device, its GPU model, and where the time went."""
+        rank. Returns the device, the rank's runtime (device model and library versions), and where
+        the time went."""
         t0 = time.perf_counter()
         run_at_normal_priority()  # before the process group's threads start: they inherit it
         spec = JobSpec.model_validate_json(spec_json)
@@ -113,7 +114,7 @@ class RankActor:
                                  restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace,
                                  device=device)
         return {"process_group_seconds": t1 - t0, "rank_setup_seconds": time.perf_counter() - t1,
-                "device": device, "gpu": gpu_facts(device)["gpu"]}
+                "device": device, "runtime": self.runner.session.desc.runtime}
 
     def _runner(self) -> RankRunner:
         if self.runner is None:
@@ -250,7 +251,7 @@ class RayGroup:
         setups = self._call([a.setup.remote(spec_json, r, world_size, init_method, attempt, lineage_id,
                                             recovery_label, restore_mode, drop, record_ids, trace)
                              for r, a in enumerate(self.actors)], timeout=STARTUP_TIMEOUT_S)
-        self.gpus = [s_["gpu"] for s_ in setups]  # each rank's GPU model (None: CPU)
+        self.runtimes = [s_["runtime"] for s_ in setups]  # each rank's device model and library versions
         # Recorded in AttemptStarted: where this attempt's start-up time went (slowest rank for each part).
         self.timings = {"placement_seconds": round(placement, 4)}
         for k in ("process_group_seconds", "rank_setup_seconds"):

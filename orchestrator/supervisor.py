@@ -56,7 +56,7 @@ from spotrun.trainer.counters import Counters
 from spotrun.trainer.data.listing import open_source
 from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.faults import FaultInjector, FaultLog
-from spotrun.trainer.manifest import Manifest, UnknownSchemaError
+from spotrun.trainer.manifest import Manifest, UnknownSchemaError, runtime_differences
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import TraceWriter
@@ -369,8 +369,9 @@ class Supervisor:
         manifest = read_manifest(self.storage, key)
         update = manifest.counters.attempted_updates
         lost = None if st.last_update is None else max(0, st.last_update - update)
-        if label == "exact" and any(g != manifest.versions.gpu for g in getattr(group, "gpus", [])):
-            label = "exact-data"  # elastic on another device model (strict refuses that restore)
+        if label == "exact" and any(runtime_differences(manifest.versions, r) for r in group.runtimes):
+            # elastic on another device model or library build (strict ranks refuse that restore)
+            label = "exact-data"
         if mismatches:  # not strict (strict refused the bundle), or a deliberately broken build
             log.warning("restore oracle: state differs from bundle %s right after restore: %s", key, mismatches)
             label = UNVERIFIED

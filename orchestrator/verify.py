@@ -21,10 +21,13 @@
 Both runs also write the ``jsonl`` metric sink (added when the spec lacks it): its
 log keeps every point every attempt wrote, which is what the raw counts are read from.
 
-The verdict passes only when the contract that held is at least the declared one
-(strict: ``exact``; elastic: ``exact-data``; fresh-epoch: ``fresh-epoch``), the run
-reached its end, every metric check is 0, the final counters are equal and every
-planned fault site was hit. ``failures`` says which did not hold.
+The verdict passes only when at least one fault fired and at least one restart restored a
+published bundle (otherwise nothing was tested: :func:`proof_failures` says which numbers to
+change), the contract that held is at least the declared one (strict: ``exact``; elastic:
+``exact-data``; fresh-epoch: ``fresh-epoch``), the run reached its end, every metric check is 0,
+the final counters are equal and every planned fault site was hit. ``failures`` says which did
+not hold. With ``--mutate`` the build is broken on purpose and verify succeeds (exit 0) only when
+it fails that build after a restore exercised it (``Report.mutation_caught``).
 """
 
 from __future__ import annotations
@@ -115,6 +118,13 @@ class Report:
     chaos_job: str
     faults: list[dict[str, Any]] = field(default_factory=list)
     mutated: list[str] = field(default_factory=list)  # a deliberately broken build lost these at every restore
+    # with ``mutated``: whether verify failed the broken build after faults and restores that exercised it
+    mutation_caught: bool | None = None
+
+    def succeeded(self) -> bool:
+        """Whether verify did what it promises (exit status 0): a pass, or, for a deliberately broken
+        build (``--mutate``), catching it."""
+        return bool(self.mutation_caught) if self.mutated else self.verdict == "pass"
 
 
 @dataclass(frozen=True)
@@ -129,17 +139,36 @@ class NodeRemoval:
 def plan_faults(spec: JobSpec, kills: int, seed: int,
                 nodes: bool = False) -> tuple[list[FaultSpec], list[NodeRemoval]]:
     """``kills`` faults at increasing updates, one per attempt, cycling through the fault sites
-    (with node removals among them when the job runs on several nodes)."""
-    rng = random.Random(seed)  # verify's own generator, never the job's streams
-    every, last = spec.checkpoint.every_updates, spec.train.updates
-    accum = spec.train.accum_steps
+    (with node removals among them when the job runs on several nodes), as many as fit before
+    ``train.updates``.
+
+    The plan starts after the second checkpoint boundary, so that the first bundle is published
+    before any fault. When the interval is too long for that (no fault would fit), it starts
+    instead with a kill right after the first bundle is published (the publish-to-offsets site),
+    which the next attempt is sure to restore. With ``checkpoint.every_updates >= train.updates``
+    no bundle comes before the end and nothing is planned (:func:`proof_failures` says so)."""
     sites = (*SITES, NODE_SITE) if nodes else SITES
-    faults: list[FaultSpec] = []
-    removals: list[NodeRemoval] = []
+    every, last = spec.checkpoint.every_updates, spec.train.updates
     # From one interval after the first bundle on: it is written in the background and published by
     # the supervisor's next poll, and a fault an update after its boundary often came first (under
     # load, every fault of a short plan did), so that no restart restored a bundle at all.
-    update = 2 * every
+    faults, removals = _plan(spec, kills, random.Random(seed), sites, start=2 * every)
+    if faults or removals or every >= last:
+        return faults, removals
+    first = ("publish-to-offsets", *(s for s in sites if s != "publish-to-offsets"))
+    return _plan(spec, kills, random.Random(seed), first, start=0)
+
+
+def _plan(spec: JobSpec, kills: int, rng: random.Random, sites: Sequence[str],
+          start: int) -> tuple[list[FaultSpec], list[NodeRemoval]]:
+    """:func:`plan_faults`' plan through ``sites`` in turn, the first fault after update ``start``
+    (a boundary site: at the first boundary after it). ``rng`` is verify's own generator, never the
+    job's streams."""
+    every, last = spec.checkpoint.every_updates, spec.train.updates
+    accum = spec.train.accum_steps
+    faults: list[FaultSpec] = []
+    removals: list[NodeRemoval] = []
+    update = start
     for i in range(kills):
         site = sites[i % len(sites)]
         if site in ("bundle-write", "publish-to-offsets"):
@@ -315,8 +344,12 @@ class Verifier:
         divergence = self._first_divergence(ref, chaos, storage, ref_job, chaos_job, declared, events, fired)
         metrics = self._metrics(storage, ref_job, chaos_job, METRIC_TOLERANCE[declared])
         delivery = fault_delivery(faults, fired, len(removals), self.removed)
-        failures = verdict_failures(declared, observed, short, metrics, counters_equal, delivery.sites_missed)
         rows = history(storage, chaos_job)["restarts"]
+        restores = sum(r["restored_from"] is not None for r in rows)
+        unproven = proof_failures(spec, self.kills, self.seed, self.nodes > 0, delivery.planned, delivery.delivered,
+                                  restores)
+        failures = unproven + verdict_failures(declared, observed, short, metrics, counters_equal,
+                                               delivery.sites_missed)
         return Report(
             verdict="fail" if failures else "pass", failures=failures,
             declared_contract=declared, observed_contract=observed,
@@ -326,7 +359,7 @@ class Verifier:
             fault_sites_not_applicable={} if removals else {
                 NODE_SITE: "the job runs on a single node; run verify --nodes N to exercise it"},
             faults_not_delivered=delivery.not_delivered,
-            restarts=len(rows), restores_from_bundle=sum(r["restored_from"] is not None for r in rows),
+            restarts=len(rows), restores_from_bundle=restores,
             reference_updates=len(ref), chaos_last_update=max(chaos, default=0),
             occurrence_gaps=gaps, occurrence_duplicates=dups,
             updates_compared=len(set(ref) & set(chaos)), params_bitwise_equal=bitwise, params_max_abs_diff=max_diff,
@@ -343,6 +376,8 @@ class Verifier:
             reference_job=ref_job, chaos_job=chaos_job,
             faults=[f.model_dump() for f in faults],
             mutated=list(self.mutate),
+            # caught: it failed, and not only because nothing was exercised (that proves nothing either way)
+            mutation_caught=bool(failures) and not unproven if self.mutate else None,
         )
 
     def _first_divergence(self, ref: dict[int, UpdateRecord], chaos: dict[int, UpdateRecord], storage,
@@ -400,6 +435,44 @@ def read_sink(spec: JobSpec, storage: Storage, kind: str, job_id: str) -> list[M
         sink.close()
 
 
+def proof_failures(spec: JobSpec, kills: int, seed: int, nodes: bool, planned: int, delivered: int,
+                   restores: int) -> list[str]:
+    """Why the interrupted run proved nothing, if it did not (empty: it did). A pass needs at least
+    one fault that fired and one restart that restored a published bundle: without them no restore
+    was compared with anything, and a run that nothing interrupted passes every other check. Each
+    line names the numbers to change (``--kills``, ``checkpoint.every_updates``, ``train.updates``)."""
+    every, last = spec.checkpoint.every_updates, spec.train.updates
+    if kills < 1:
+        return ["no fault was planned (--kills 0), so no restore was tested: run verify with --kills 1 or more"]
+    if planned == 0:
+        return [f"no fault was planned: train.updates={last} with checkpoint.every_updates={every} leaves room for "
+                f"no fault after a published bundle (the first is published at update {every}, and a fault needs "
+                f"an update after it); lower checkpoint.every_updates to <= {max(1, last - 1)} or raise "
+                f"train.updates to >= {every + 1}"]
+    if delivered == 0:
+        return [f"none of the {planned} planned faults fired (a fault counts once it records itself as it fires; "
+                "faults_not_delivered lists where they were planned), so no restore was tested"]
+    if restores == 0:
+        return [f"no restart restored a published bundle: the {delivered} fault(s) that fired all came before the "
+                f"first bundle (update {every}) was published, so every restart began from nothing and no restore "
+                f"was tested; {_sure_restore(spec, kills, seed, nodes)}"]
+    return []
+
+
+def _sure_restore(spec: JobSpec, kills: int, seed: int, nodes: bool) -> str:
+    """How to plan a fault whose restart restores a bundle whatever the timing: the publish-to-offsets
+    site kills right after a publish (the other sites race the supervisor's publish of the bundle)."""
+    # the plan's positions do not depend on train.updates, which only cuts it short: plan as if unbounded
+    unbounded = spec.model_copy(update={"train": spec.train.model_copy(update={"updates": 2**62})})
+    n = len(SITES) + int(nodes)  # one cycle through the sites reaches publish-to-offsets
+    faults, _ = plan_faults(unbounded, max(kills, n), seed, nodes)
+    sure = next(f for f in faults if f.site == "after_publish")
+    at, u = sure.attempt, sure.update  # its attempt is its place in the plan, node removals included
+    room = f" and train.updates to >= {u + 1} (now {spec.train.updates})" if u >= spec.train.updates else ""
+    return (f"run verify with --kills {max(kills, at)}{room}: fault {at} of that plan kills right after the bundle "
+            f"of update {u} is published, and its restart always restores it")
+
+
 def verdict_failures(declared: str, observed: str, short: list[str], metrics: MetricComparison,
                      counters_equal: bool, sites_missed: list[str]) -> list[str]:
     """One line per check that did not hold (an empty list is a pass)."""
@@ -429,9 +502,14 @@ def render(report: Report, console) -> None:
     ok = report.verdict == "pass"
     if report.mutated:
         lost = ", ".join(report.mutated)
-        console.print(f"[bold]mutant build[/]: every restore of the chaos run lost {lost} on purpose: "
-                      + ("verify caught it (the FAIL below is the expected outcome)" if not ok else
-                         "[bold red]not caught[/]: losing it had no observable effect on this job's updates"))
+        if report.mutation_caught:
+            outcome = "verify caught it (the FAIL below is the expected outcome)"
+        elif ok:
+            outcome = "[bold red]not caught[/]: losing it had no observable effect on this job's updates"
+        else:
+            outcome = ("[bold red]not tested[/]: no restart restored a bundle, so nothing was lost (the first "
+                       "failure below says what to change)")
+        console.print(f"[bold]mutant build[/]: every restore of the chaos run lost {lost} on purpose: {outcome}")
     console.print(f"[bold]{'PASS' if ok else 'FAIL'}[/]: declared contract [bold]{report.declared_contract}[/], "
                   f"observed [bold]{report.observed_contract}[/] ({report.faults_delivered} of "
                   f"{report.faults_planned} planned faults delivered, {report.restarts} restarts, "

@@ -61,6 +61,7 @@ from spotrun.trainer.manifest import (
     Versions,
     WorldInfo,
     parse_manifest,
+    runtime_differences,
 )
 from spotrun.trainer.sharding import Pieces, ShardError
 from spotrun.trainer.state import Capture, TrainState
@@ -133,8 +134,8 @@ class Description:
     dataset_version: str
     tokenizer_version: str
     shards: tuple[ShardInfo, ...]  # token data: the source as listed when the job started
-    policy: str  # world.policy: strict restores only on the GPU model that wrote the bundle
-    gpu: str | None  # this rank's GPU model (None: CPU)
+    policy: str  # world.policy: strict restores only on the runtime that wrote the bundle
+    runtime: Versions  # this rank's device model and library versions (what its manifests record)
 
 
 def describe(state: TrainState) -> Description:
@@ -159,7 +160,7 @@ def describe(state: TrainState) -> Description:
         tokenizer_version=feed.tokenizer_version,
         shards=tuple(feed.listing.infos()) if isinstance(feed, TokenFeed) else (),
         policy=spec.world.policy,
-        gpu=gpu_facts(state.device)["gpu"],
+        runtime=versions(state.device),
     )
 
 
@@ -206,7 +207,7 @@ def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lin
                         parallelism=spec.train.parallelism),
         precision=Precision(stored="fp32", compute=spec.train.precision,
                             master_weights="the fp32 parameters are the masters"),
-        versions=versions(state.device),
+        versions=desc.runtime,
         stall_seconds=stall_seconds,
     )
 
@@ -224,12 +225,13 @@ def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_
             f"job code: bundle {manifest.code.entrypoint} (fingerprint {manifest.code.fingerprint}), job "
             f"{desc.code.entrypoint} (fingerprint {desc.code.fingerprint}): the entrypoint's module changed since "
             f"the bundle was written, and other code may not take the same next updates; {new_lineage}")
-    if desc.policy == "strict" and manifest.versions.gpu != desc.gpu:
+    differences = runtime_differences(manifest.versions, desc.runtime) if desc.policy == "strict" else []
+    if differences:
         problems.append(
-            f"device: the bundle was written on {manifest.versions.gpu or 'CPUs'}, this rank has "
-            f"{desc.gpu or 'no GPU'}; world.policy=strict promises bitwise-equal parameters, which kernels give only "
-            f"on the same device model. Run on {manifest.versions.gpu or 'CPUs'}, or declare world.policy: elastic "
-            "(it restores on another model, labelled exact-data: the same occurrences, close parameters)")
+            "; ".join(differences) + "; world.policy=strict promises bitwise-equal parameters, which kernels give "
+            "only on the same device model with the same library versions. Restore it on a runtime that matches "
+            "the bundle's, or declare world.policy: elastic (it restores across them, labelled exact-data: the same "
+            "occurrences, close parameters)")
     if manifest.data.kind != desc.data_kind:
         problems.append(f"data kind: bundle {manifest.data.kind}, job {desc.data_kind}")
     elif desc.spec_compat["data"]["order"] == "sequential" and manifest.data.shards:

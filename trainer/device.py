@@ -90,12 +90,18 @@ def deterministic_algorithms() -> None:
 
 
 def gpu_facts(device: str) -> dict[str, str | None]:
-    """The GPU model, CUDA runtime and driver a bundle was written with (all None on the CPU)."""
+    """The GPU model, and the CUDA runtime, cuDNN, NCCL and driver versions a rank on ``device``
+    computes with; all None on the CPU, whose kernels use none of them (nothing here initialises
+    CUDA for a CPU rank, even on a machine that has a GPU)."""
     if not device.startswith("cuda"):
-        return {"gpu": None, "cuda": None, "driver": None}
+        return {"gpu": None, "cuda": None, "cudnn": None, "nccl": None, "driver": None}
     driver = None
     version_file = Path("/proc/driver/nvidia/version")
     if version_file.exists():  # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  ..."
         words = version_file.read_text().split()
         driver = next((w for w in words if w.count(".") >= 1 and w.replace(".", "").isdigit()), None)
-    return {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda, "driver": driver}
+    cudnn = torch.backends.cudnn.version()  # None when this build has no cuDNN
+    # a build without NCCL has no version to ask for (torch.cuda.nccl.version() would raise)
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch._C, "_nccl_version") else None
+    return {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda,
+            "cudnn": None if cudnn is None else str(cudnn), "nccl": nccl, "driver": driver}

@@ -105,14 +105,40 @@ class DataInfo(_M):
 
 
 class Versions(_M):
+    """The runtime a bundle was written on (and, in a rank's :class:`Description`, the one it runs
+    on). The GPU-side fields are None on a CPU rank, and in manifests written before they existed."""
+
     python: str
-    torch: str
+    torch: str  # torch.__version__, with its build suffix (+cpu, +cu126)
     torchdata: str
     numpy: str
     spotrun: str
     gpu: str | None = None  # the GPU model the bundle was written on (None: CPU)
     cuda: str | None = None  # torch's CUDA runtime
+    cudnn: str | None = None  # torch.backends.cudnn.version(), e.g. "90100"
+    nccl: str | None = None  # torch.cuda.nccl.version(), e.g. "2.21.5"
     driver: str | None = None  # the NVIDIA driver
+
+
+# What the bits of an update depend on besides the job itself: the device model and the builds whose
+# kernels compute it. world.policy=strict restores only where all of them match; elsewhere a
+# restore is at most exact-data. (label, the field, how a None reads, the verb's preposition)
+_EXACTNESS = (("device", "gpu", "CPUs", "on"), ("torch", "torch", "none", "with"),
+              ("CUDA", "cuda", "none", "with"), ("cuDNN", "cudnn", "none", "with"),
+              ("NCCL", "nccl", "none", "with"))
+
+
+def runtime_differences(written: Versions, here: Versions) -> list[str]:
+    """Where the runtime ``here`` differs from the one a bundle was ``written`` on, in the facts
+    bitwise-equal parameters depend on (device model; torch, CUDA, cuDNN and NCCL versions), each
+    naming both sides. Empty: a restore here can be ``exact``. A fact an older manifest did not
+    record (None) differs from any recorded value: equality cannot be shown."""
+    out = []
+    for label, field, none, prep in _EXACTNESS:
+        a, b = getattr(written, field), getattr(here, field)
+        if a != b:
+            out.append(f"{label}: the bundle was written {prep} {a or none}, this rank has {b or none}")
+    return out
 
 
 class Precision(_M):

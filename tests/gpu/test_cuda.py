@@ -29,6 +29,7 @@ def test_a_gpu_rank_trains_on_its_gpu_and_the_bundle_names_it(tmp_path):
     bundle = load_bundle(storage, list_bundles(storage, "gpu")[0].key, None)
     v = bundle.manifest.versions
     assert v.gpu == torch.cuda.get_device_name(0) and v.cuda == torch.version.cuda
+    assert v.cudnn == str(torch.backends.cudnn.version()) and v.nccl == ".".join(map(str, torch.cuda.nccl.version()))
     assert bundle.manifest.deterministic
     assert bundle.payloads["rank-0/rng.json"]["torch_cuda"], "the CUDA generator is in the bundle"
 

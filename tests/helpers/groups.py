@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from spotrun.orchestrator.groups import RankLost
+from spotrun.trainer.bundle import versions
+from spotrun.trainer.manifest import Versions
 from spotrun.trainer.rank import Report
 
 
@@ -15,7 +17,7 @@ class ScriptedGroup:
     def __init__(self, world_size: int, polls: list, salvage: list[Report] = ()) -> None:
         self.world_size = world_size
         self.node_ids = [f"node-{r}" for r in range(world_size)]
-        self.gpus: list[str | None] = [None] * world_size
+        self.runtimes: list[Versions] = [versions()] * world_size  # CPU ranks of this process's runtime
         self.timings: dict[str, float] = {}
         self.polls = list(polls)
         self._salvage = list(salvage)

@@ -1,5 +1,6 @@
 """`spotrun verify` on real subprocess runs: the chaos suite passes on a faithful build and names
-the lost category on a deliberately broken one."""
+the lost category on a deliberately broken one; a run that tested no restore, or a broken build
+that went uncaught, exits 1."""
 
 from __future__ import annotations
 
@@ -65,14 +66,40 @@ def test_verify_catches_a_build_that_drops_a_category(tmp_path, category, sets):
     code, report, err = verify(tmp_path, "train.updates=24", "checkpoint.every_updates=4", *sets, kills=3,
                                where=("--no-ray", "--mutate", category))
     assert report["restores_from_bundle"] > 0, "no restart restored a bundle: the dropped category was never lost"
-    assert code == 1, err
-    assert report["verdict"] == "fail" and report["mutated"] == [category]
+    assert code == 0, err  # verify did what --mutate asks of it: it caught the broken build
+    assert report["verdict"] == "fail" and report["mutated"] == [category] and report["mutation_caught"] is True
     assert any("weaker than the declared exact" in f for f in report["failures"])
     assert any(m.endswith(category) for m in report["restore_oracle"]), report["restore_oracle"]
     divergence = report["first_divergence"]
     assert divergence is not None and divergence["update"] > 0
     if category == "shuffle_buffer":
         assert divergence["what"] == "occurrences" and "expected occurrence" in divergence["detail"]
+
+
+def test_a_run_no_fault_could_interrupt_fails_naming_the_numbers_to_change(tmp_path):
+    """A bundle only at the last update leaves no room for a fault after a published bundle: no
+    restore is tested, so the verdict fails (exit 1) and says which numbers to change, although
+    every comparison of the two (uninterrupted) runs holds."""
+    code, report, err = verify(tmp_path, "train.updates=6", "checkpoint.every_updates=6", kills=10)
+    assert code == 1, err
+    assert report["verdict"] == "fail" and report["faults_planned"] == report["restarts"] == 0
+    assert report["failures"] == [
+        "no fault was planned: train.updates=6 with checkpoint.every_updates=6 leaves room for no fault after a "
+        "published bundle (the first is published at update 6, and a fault needs an update after it); lower "
+        "checkpoint.every_updates to <= 5 or raise train.updates to >= 7"]
+    assert report["params_bitwise_equal"] is True and report["observed_contract"] == "exact"
+
+
+def test_a_mutation_verify_does_not_catch_exits_1(tmp_path):
+    """Under fp32 the grad scaler is off, so a build that loses its state at restore trains the same
+    updates: the verdict passes, which for a broken build means verify did not do what --mutate asks
+    of it. The one fault (the interval is long: a kill right after the bundle of update 5 is
+    published) makes the restart restore that bundle, so the loss really happened."""
+    code, report, err = verify(tmp_path, "train.updates=8", "checkpoint.every_updates=5", kills=1,
+                               where=("--no-ray", "--mutate", "grad_scaler"))
+    assert report["restores_from_bundle"] == 1 and report["fault_sites_hit"] == ["publish-to-offsets"]
+    assert report["verdict"] == "pass" and report["mutation_caught"] is False
+    assert code == 1, err
 
 
 def test_three_gloo_ranks_stay_bitwise_across_restarts(tmp_path):

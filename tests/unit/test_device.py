@@ -63,7 +63,7 @@ def test_strict_refuses_a_restore_onto_another_device_model_and_elastic_allows_i
     assert manifest.versions.gpu is None
     desc = TrainSession(spec).desc
     check_compatible(manifest, desc, "bundle b")  # same device model: fine
-    on_gpu = dataclasses.replace(desc, gpu="NVIDIA H200")
+    on_gpu = dataclasses.replace(desc, runtime=desc.runtime.model_copy(update={"gpu": "NVIDIA H200"}))
     with pytest.raises(BundleIncompatible) as e:
         check_compatible(manifest, on_gpu, "bundle b")
     assert "written on CPUs, this rank has NVIDIA H200" in str(e.value) and "world.policy: elastic" in str(e.value)

@@ -203,6 +203,47 @@ def test_unknown_schema_stops_a_run_before_training(tmp_path, storage):
     assert NEWEST in msg
 
 
+# -- (e2) a bundle written on another runtime ----------------------------------------------
+
+OTHER_TORCH = "2.12.1+cpu"  # what the edited manifest says wrote the bundle
+
+
+def written_under_other_torch(storage: LocalStorage) -> None:
+    assert torch.__version__ != OTHER_TORCH
+    edit_manifest(storage, NEWEST, lambda raw: raw["versions"].update(torch=OTHER_TORCH))
+
+
+def test_strict_refuses_a_bundle_of_another_torch_naming_both_versions(tmp_path, storage):
+    """strict promises bitwise-equal parameters only on the library versions that wrote the bundle:
+    the newest bundle says another torch wrote it, so the resume is refused (not a fall back to the
+    older bundle: that one would be refused the same way), naming both versions and the two ways on."""
+    written_under_other_torch(storage)
+    msg = refused(spec_for(tmp_path), storage)
+    assert f"torch: the bundle was written with {OTHER_TORCH}, this rank has {torch.__version__}" in msg
+    assert "runtime that matches the bundle's" in msg and "world.policy: elastic" in msg
+
+
+def test_elastic_restores_a_bundle_of_another_torch_labelled_exact_data(tmp_path, storage):
+    """elastic restores it, but never calls it exact: the same resume is labelled exact before the
+    edit and exact-data after it."""
+    spec = spec_for(tmp_path, "world.policy=elastic")
+    run_in_process(spec)  # the finished job resumed from its newest bundle, untouched: exact
+    written_under_other_torch(storage)
+    run_in_process(spec)
+    restored = [e for e in Ledger(storage, JOB).read() if isinstance(e, Restored)]
+    assert [(e.bundle, e.recovery_label) for e in restored] == [(NEWEST, "exact"), (NEWEST, "exact-data")]
+
+
+def test_a_manifest_from_before_cudnn_and_nccl_were_recorded_still_restores(tmp_path, storage):
+    """Manifests of the same schema written before versions.cudnn and versions.nccl existed read as
+    None there, which is what a CPU rank records: strict restores them."""
+    edit_manifest(storage, NEWEST, lambda raw: [raw["versions"].pop(k) for k in ("cudnn", "nccl")])
+    assert load_bundle(storage, NEWEST, describe(spec_for(tmp_path))).manifest.versions.cudnn is None
+    run_in_process(spec_for(tmp_path))
+    restored = [e for e in Ledger(storage, JOB).read() if isinstance(e, Restored)]
+    assert [(e.bundle, e.recovery_label) for e in restored] == [(NEWEST, "exact")]
+
+
 # -- (f), (g) missing and truncated files: corrupt, with fallback ------------------------
 
 

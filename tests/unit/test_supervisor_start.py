@@ -58,11 +58,12 @@ def test_an_elastic_restore_on_another_device_model_is_labelled_exact_data(tmp_p
     elastic allows: strict ranks refuse it) is not an exact continuation."""
     from spotrun.orchestrator.launch import run_in_process
     from spotrun.orchestrator.ledger import Restored
+    from spotrun.trainer.bundle import versions
 
     spec = make_spec(tmp_path, "train.updates=4", "checkpoint.every_updates=2", "world.policy=elastic", job_id="g")
     run_in_process(spec.model_copy(update={"train": spec.train.model_copy(update={"updates": 2})}))
     group = ScriptedGroup(1, [[Report(rank=0, last_update=4, state="finished")]])
-    group.gpus = ["NVIDIA H200"]
+    group.runtimes = [versions().model_copy(update={"gpu": "NVIDIA H200"})]
     Supervisor(spec, lambda *args: group, capacity=lambda: 1, sleep=lambda s: None).run()
     restored = [e for e in Ledger(open_storage(spec.storage), "g").read() if isinstance(e, Restored)]
     assert [(e.update, e.recovery_label) for e in restored] == [(2, "exact-data")]

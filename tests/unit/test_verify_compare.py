@@ -2,10 +2,13 @@
 broken (a point changed, dropped or left stale, a run cut short, a fault that never fired), and the
 same pair passing untouched.
 
-The pair: an uninterrupted reference, and the same job SIGKILLed by a planned fault in update 6
-and run again with the same command (real subprocesses, no Ray), as ``spotrun verify --no-ray``
-runs them. A duplicate in a sink's final view cannot be produced by the real sinks (they upsert),
-so that check is shown on crafted points.
+The pair: an uninterrupted reference, and the same job SIGKILLed by a planned fault in update 6,
+run again with the same command (real subprocesses, no Ray), as ``spotrun verify --no-ray`` runs
+them, SIGKILLed again right after the second attempt publishes its last bundle, and run once more.
+The first restart may begin from nothing (the kill in update 6 races the publish of the bundle of
+update 4); the second always restores a published bundle, which a pass requires. A duplicate in a
+sink's final view cannot be produced by the real sinks (they upsert), so that check is shown on
+crafted points.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from tests.helpers.runs import run_cmd, run_to_end
 pytestmark = pytest.mark.slow
 SETS = ("train.updates=8", "checkpoint.every_updates=4", "metrics.sinks=[sqlite, jsonl]")
 FAULT = FaultSpec(site="microstep", update=6, microstep=1)  # attempt 1, rank 0: SIGKILL mid-accumulation
+AFTER_LAST_PUBLISH = FaultSpec(site="after_publish", update=8, attempt=2)  # the restart of attempt 3 restores it
+FAULTS = (FAULT, AFTER_LAST_PUBLISH)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +43,9 @@ def runs(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("compare")
     done = run_to_end(run_cmd(tmp / "runs", "ref", tmp / "ref.jsonl", *SETS))
     assert done.returncode == 0, done.stderr
-    chaos = run_cmd(tmp / "runs", "chaos", tmp / "chaos.jsonl", *SETS, f"faults=[{FAULT.model_dump_json()}]")
+    faults = ", ".join(f.model_dump_json() for f in FAULTS)
+    chaos = run_cmd(tmp / "runs", "chaos", tmp / "chaos.jsonl", *SETS, f"faults=[{faults}]")
+    assert run_to_end(chaos).returncode == -9
     assert run_to_end(chaos).returncode == -9
     done = run_to_end(chaos)
     assert done.returncode == 0, done.stderr
@@ -50,7 +57,7 @@ def copy_of(runs: Path, tmp_path: Path) -> Path:
     return tmp_path / "copy"
 
 
-def compare(where: Path, *sets: str, faults=(FAULT,)):
+def compare(where: Path, *sets: str, faults=FAULTS):
     overrides = [f"storage=file://{where / 'runs'}", f"data.shards={ROOT / 'configs/data/tiny'}", *SETS, *sets]
     verifier = Verifier(str(ROOT / "configs/tiny.yaml"), overrides, kills=len(faults), seed=0, no_ray=True,
                         workdir=where, load=lambda path, o: load_spec(path, o, "job"))
@@ -65,16 +72,19 @@ def sql(where: Path, statement: str) -> int:
 def test_the_untouched_pair_passes_and_counts_what_replays_wrote_twice(runs):
     report = compare(runs)
     assert report.verdict == "pass", report.failures
-    assert (report.faults_planned, report.faults_delivered, report.kills_injected) == (1, 1, 1)
-    assert report.fault_sites_planned == report.fault_sites_hit == ["mid-accumulation"]
+    assert (report.faults_planned, report.faults_delivered, report.kills_injected) == (2, 2, 2)
+    assert report.fault_sites_planned == report.fault_sites_hit == ["mid-accumulation", "publish-to-offsets"]
     assert (report.reference_updates, report.chaos_last_update, report.updates_compared) == (8, 8, 8)
     assert report.metric_sinks == ["sqlite", "jsonl"]
     assert report.metric_duplicates == report.metric_missing == report.metric_mismatches == report.metric_stale == 0
     # attempt 1 wrote updates 1..5 (killed inside 6); attempt 2 wrote again everything after the
-    # bundle it restored (none yet published: everything): 3 names per update
-    [restart] = history(open_storage(f"file://{runs / 'runs'}"), "chaos")["restarts"]
-    assert report.restarts == 1 and report.restores_from_bundle == (restart["restored_from"] is not None)
-    assert report.metric_duplicates_written == 3 * (5 - restart["restored_update"]) > 0
+    # bundle it restored (none yet published: everything), up to 8, whose bundle it published (every
+    # point of an update is written before its bundle is published); attempt 3 restored that bundle
+    # and had nothing left to train: 3 names per update
+    first, last = history(open_storage(f"file://{runs / 'runs'}"), "chaos")["restarts"]
+    assert last["restored_from"] == "chaos/bundles/u0000000008-a2"
+    assert report.restarts == 2 and report.restores_from_bundle == 1 + (first["restored_from"] is not None)
+    assert report.metric_duplicates_written == 3 * (5 - first["restored_update"]) > 0
     assert report.metric_writes == 3 * 8 + report.metric_duplicates_written
 
 
@@ -131,21 +141,22 @@ def test_a_run_that_stops_short_fails(runs, tmp_path, policy):
 
 
 def test_a_fault_that_never_fired_fails(runs, tmp_path):
-    never = FaultSpec(site="bundle_write", update=8, attempt=2)  # planned, but attempt 2 was never hit
-    report = compare(runs, faults=(FAULT, never))
-    assert report.verdict == "fail" and (report.faults_planned, report.faults_delivered) == (2, 1)
-    assert report.fault_sites_planned == ["bundle-write", "mid-accumulation"]
-    assert report.fault_sites_hit == ["mid-accumulation"]
+    never = FaultSpec(site="bundle_write", update=8, attempt=3)  # planned, but attempt 3 was never hit
+    report = compare(runs, faults=(*FAULTS, never))
+    assert report.verdict == "fail" and (report.faults_planned, report.faults_delivered) == (3, 2)
+    assert report.fault_sites_planned == ["bundle-write", "mid-accumulation", "publish-to-offsets"]
+    assert report.fault_sites_hit == ["mid-accumulation", "publish-to-offsets"]
     assert [f["name"] for f in report.faults_not_delivered] == ["bundle-write"]
-    assert any("never hit: bundle-write" in f for f in report.failures)
-    # the kill itself counts only because it recorded itself as it fired
+    assert report.failures == ["planned fault sites never hit: bundle-write (no fault there fired)"]
+    # the kills themselves count only because they recorded themselves as they fired: without the
+    # records nothing was delivered, and a run that no fault interrupted proves nothing
     where = copy_of(runs, tmp_path)
     storage = open_storage(f"file://{where / 'runs'}")
-    [fired] = FaultLog(storage, "chaos").read()
-    assert fired.matches(FAULT)
+    assert [f.site for f in FaultLog(storage, "chaos").read()] == ["microstep", "after_publish"]
     storage.delete_prefix("chaos/faults/")
     unrecorded = compare(where)
-    assert unrecorded.verdict == "fail" and unrecorded.kills_injected == 0 and unrecorded.restarts == 1
+    assert unrecorded.verdict == "fail" and unrecorded.kills_injected == 0 and unrecorded.restarts == 2
+    assert unrecorded.failures[0].startswith("none of the 2 planned faults fired")
 
 
 s3_helpers = pytest.importorskip("tests.helpers.s3")
@@ -167,7 +178,9 @@ def test_the_s3_sink_is_compared_too(moto, bucket, tmp_path):
         spec = load_spec(ROOT / "configs/tiny.yaml", verifier.overrides, job)
         run_in_process(spec, trace_path=str(tmp_path / f"{job}.jsonl"), record_ids=True)
     report = verifier.compare("ref", "chaos", tmp_path / "ref.jsonl", tmp_path / "chaos.jsonl", [])
-    assert report.verdict == "pass", report.failures
+    # no fault, so verify fails the pair for that alone: every check of the metrics holds
+    assert report.failures == ["no fault was planned (--kills 0), so no restore was tested: run verify with "
+                               "--kills 1 or more"]
     assert report.metric_sinks == ["s3", "jsonl"] and report.metric_writes == 3 * 4
     storage = open_storage(f"s3://{bucket}/runs", moto.url)
     storage.delete_prefix("chaos/metrics/segments/a000001-u0000000003.jsonl")  # the s3 segment of updates 3-4

@@ -36,3 +36,44 @@ def test_the_last_update_of_a_trace_is_read_from_its_end(tmp_path):
     trace.write_text("\n".join(lines) + "\n" + '{"update": 9, "occ')  # the last line still being written
     assert last_update(trace) == 2
     assert last_update(trace, tail=64) == 2  # lines longer than the tail: it reads further back
+
+
+def test_a_long_interval_starts_the_plan_with_a_kill_right_after_the_first_publish(tmp_path):
+    """30 updates with a bundle every 20: no fault fits after the second boundary (the usual start),
+    so the first kills right after the bundle of update 20 is published, which its restart surely
+    restores; the rest follow it. With a bundle only at the end nothing fits."""
+    faults, removals = plan_faults(make_spec(tmp_path, "train.updates=30", "checkpoint.every_updates=20"), 10, 0)
+    assert not removals and len(faults) >= 2
+    assert (faults[0].site, faults[0].update, faults[0].attempt) == ("after_publish", 20, 1)
+    assert all(20 < f.update < 30 for f in faults[1:])
+    assert [f.attempt for f in faults] == list(range(1, len(faults) + 1))
+    assert plan_faults(make_spec(tmp_path, "train.updates=30", "checkpoint.every_updates=30"), 10, 0) == ([], [])
+    # a plan that fits is left as it was: the usual start, after the second boundary
+    usual, _ = plan_faults(make_spec(tmp_path, "train.updates=30", "checkpoint.every_updates=3"), 10, 0)
+    assert usual[0].site == "microstep" and usual[0].update > 6
+
+
+def test_the_verdict_gate_fails_a_run_that_tested_no_restore(tmp_path):
+    """A pass needs a fault that fired and a restart that restored a published bundle; each way of
+    missing one is a failure line that names the numbers to change."""
+    from spotrun.orchestrator.verify import proof_failures
+
+    spec = make_spec(tmp_path, "train.updates=30", "checkpoint.every_updates=3")
+    assert proof_failures(spec, kills=6, seed=0, nodes=False, planned=6, delivered=6, restores=2) == []
+    [zero] = proof_failures(spec, kills=0, seed=0, nodes=False, planned=0, delivered=0, restores=0)
+    assert "--kills 0" in zero and "--kills 1 or more" in zero
+    long = make_spec(tmp_path, "train.updates=30", "checkpoint.every_updates=30")
+    [room] = proof_failures(long, kills=6, seed=0, nodes=False, planned=0, delivered=0, restores=0)
+    assert ("train.updates=30 with checkpoint.every_updates=30 leaves room for no fault after a published bundle"
+            in room and "checkpoint.every_updates to <= 29" in room and "train.updates to >= 31" in room)
+    [unfired] = proof_failures(spec, kills=6, seed=0, nodes=False, planned=6, delivered=0, restores=0)
+    assert unfired.startswith("none of the 6 planned faults fired")
+    # faults fired, but each before a bundle was published: every restart began from nothing
+    [unrestored] = proof_failures(spec, kills=2, seed=0, nodes=False, planned=2, delivered=2, restores=0)
+    assert unrestored.startswith("no restart restored a published bundle: the 2 fault(s) that fired")
+    sure = next(f for f in plan_faults(spec, 10, 0)[0] if f.site == "after_publish")  # the 4th site
+    assert (f"run verify with --kills {sure.attempt}: fault {sure.attempt} of that plan kills right after the "
+            f"bundle of update {sure.update} is published") in unrestored
+    short = make_spec(tmp_path, "train.updates=12", "checkpoint.every_updates=3")
+    [cut] = proof_failures(short, kills=2, seed=0, nodes=False, planned=2, delivered=2, restores=0)
+    assert f"and train.updates to >= {sure.update + 1} (now 12)" in cut
