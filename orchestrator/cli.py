@@ -1,7 +1,10 @@
-"""``spotrun``: the command line. See DESIGN.md "Command line" for the stable surface.
+"""``spotrun``: the command line (``spotrun --help``; scripts and tests rely on its commands and flags).
 
-Exit status 0 means success; a failed contract exits 2 with one paragraph on
-stderr. ``--json`` prints one JSON document on stdout and nothing else there.
+Exit status 0 means success; a refused contract (bad spec, incompatible or corrupt bundle, ...)
+exits 2 with one paragraph on stderr; a driver told to stop exits 143 after its emergency
+bundle; ``verify`` exits 1 when the contract did not hold or nothing was tested (with
+``--mutate``: 1 when the broken build went unnoticed). ``--json`` prints one JSON document on
+stdout and nothing else there.
 """
 
 from __future__ import annotations
