@@ -216,7 +216,8 @@ class CostSpec(_Strict):
 
 
 class JobSpec(_Strict):
-    """A whole job. See DESIGN.md "Job spec" for the meaning of each key."""
+    """A whole job: the validated YAML spec (unknown keys are refused, naming the nearest valid one). Each section
+    is a model of its own (TrainSpec, DataSpec, WorldSpec, ...) whose fields say their meaning and default."""
 
     job_id: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     seed: int = 0
