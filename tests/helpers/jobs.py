@@ -169,15 +169,19 @@ class TurnsUnsaveable(Calls):
         return {"n": self.n, **({"when": Calls()} if self.n > 2 else {})}
 
 
-def state_turns_unsaveable(ctx: spotrun.BuildContext) -> spotrun.Job:
-    calls = TurnsUnsaveable()
+def counting(calls: Calls, data: Any, name: str) -> spotrun.Job:
+    """A linear regression whose step counts its calls in ``calls``, registered as ``name``."""
 
     def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         calls.n += 1
         return regression(model, batch)
 
-    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.StreamData(NoiseStream(ctx.seed)), step=step,
-                       optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01), state={"late": calls})
+    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=data, step=step,
+                       optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01), state={name: calls})
+
+
+def state_turns_unsaveable(ctx: spotrun.BuildContext) -> spotrun.Job:
+    return counting(TurnsUnsaveable(), spotrun.StreamData(NoiseStream(ctx.seed)), "late")
 
 
 # -- parameters a step does not always reach (mixture-of-experts, optional heads, unused layers) ------
@@ -292,11 +296,4 @@ class Forgetful(Calls):
 
 
 def forgetful_state(ctx: spotrun.BuildContext) -> spotrun.Job:
-    calls = Forgetful()
-
-    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        calls.n += 1
-        return regression(model, batch)
-
-    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.MapData(Points(ctx.seed)), step=step,
-                       optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01), state={"calls": calls})
+    return counting(Forgetful(), spotrun.MapData(Points(ctx.seed)), "calls")
