@@ -211,13 +211,16 @@ def test_signal_notices_unblock_sigterm_inherited_blocked():
     import sys
 
     code = """
-import os, signal
+import os, queue, signal
 from spotrun.orchestrator.notices import install_signal_notices
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-got = []
-install_signal_notices("n1", 0, 30.0, got.append)
+got = queue.SimpleQueue()
+install_signal_notices("n1", 0, 30.0, got.put)
 os.kill(os.getpid(), signal.SIGTERM)
-print(got[0].source if got else "none")
+try:
+    print(got.get(timeout=30).source)  # handed on by the notices' own thread
+except queue.Empty:
+    print("none")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "sigterm", (done.stdout, done.stderr, signal.SIGTERM)
@@ -319,3 +322,52 @@ def test_the_wait_between_polls_ends_when_ray_drain_state_is_due(tmp_path, drain
     assert sup.run().state == "finished"
     assert waits == pytest.approx([expected_wait] * 3)
     assert reads == pytest.approx(expected_reads)  # when the drain state was read, on the job's clock
+
+
+def test_a_storm_of_sigterms_to_a_polling_driver_neither_deadlocks_nor_loses_a_notice(tmp_path):
+    """Python runs a signal handler on the main thread inside whatever it was doing, here the
+    supervisor's look at a running attempt (``_new_notices``, then the wait on the wake event): a
+    handler that took the notice queue's or the wake event's lock there would wait for itself
+    forever. 500 SIGTERMs, one at a time, must all come out as notices (a deadlock is caught by the
+    helper's watchdog, which prints every thread's stack and exits 1)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.signal_storm", "500", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and "received 500 of 500 notices" in done.stdout, (
+        f"stdout: {done.stdout}\nstderr (the watchdog prints every thread's stack):\n{done.stderr[-4000:]}")
+
+
+def test_signal_notices_go_on_after_a_failing_callback_and_close_restores_the_handlers():
+    """The notices' thread logs a callback that raises and hands on the next signal; ``close`` hands on
+    every signal caught before it, ends the thread and puts the process's own handler back."""
+    import os
+    import queue
+    import signal
+
+    from spotrun.orchestrator.notices import install_signal_notices
+
+    got: queue.SimpleQueue[Notice] = queue.SimpleQueue()
+    calls: list[Notice] = []
+
+    def on_notice(n: Notice) -> None:
+        calls.append(n)
+        if len(calls) == 1:
+            raise RuntimeError("the first delivery fails")
+        got.put(n)
+
+    before = signal.getsignal(signal.SIGTERM)
+    notices = install_signal_notices("n1", 2, 30.0, on_notice)
+    try:
+        signal.raise_signal(signal.SIGTERM)  # the handler runs before raise_signal returns: one call each
+        os.kill(os.getpid(), signal.SIGTERM)
+        second = got.get(timeout=30)
+    finally:
+        notices.close()
+    assert len(calls) == 2 and not notices._thread.is_alive()
+    assert (second.source, second.node_id, second.rank) == ("sigterm", "n1", 2)
+    assert second.deadline == second.received_at + timedelta(seconds=30)
+    assert signal.getsignal(signal.SIGTERM) is before
