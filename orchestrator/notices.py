@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import signal
 import threading
 import time
@@ -25,7 +26,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -177,18 +178,70 @@ class ImdsWatcher:
             self._stop.wait(self.poll_s)
 
 
-def install_signal_notices(node_id: str | None, rank: int | None, grace_s: float,
-                           on_notice: NoticeCallback) -> None:
-    """Turn SIGTERM and SIGINT to this process into notices (call on the main thread). SIGTERM is
-    unblocked here: a Ray worker inherits it blocked from the embedded Ray (see
-    :func:`~spotrun.orchestrator.launch.group_signals_spare_ray`). SIGINT stays as the process
-    has it (Ray blocks it in every process it starts)."""
+class SignalNotices:
+    """SIGTERM and SIGINT to this process as notices, handed to ``on_notice`` on a thread of their own.
 
-    def handler(signum: int, _frame) -> None:
+    Python runs a signal handler on the main thread between two bytecodes of whatever that thread
+    was doing, so a handler that takes a lock the interrupted code holds (a ``queue.Queue``'s, a
+    ``threading.Event``'s, a logging handler's) waits for itself forever. The handler here only
+    puts ``(signal number, time)`` on a ``queue.SimpleQueue``, whose ``put`` is reentrant (safe from
+    a signal handler); the ``signal-notices`` thread builds each :class:`Notice` and calls
+    ``on_notice`` there, where any lock it takes is released by the thread holding it.
+    :meth:`close` restores the handlers the process had and ends the thread."""
+
+    def __init__(self, node_id: str | None, rank: int | None, grace_s: float, on_notice: NoticeCallback) -> None:
+        self.node_id = node_id
+        self.rank = rank
+        self.grace_s = grace_s
+        self.on_notice = on_notice
+        self._caught: queue.SimpleQueue[tuple[int, float] | None] = queue.SimpleQueue()  # None: close
+        self._old: dict[int, Any] = {}
+        self._thread = threading.Thread(target=self._deliver, name="signal-notices", daemon=True)
+
+    def install(self) -> SignalNotices:
+        """Start the thread, then catch the signals (on the main thread: only it may install
+        handlers). SIGTERM is unblocked here: a Ray worker inherits it blocked from the embedded Ray
+        (see :func:`~spotrun.orchestrator.launch.group_signals_spare_ray`). SIGINT stays as the
+        process has it (Ray blocks it in every process it starts)."""
+        self._thread.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._caught_signal)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        return self
+
+    def close(self) -> None:
+        """Put the old handlers back (call on the main thread), then end the thread once it has
+        handed on every signal caught before."""
+        for sig, old in self._old.items():
+            # getsignal gives None for a handler installed outside Python (an embedding process);
+            # signal.signal refuses None, and the default is what such a process had
+            signal.signal(sig, signal.SIG_DFL if old is None else old)
+        self._caught.put(None)
+        self._thread.join()
+
+    def _caught_signal(self, signum: int, _frame: Any) -> None:
+        # Runs inside whatever the main thread was doing: no lock, no logging, no Notice (pydantic)
+        # built here; time.time and SimpleQueue.put take no lock.
+        self._caught.put((signum, time.time()))
+
+    def _deliver(self) -> None:
+        while (caught := self._caught.get()) is not None:
+            signum, at = caught
+            try:
+                self.on_notice(self._notice(signum, at))
+            except Exception:  # one bad delivery must not stop the next notice
+                log.exception("handing on the notice of signal %d failed", signum)
+
+    def _notice(self, signum: int, at: float) -> Notice:
         source: Source = "sigterm" if signum == signal.SIGTERM else "sigint"
-        on_notice(Notice(source=source, node_id=node_id, rank=rank,
-                         deadline=_now() + timedelta(seconds=grace_s), detail=f"signal {signum}"))
+        received = datetime.fromtimestamp(at, UTC)
+        return Notice(source=source, node_id=self.node_id, rank=self.rank, received_at=received,
+                      deadline=received + timedelta(seconds=self.grace_s), detail=f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+def install_signal_notices(node_id: str | None, rank: int | None, grace_s: float,
+                           on_notice: NoticeCallback) -> SignalNotices:
+    """Turn SIGTERM and SIGINT to this process into notices (call on the main thread); ``on_notice``
+    is called on another thread (see :class:`SignalNotices`). ``close()`` on the result undoes it."""
+    return SignalNotices(node_id, rank, grace_s, on_notice).install()

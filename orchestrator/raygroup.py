@@ -64,7 +64,8 @@ class RankActor:
         self._lock = threading.Lock()
         self._imds: ImdsWatcher | None = None
         # __init__ runs on the actor's main thread, the only one that may install signal handlers:
-        # a SIGTERM to this process becomes a notice instead of an exit.
+        # a SIGTERM to this process becomes a notice instead of an exit. _on_notice runs on the
+        # notices' own thread, never in the handler, so its lock and the runner's wake are safe.
         install_signal_notices(self.node_id, None, self.grace_s, self._on_notice)
 
     def _on_notice(self, notice: Notice) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 import uuid
@@ -234,24 +233,17 @@ class Supervisor:
                        restored_from=self.restored_from)
 
     def notify(self, notice: Notice) -> None:
-        """Hand the supervisor a notice (its own signal handlers and tests call this)."""
+        """Hand the supervisor a notice, from any thread (its signal notices' thread and tests call
+        this); never from a signal handler: the queue and the wake event take locks."""
         self.notices.put(notice)
         self._woken.set()
 
     def _watch_driver_signals(self) -> Callable[[], None]:
-        """SIGTERM/SIGINT to the driver become notices; returns a function restoring the old handlers."""
+        """SIGTERM/SIGINT to the driver become notices; returns a function that restores the old handlers
+        (and ends the thread that hands the notices on)."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        old = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-        install_signal_notices(None, None, self.spec.preemption.grace_s, self.notify)
-
-        def restore() -> None:
-            for sig, h in old.items():
-                # getsignal gives None for a handler installed outside Python (an embedding
-                # process); signal.signal refuses None, and the default is what such a process had
-                signal.signal(sig, signal.SIG_DFL if h is None else h)
-
-        return restore
+        return install_signal_notices(None, None, self.spec.preemption.grace_s, self.notify).close
 
     def _keys(self) -> list[str]:
         return [f"{self.spec.job_id}/bundles/{m.bundle_id}" for m in self.published]

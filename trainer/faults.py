@@ -2,8 +2,9 @@
 
 A ``SIGKILL`` fault really kills the running process (no cleanup, no flush
 beyond what already reached the OS); a ``SIGTERM`` fault is a preemption
-notice the process must survive and act on. Each fault is scoped to one
-attempt and fires once, so the resumed job runs past the same place.
+notice the process must survive and act on; a ``HOLD`` fault sends nothing and
+waits until the rank is asked to checkpoint, stop or abort. Each fault is scoped
+to one attempt and fires once, so the resumed job runs past the same place.
 
 Every fault that fires is recorded first: a create-only :class:`FaultFired`
 object under ``<job_id>/faults/`` in the job's storage, written (and, for a
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -82,18 +83,30 @@ class FaultInjector:
             (f.site, f.update, f.microstep): f.signal for f in faults if f.attempt == attempt and f.rank == rank
         }
         self.log = log
+        self._hold: Callable[[], object] | None = None
 
     def record_to(self, log: FaultLog) -> None:
         """Record every fault this injector fires in ``log`` (before its signal is sent)."""
         self.log = log
 
+    def hold_with(self, wait: Callable[[], object]) -> None:
+        """How a ``HOLD`` fault waits: ``wait()`` returns once the rank was asked to checkpoint, stop
+        or abort (at once when it already was)."""
+        self._hold = wait
+
     def hit(self, site: FaultSite, update: int, microstep: int = 0) -> None:
         sig = self.armed.pop((site, update, microstep), None)
         if sig is None:
             return
-        if self.log is not None:
+        if self.log is not None:  # first: a test acts on this record while the rank holds
             self.log.record(FaultFired(site=site, signal=sig, update=update, microstep=microstep,
                                        attempt=self.attempt, rank=self.rank, pid=os.getpid()))
+        if sig == "HOLD":
+            if self._hold is None:
+                raise RuntimeError(f"a HOLD fault at {site} of update {update} has nothing to wait on: only a "
+                                   "rank's training loop can hold")
+            self._hold()
+            return
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), getattr(signal, sig))

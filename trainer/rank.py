@@ -86,6 +86,8 @@ class RankRunner:
         if isinstance(self.session.feed, TokenFeed):  # a growing source's rescans, agreed across ranks
             self.session.feed.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
         self.session.faults.record_to(FaultLog(self.storage, spec.job_id))  # verify counts what fired
+        self._asked = threading.Event()  # set by request() and abort(): ends a HOLD fault's wait
+        self.session.faults.hold_with(self._asked.wait)
         self.writer = BundleWriter(self.storage, self.session.faults)
         # Rank 0 writes the metric points, off the training thread; each upserts by <job>/<update>/<name>.
         self.metrics: MetricSink = NullSink()
@@ -126,11 +128,13 @@ class RankRunner:
         with self._lock:
             self._checkpoint_requested |= checkpoint or stop
             self._stop_requested |= stop
+        self._asked.set()
 
     def abort(self) -> None:
         """Stop at the next boundary without a checkpoint (the supervisor gave this attempt up)."""
         with self._lock:
             self._abort_requested = True
+        self._asked.set()
 
     def wake(self) -> None:
         """Something the supervisor must see at once arrived (a preemption notice, say): end

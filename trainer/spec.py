@@ -171,21 +171,35 @@ class CheckpointSpec(_Strict):
 # forward pass; before_update: all microsteps done, optimizer not stepped; bundle_write: after a
 # rank's first bundle file is written; after_publish: manifest created, offsets not committed.
 FaultSite = Literal["microstep", "backward", "before_update", "bundle_write", "after_publish"]
+HOLD_SITES: tuple[FaultSite, ...] = ("microstep", "backward", "before_update")  # on the training thread
 
 
 class FaultSpec(_Strict):
-    """A deliberate signal to the running process at a named site.
+    """A deliberate fault in the running process at a named site.
 
     Used by the kill tests and ``spotrun verify``: ``SIGKILL`` really kills the
-    process; ``SIGTERM`` is a preemption notice. ``attempt`` scopes the fault so
-    that the resumed job does not hit it again at the same place."""
+    process; ``SIGTERM`` is a preemption notice; ``HOLD`` sends nothing: the rank
+    waits at the site until the supervisor asks it to checkpoint, stop or abort (for
+    a notice, a drain, a resize, or to end the attempt), or until its process dies.
+    A test holds a job that way so that what it does from outside (a notice, a node
+    removed, a kill) takes effect before the job can finish, however fast it trains.
+    ``attempt`` scopes the fault so that the resumed job does not hit it again at the
+    same place."""
 
     site: FaultSite
-    signal: Literal["SIGKILL", "SIGTERM"] = "SIGKILL"
+    signal: Literal["SIGKILL", "SIGTERM", "HOLD"] = "SIGKILL"
     update: int = Field(ge=1)
     microstep: int = Field(0, ge=0)
     attempt: int = Field(1, ge=1)
     rank: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> FaultSpec:
+        if self.signal == "HOLD" and self.site not in HOLD_SITES:
+            raise ValueError(f"a HOLD fault at site {self.site!r} would hold the supervisor (after_publish) or the "
+                             f"background writer (bundle_write), not the training loop it is meant to hold; put "
+                             f"it at one of {', '.join(HOLD_SITES)}")
+        return self
 
 
 class PreemptionSpec(_Strict):

@@ -8,9 +8,12 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
-from spotrun.trainer.trace import UpdateRecord, trace_lines
+from spotrun.trainer.faults import FaultFired, FaultLog
+from spotrun.trainer.storage import Storage, open_storage
+from spotrun.trainer.trace import UpdateRecord
 from tests.conftest import ROOT
 
 
@@ -28,17 +31,38 @@ def run_cmd(storage: Path, job: str, trace: Path, *sets: str, config: str = "con
     return cmd if ray else [*cmd, "--no-ray"]
 
 
-def kill_after(cmd: list[str], trace: Path, updates_seen: int, timeout: float = 60) -> int:
-    """Start ``cmd``; SIGKILL it once the trace holds ``updates_seen`` lines. Returns the exit code."""
+def hold(update: int, *, rank: int = 0, attempt: int = 1, site: str = "before_update") -> str:
+    """A ``HOLD`` fault for a ``faults=[...]`` override: the rank waits at ``site`` of ``update`` until
+    the supervisor asks it to checkpoint, stop or abort, so the job cannot finish before a test's
+    outside event (a notice, a node removed, a kill) has taken effect."""
+    return f"{{site: {site}, signal: HOLD, update: {update}, rank: {rank}, attempt: {attempt}}}"
+
+
+def wait_until_held(storage: Storage, job: str, running: Callable[[], bool], attempt: int = 1,
+                    timeout: float = 120) -> FaultFired:
+    """Block until the job's ``HOLD`` fault of ``attempt`` fired (its record is written before the rank
+    holds); fail when the job ended first or ``timeout`` passed."""
+    faults, deadline = FaultLog(storage, job), time.monotonic() + timeout
+    while True:
+        held = [f for f in faults.read() if f.signal == "HOLD" and f.attempt == attempt]
+        if held:
+            return held[0]
+        assert running(), f"job {job} ended before its HOLD fault of attempt {attempt} fired"
+        assert time.monotonic() < deadline, f"job {job} did not reach its HOLD fault of attempt {attempt} in time"
+        time.sleep(0.01)  # polling a condition (the fault's record)
+
+
+def kill_when_held(cmd: list[str], storage: Path, job: str, attempt: int = 1) -> int:
+    """Start ``cmd`` (a job with a ``HOLD`` fault in ``attempt``); SIGKILL it once it holds. Returns the
+    exit code; fails when the job ended before holding."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and trace_lines(trace) < updates_seen:
-        if time.monotonic() > deadline:
+    try:
+        wait_until_held(open_storage(f"file://{storage}"), job, lambda: proc.poll() is None, attempt)
+    except AssertionError:
+        if proc.poll() is None:
             proc.kill()
-            raise TimeoutError(f"the job never reached {updates_seen} trace lines")
-        time.sleep(0.005)  # polling a condition (the trace length), not waiting a fixed time
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
+        raise
+    os.kill(proc.pid, signal.SIGKILL)
     return proc.wait()
 
 

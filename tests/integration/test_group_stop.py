@@ -7,35 +7,34 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
 from spotrun.orchestrator.ledger import Ledger, NoticeHandled, Restored
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import read_trace, trace_lines
+from spotrun.trainer.trace import read_trace
 from tests.conftest import ROOT
 from tests.helpers.ray_local import ray_address  # noqa: F401 - the module's local Ray, for the reruns
-from tests.helpers.runs import run_cmd, run_to_end
+from tests.helpers.runs import hold, run_cmd, run_to_end, wait_until_held
 
 pytestmark = pytest.mark.slow
 # 2 ranks, no periodic checkpoint due: any bundle is the emergency one.
 SETS = ("world.size=2", "checkpoint.every_updates=1000", "data.workers=1", "model.n_layer=1")
+# Rank 0 holds before update 3's optimizer step until the stop is acted on: the job cannot finish
+# first, and the emergency bundle is update 3's.
+HELD_AT = 3
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_to_the_whole_process_group_publishes_exits_143_and_loses_nothing(tmp_path, signum, ray_address):
     trace, job = tmp_path / "t.jsonl", f"group-{signum.name.lower()}"
-    cmd = run_cmd(tmp_path / "runs", job, trace, "train.updates=400", *SETS, ray=True)
+    cmd = run_cmd(tmp_path / "runs", job, trace, "train.updates=10", *SETS, f"faults=[{hold(HELD_AT)}]", ray=True)
     # its own process group, as a service manager starts it; the group id is its pid
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+    storage = open_storage(f"file://{tmp_path / 'runs'}")
     try:
-        deadline = time.monotonic() + 180
-        while trace_lines(trace) < 3:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "the job never reached update 3"
-            time.sleep(0.01)  # polling a condition (the trace length)
+        wait_until_held(storage, job, lambda: proc.poll() is None, timeout=180)
         os.killpg(proc.pid, signum)
         code = proc.wait(timeout=180)
         err = proc.stderr.read() if proc.stderr else ""
@@ -44,10 +43,10 @@ def test_a_signal_to_the_whole_process_group_publishes_exits_143_and_loses_nothi
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert code == 143, err
-    storage = open_storage(f"file://{tmp_path / 'runs'}")
     handled = [e for e in Ledger(storage, job).read() if isinstance(e, NoticeHandled)]
     assert handled, f"no emergency bundle was published: {err}"
     bundle_update = handled[0].update
+    assert bundle_update == HELD_AT
     first_run = read_trace(trace)
     assert max(r.update for r in first_run) == bundle_update, "updates after the bundle were lost"
 

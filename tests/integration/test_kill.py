@@ -12,7 +12,7 @@ from spotrun.trainer.data.listing import scan
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import ROOT
-from tests.helpers.runs import assert_exact_coverage, kill_after, run_cmd, run_to_end
+from tests.helpers.runs import assert_exact_coverage, hold, kill_when_held, run_cmd, run_to_end
 
 pytestmark = pytest.mark.slow
 SETS = ("train.updates=45", "checkpoint.every_updates=5", "data.workers=2", "data.prefetch=2", "data.seq_len=48")
@@ -39,13 +39,15 @@ def _finish_and_compare(cmd, trace, reference):
 
 
 def test_external_sigkill_at_random_points(reference, tmp_path):
-    """Two SIGKILLs from outside at seeded-random updates; the same command resumes each time."""
+    """Two SIGKILLs from outside at seeded-random updates; the same command resumes each time. Each run
+    holds at its update (a HOLD fault), so it is still there to be killed however fast it trains."""
     rng = random.Random(20261129)  # the test's own generator
     trace = tmp_path / "t.jsonl"
-    cmd = run_cmd(tmp_path / "runs", "killed", trace, *SETS)
     first, second = sorted(rng.sample(range(12, 40), 2))  # bundle 5 is published by then
-    assert kill_after(cmd, trace, first) == -9
-    assert kill_after(cmd, trace, second) == -9
+    cmd = run_cmd(tmp_path / "runs", "killed", trace, *SETS,
+                  f"faults=[{hold(first, site='microstep')}, {hold(second, site='microstep', attempt=2)}]")
+    assert kill_when_held(cmd, tmp_path / "runs", "killed", attempt=1) == -9
+    assert kill_when_held(cmd, tmp_path / "runs", "killed", attempt=2) == -9
     _finish_and_compare(cmd, trace, reference)
     events = Ledger(open_storage(f"file://{tmp_path / 'runs'}"), "killed").read()
     restores = [e for e in events if isinstance(e, Restored)]

@@ -33,8 +33,9 @@ from spotrun.orchestrator.raygroup import available_rank_slots, room_for_more_ra
 from spotrun.orchestrator.supervisor import JobFailedError
 from spotrun.trainer.bundle import list_bundles, load_bundle
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace, trace_lines
+from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import make_spec
+from tests.helpers.runs import hold, wait_until_held
 
 pytestmark = pytest.mark.slow
 # Dropout on: the global generators are seeded per micro-batch, which is the same sequences at
@@ -106,18 +107,19 @@ class Background:
             assert time.monotonic() < deadline, "condition not reached in time"
             time.sleep(0.02)  # polling a condition
 
-    def trace_lines(self) -> int:
-        return trace_lines(self.trace)
+    def wait_until_held(self, attempt: int = 1) -> None:
+        """Until the attempt's HOLD fault fired: the job trains no further until the supervisor asks."""
+        wait_until_held(open_storage(self.spec.storage), self.spec.job_id, self.thread.is_alive, attempt)
 
     def join(self) -> None:
         self.thread.join(timeout=300)
         assert not self.thread.is_alive()
 
 
-def shrink_then_grow(cluster: Cluster, job: Background, after_updates: int) -> None:
-    """Remove rank 1's node once the job traced ``after_updates``; add a node once it restarted on one
-    rank; wait for the job to end."""
-    job.wait_for(lambda: job.trace_lines() >= after_updates)
+def shrink_then_grow(cluster: Cluster, job: Background) -> None:
+    """Remove rank 1's node once the job holds (attempt 1); add a node once it restarted on one rank;
+    wait for the job to end."""
+    job.wait_until_held()
     remove_rank_node(cluster, job, rank=1)
     job.wait_for(lambda: any(isinstance(e, AttemptStarted) and e.world_size == 1 for e in job.events()))
     cluster.add_node(num_cpus=1)
@@ -140,9 +142,9 @@ def final_params(spec):
 def test_elastic_restarts_smaller_with_same_occurrences(cluster, reference, tmp_path):
     two_workers(cluster)
     ref_spec, ref_trace = reference
-    spec = make_spec(tmp_path, *SETS, "world.policy=elastic", job_id="elastic")
+    spec = make_spec(tmp_path, *SETS, "world.policy=elastic", f"faults=[{hold(12)}]", job_id="elastic")
     job = Background(spec, tmp_path / "t.jsonl")
-    job.wait_for(lambda: job.trace_lines() >= 12)
+    job.wait_until_held()
     remove_rank_node(cluster, job, rank=1)
     job.join()
     assert job.error is None and job.outcome.restarts == 1, job.story()
@@ -187,10 +189,12 @@ def test_elastic_grows_back_when_a_node_returns_fsdp_resharding_its_bundles(clus
     sets = (*SETS, "train.parallelism=fsdp", "train.updates=400", "checkpoint.every_updates=20")
     ref_spec = make_spec(tmp_path, *sets, job_id="fsdp-ref")
     run_on_ray(ref_spec, trace_path=str(tmp_path / "ref.jsonl"))
+    # held at update 30 of attempt 1 until its node is lost, and at 40 of attempt 2 until it grows
     spec = make_spec(tmp_path, *sets, "world.policy=elastic", "world.grow_check_s=0.2", "world.max_restarts=1",
-                     "checkpoint.keep_last=50", job_id="fsdp-grow")  # the restored bundles stay to be read
+                     "checkpoint.keep_last=50", f"faults=[{hold(30)}, {hold(40, attempt=2)}]",
+                     job_id="fsdp-grow")  # the restored bundles stay to be read
     job = Background(spec, tmp_path / "t.jsonl")
-    shrink_then_grow(cluster, job, after_updates=30)
+    shrink_then_grow(cluster, job)
     assert job.error is None and job.outcome.restarts == 1, job.story()
     events = job.events()
     resizing = next(e for e in events if isinstance(e, Resizing))
@@ -269,9 +273,10 @@ def test_when_another_job_holds_a_node_elastic_steps_down_and_strict_fails_in_ti
 def test_strict_waits_and_resumes_bitwise_when_a_node_returns(cluster, reference, tmp_path):
     two_workers(cluster)
     _, ref_trace = reference
-    spec = make_spec(tmp_path, *SETS, "world.policy=strict", "world.capacity_timeout_s=120", job_id="strict")
+    spec = make_spec(tmp_path, *SETS, "world.policy=strict", "world.capacity_timeout_s=120", f"faults=[{hold(12)}]",
+                     job_id="strict")
     job = Background(spec, tmp_path / "t.jsonl")
-    job.wait_for(lambda: job.trace_lines() >= 12)
+    job.wait_until_held()
     remove_rank_node(cluster, job, rank=1)
     job.wait_for(lambda: any(isinstance(e, WorkerLost) for e in job.events()))
     cluster.add_node(num_cpus=1)  # capacity returns
@@ -288,9 +293,10 @@ def test_strict_waits_and_resumes_bitwise_when_a_node_returns(cluster, reference
 
 def test_strict_fails_clearly_when_capacity_never_returns(cluster, tmp_path):
     two_workers(cluster)
-    spec = make_spec(tmp_path, *SETS, "world.policy=strict", "world.capacity_timeout_s=2", job_id="gone")
+    spec = make_spec(tmp_path, *SETS, "world.policy=strict", "world.capacity_timeout_s=2", f"faults=[{hold(8)}]",
+                     job_id="gone")
     job = Background(spec, tmp_path / "t.jsonl")
-    job.wait_for(lambda: job.trace_lines() >= 8)
+    job.wait_until_held()
     remove_rank_node(cluster, job, rank=1)
     job.join()
     assert isinstance(job.error, JobFailedError)
@@ -308,12 +314,12 @@ def test_ray_drain_notice_checkpoints_then_moves_off_the_node(cluster, reference
     from ray.core.generated import autoscaler_pb2
 
     two_workers(cluster)
-    # 200 updates: the drain must land before the job's end (at 30 the job, traced at the
-    # supervisor's polls, could finish before the notice was seen, and then no restart happens)
-    spec = make_spec(tmp_path, *SETS, "world.policy=elastic", "train.updates=200", "checkpoint.every_updates=1000",
-                     "preemption.drain_poll_s=0.1", job_id="drained")
+    # Rank 0 holds before update 8's optimizer step until the drain is acted on: the job cannot
+    # finish before the notice is seen, and the emergency bundle is update 8's.
+    spec = make_spec(tmp_path, *SETS, "world.policy=elastic", "checkpoint.every_updates=1000",
+                     "preemption.drain_poll_s=0.1", f"faults=[{hold(8)}]", job_id="drained")
     job = Background(spec, tmp_path / "t.jsonl")
-    job.wait_for(lambda: job.trace_lines() >= 8)
+    job.wait_until_held()
     started = [e for e in job.events() if isinstance(e, AttemptStarted)][-1]
     gcs = ray._raylet.GcsClient(address=cluster.address)
     accepted, why = gcs.drain_node(started.node_ids[1], autoscaler_pb2.DrainNodeReason.Value(
@@ -323,7 +329,7 @@ def test_ray_drain_notice_checkpoints_then_moves_off_the_node(cluster, reference
     assert job.error is None and job.outcome.restarts == 1, job.story()
     events = job.events()
     handled = next(e for e in events if isinstance(e, NoticeHandled))
-    assert handled.source == "ray-drain"
+    assert handled.source == "ray-drain" and handled.update == 8
     restored = next(e for e in events if isinstance(e, Restored))
     assert restored.lost_updates == 0 and restored.update == handled.update
     assert restored.world_size_after == 1 and restored.recovery_label == "exact-data"

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -18,16 +17,20 @@ from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import run_on_ray
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger, NoticeHandled, NoticeSeen, Restored
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace, trace_lines
+from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import ROOT, make_spec
 from tests.helpers.imds import Imds
 from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
-from tests.helpers.runs import run_cmd, run_to_end
+from tests.helpers.runs import hold, run_cmd, run_to_end, wait_until_held
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
 # every_updates is large: the only bundles before the end are the ones notices ask for.
 SETS = ("world.size=2", "train.updates=30", "checkpoint.every_updates=100", "data.workers=1",
         "model.dropout=0.1", "preemption.imds_poll_s=0.05", "world.restart_backoff_s=0.1")
+# Rank 0 of the first attempt holds before update 10's optimizer step until the notice is acted on:
+# the job cannot finish first, and the emergency bundle is update 10's.
+HELD_AT = 10
+HOLD = f"faults=[{hold(HELD_AT)}]"
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +55,11 @@ def run_in_background(spec, trace):
     return thread, result
 
 
-def wait_lines(trace, n, thread):
-    deadline = time.monotonic() + 120
-    while trace_lines(trace) < n:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.01)  # polling a condition
-
-
 def check_exact_after_one_notice(spec, trace, reference, source):
     events = Ledger(open_storage(spec.storage), spec.job_id).read()
     handled = [e for e in events if isinstance(e, NoticeHandled)]
     assert len(handled) == 1 and handled[0].source == source
+    assert handled[0].update == HELD_AT, "the emergency bundle is the one of the boundary the ranks were held at"
     restored = [e for e in events if isinstance(e, Restored)]
     assert len(restored) == 1 and restored[0].lost_updates == 0 and restored[0].update == handled[0].update
     row = history(open_storage(spec.storage), spec.job_id)["restarts"][0]
@@ -74,11 +71,11 @@ def check_exact_after_one_notice(spec, trace, reference, source):
 
 
 def test_aws_notice_gives_emergency_bundle_and_exact_finish(imds, reference, tmp_path):
-    spec = make_spec(tmp_path, *SETS, f"preemption.imds_url={imds.url}", job_id="aws")
+    spec = make_spec(tmp_path, *SETS, HOLD, f"preemption.imds_url={imds.url}", job_id="aws")
     trace = tmp_path / "t.jsonl"
     imds.set(None)
     thread, result = run_in_background(spec, trace)
-    wait_lines(trace, 9, thread)
+    wait_until_held(open_storage(spec.storage), "aws", thread.is_alive)
     when = datetime.now(UTC) + timedelta(seconds=120)
     imds.set(json.dumps({"action": "terminate", "time": when.isoformat().replace("+00:00", "Z")}).encode())
     thread.join(timeout=180)
@@ -88,10 +85,10 @@ def test_aws_notice_gives_emergency_bundle_and_exact_finish(imds, reference, tmp
 
 
 def test_sigterm_to_a_worker_process_gives_the_same_outcome(reference, tmp_path):
-    spec = make_spec(tmp_path, *SETS, job_id="sigterm")
+    spec = make_spec(tmp_path, *SETS, HOLD, job_id="sigterm")
     trace = tmp_path / "t.jsonl"
     thread, result = run_in_background(spec, trace)
-    wait_lines(trace, 9, thread)
+    wait_until_held(open_storage(spec.storage), "sigterm", thread.is_alive)
     started = [e for e in Ledger(open_storage(spec.storage), "sigterm").read() if isinstance(e, AttemptStarted)][0]
     os.kill(started.rank_pids[1], signal.SIGTERM)
     thread.join(timeout=180)
@@ -104,18 +101,15 @@ def test_sigterm_to_a_worker_process_gives_the_same_outcome(reference, tmp_path)
 def test_sigterm_to_the_driver_publishes_exits_and_resumes(tmp_path):
     """`spotrun run` (in-process rank) gets SIGTERM: emergency bundle, exit 143; rerun loses nothing."""
     trace = tmp_path / "t.jsonl"
-    cmd = run_cmd(tmp_path / "runs", "drv", trace, "train.updates=30", "checkpoint.every_updates=100")
+    cmd = run_cmd(tmp_path / "runs", "drv", trace, "train.updates=30", "checkpoint.every_updates=100", HOLD)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while trace_lines(trace) < 9:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)  # polling a condition
+    wait_until_held(open_storage(f"file://{tmp_path / 'runs'}"), "drv", lambda: proc.poll() is None)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 143
     assert "run the same command to resume" in proc.stderr.read()
     events = Ledger(open_storage(f"file://{tmp_path / 'runs'}"), "drv").read()
     handled = next(e for e in events if isinstance(e, NoticeHandled))
-    assert handled.source == "sigterm"
+    assert handled.source == "sigterm" and handled.update == HELD_AT
     done = run_to_end(cmd)
     assert done.returncode == 0, done.stderr
     restored = [e for e in Ledger(open_storage(f"file://{tmp_path / 'runs'}"), "drv").read()

@@ -6,7 +6,7 @@ import pytest
 
 from spotrun.trainer.metrics import FanOut, JsonlSink, NullSink, SqliteSink, TensorBoardSink, points_of
 from spotrun.trainer.trace import latest_per_update, read_trace
-from tests.helpers.runs import kill_after, run_cmd, run_to_end
+from tests.helpers.runs import hold, kill_when_held, run_cmd, run_to_end
 
 
 @pytest.mark.parametrize("kind", [SqliteSink, JsonlSink])
@@ -43,11 +43,13 @@ def test_fanout_and_null():
 
 
 def test_killed_job_has_one_point_per_update_equal_to_reference(tmp_path):
-    """A job SIGKILLed after update 17 and resumed: exactly one loss point per update, each the value
-    of the final attempt's trace (which equals the uninterrupted run)."""
+    """A job SIGKILLed after update 17 (held before update 18's first microstep) and resumed: exactly
+    one loss point per update, each the value of the final attempt's trace (which equals the
+    uninterrupted run)."""
     trace = tmp_path / "t.jsonl"
-    cmd = run_cmd(tmp_path / "runs", "m", trace, "train.updates=25", "metrics.sinks=[sqlite, jsonl]")
-    assert kill_after(cmd, trace, 17) == -9
+    cmd = run_cmd(tmp_path / "runs", "m", trace, "train.updates=25", "metrics.sinks=[sqlite, jsonl]",
+                  f"faults=[{hold(18, site='microstep')}]")
+    assert kill_when_held(cmd, tmp_path / "runs", "m") == -9
     assert run_to_end(cmd).returncode == 0
     final = latest_per_update(read_trace(trace))
     for sink in (SqliteSink(tmp_path / "runs/m/metrics.sqlite"), JsonlSink(tmp_path / "runs/m/metrics.jsonl")):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -12,9 +11,10 @@ import pytest
 from spotrun.orchestrator.launch import in_process_supervisor
 from spotrun.orchestrator.ledger import Ledger, NoticeHandled, NoticeSeen, Restored
 from spotrun.orchestrator.notices import ImdsWatcher, Notice, parse_instance_action
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace, trace_lines
+from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.helpers.imds import Imds
 from tests.helpers.oracle import reference_run
+from tests.helpers.runs import hold, wait_until_held
 
 SETS = ("train.updates=40", "checkpoint.every_updates=10", "data.workers=1", "model.dropout=0.1")
 
@@ -32,16 +32,14 @@ def reference(tmp_path_factory):
     return trace
 
 
-def run_with_notices(spec, trace, notices_after: int, notices: list[Notice]):
-    """Run the job on a thread; once the trace has ``notices_after`` lines, hand the supervisor ``notices``."""
+def run_with_notices(spec, trace, notices: list[Notice]):
+    """Run the job on a thread; once its rank holds (a HOLD fault in ``spec``: it trains no further
+    until the supervisor asks for a checkpoint, a stop or an abort), hand the supervisor ``notices``."""
     sup = in_process_supervisor(spec, trace_path=str(trace))
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("outcome", sup.run()), daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
-    while trace_lines(trace) < notices_after:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.005)  # polling a condition
+    wait_until_held(sup.storage, spec.job_id, thread.is_alive)
     for n in notices:
         sup.notify(n)
     thread.join(timeout=120)
@@ -51,15 +49,15 @@ def run_with_notices(spec, trace, notices_after: int, notices: list[Notice]):
 def test_notice_in_time_gives_an_emergency_bundle_and_loses_nothing(spec_factory, tmp_path, reference):
     # No periodic bundle before the end (checkpoints do not change the trajectory: the reference's
     # every 10 still applies), so any bundle the notice is handled with is an emergency one. The
-    # rank may be several updates ahead of the trace when the notice arrives.
-    spec = spec_factory(*SETS, "checkpoint.every_updates=100", job_id="warned")
+    # rank holds before update 13's optimizer step until the notice is acted on: the bundle is 13's.
+    spec = spec_factory(*SETS, "checkpoint.every_updates=100", f"faults=[{hold(13)}]", job_id="warned")
     notice = Notice(source="aws", node_id="local", rank=0, deadline=_now() + timedelta(seconds=120))
-    outcome, events = run_with_notices(spec, tmp_path / "t.jsonl", 13, [notice, notice])  # the second: a duplicate
+    outcome, events = run_with_notices(spec, tmp_path / "t.jsonl", [notice, notice])  # the second: a duplicate
     assert outcome.restarts == 1
     seen = [e for e in events if isinstance(e, NoticeSeen)]
     assert [e.action for e in seen] == ["emergency-checkpoint"], "the duplicate must be ignored"
     handled = next(e for e in events if isinstance(e, NoticeHandled))
-    assert 13 <= handled.update < 40, "an emergency bundle, taken at the boundary after the notice"
+    assert handled.update == 13, "an emergency bundle, taken at the boundary the notice found the rank at"
     assert handled.notice_to_publish_seconds >= 0
     restored = next(e for e in events if isinstance(e, Restored))
     assert restored.update == handled.update and restored.lost_updates == 0
@@ -69,14 +67,14 @@ def test_notice_in_time_gives_an_emergency_bundle_and_loses_nothing(spec_factory
 
 
 def test_deadline_already_passed_falls_back_and_finishes_exactly(spec_factory, tmp_path, reference):
-    spec = spec_factory(*SETS, job_id="late")
+    spec = spec_factory(*SETS, f"faults=[{hold(15)}]", job_id="late")  # bundle 10 is published by then
     notice = Notice(source="aws", node_id="local", rank=0, deadline=_now() - timedelta(seconds=5))
-    outcome, events = run_with_notices(spec, tmp_path / "t.jsonl", 15, [notice])
+    outcome, events = run_with_notices(spec, tmp_path / "t.jsonl", [notice])
     seen = next(e for e in events if isinstance(e, NoticeSeen))
     assert seen.action == "fallback" and "falling back" in seen.reason
     assert not [e for e in events if isinstance(e, NoticeHandled)]
     restored = next(e for e in events if isinstance(e, Restored))
-    assert restored.update % 10 == 0 and restored.cause == "notice:aws"
+    assert restored.update == 10 and restored.cause == "notice:aws"
     final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
     assert first_divergence(reference, list(final.values())) is None and len(final) == 40
 
@@ -85,7 +83,10 @@ def test_malformed_and_unknown_node_notices_are_ignored(spec_factory, tmp_path, 
     spec = spec_factory(*SETS, job_id="noise")
     notices = [Notice(source="aws", node_id="local", deadline=None, malformed="instance-action body is not JSON"),
                Notice(source="aws", node_id="some-other-node", deadline=_now() + timedelta(seconds=120))]
-    outcome, events = run_with_notices(spec, tmp_path / "t.jsonl", 5, notices)
+    sup = in_process_supervisor(spec, trace_path=str(tmp_path / "t.jsonl"))
+    for n in notices:  # queued before the run: the first look at the running attempt reads them
+        sup.notify(n)
+    outcome, events = sup.run(), Ledger(sup.storage, spec.job_id).read()
     assert outcome.restarts == 0 and outcome.state == "finished"
     seen = [e for e in events if isinstance(e, NoticeSeen)]
     assert [e.action for e in seen] == ["ignored", "ignored"]
@@ -211,13 +212,16 @@ def test_signal_notices_unblock_sigterm_inherited_blocked():
     import sys
 
     code = """
-import os, signal
+import os, queue, signal
 from spotrun.orchestrator.notices import install_signal_notices
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-got = []
-install_signal_notices("n1", 0, 30.0, got.append)
+got = queue.SimpleQueue()
+install_signal_notices("n1", 0, 30.0, got.put)
 os.kill(os.getpid(), signal.SIGTERM)
-print(got[0].source if got else "none")
+try:
+    print(got.get(timeout=30).source)  # handed on by the notices' own thread
+except queue.Empty:
+    print("none")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "sigterm", (done.stdout, done.stderr, signal.SIGTERM)
@@ -226,10 +230,10 @@ print(got[0].source if got else "none")
 def test_the_drivers_stop_wins_over_a_ranks_drain(spec_factory, tmp_path):
     """A stop to the whole process group reaches a rank and the driver, in either order. Rank first:
     the job must still stop (exit 143) after the bundle, not restart and train on."""
-    spec = spec_factory(*SETS, "checkpoint.every_updates=100", job_id="both")
+    spec = spec_factory(*SETS, "checkpoint.every_updates=100", f"faults=[{hold(5)}]", job_id="both")
     rank = Notice(source="sigterm", node_id="local", rank=0, deadline=_now() + timedelta(seconds=120))
     driver = Notice(source="sigterm", node_id=None, deadline=_now() + timedelta(seconds=120))
-    outcome, events = run_with_notices(spec, tmp_path / "t.jsonl", 5, [rank, driver])
+    outcome, events = run_with_notices(spec, tmp_path / "t.jsonl", [rank, driver])
     assert outcome.state == "stopped" and outcome.restarts == 0, outcome
     assert [e.action for e in events if isinstance(e, NoticeSeen)] == ["emergency-checkpoint"] * 2
     assert len([e for e in events if isinstance(e, NoticeHandled)]) == 1
@@ -319,3 +323,52 @@ def test_the_wait_between_polls_ends_when_ray_drain_state_is_due(tmp_path, drain
     assert sup.run().state == "finished"
     assert waits == pytest.approx([expected_wait] * 3)
     assert reads == pytest.approx(expected_reads)  # when the drain state was read, on the job's clock
+
+
+def test_a_storm_of_sigterms_to_a_polling_driver_neither_deadlocks_nor_loses_a_notice(tmp_path):
+    """Python runs a signal handler on the main thread inside whatever it was doing, here the
+    supervisor's look at a running attempt (``_new_notices``, then the wait on the wake event): a
+    handler that took the notice queue's or the wake event's lock there would wait for itself
+    forever. 500 SIGTERMs, one at a time, must all come out as notices (a deadlock is caught by the
+    helper's watchdog, which prints every thread's stack and exits 1)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.signal_storm", "500", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and "received 500 of 500 notices" in done.stdout, (
+        f"stdout: {done.stdout}\nstderr (the watchdog prints every thread's stack):\n{done.stderr[-4000:]}")
+
+
+def test_signal_notices_go_on_after_a_failing_callback_and_close_restores_the_handlers():
+    """The notices' thread logs a callback that raises and hands on the next signal; ``close`` hands on
+    every signal caught before it, ends the thread and puts the process's own handler back."""
+    import os
+    import queue
+    import signal
+
+    from spotrun.orchestrator.notices import install_signal_notices
+
+    got: queue.SimpleQueue[Notice] = queue.SimpleQueue()
+    calls: list[Notice] = []
+
+    def on_notice(n: Notice) -> None:
+        calls.append(n)
+        if len(calls) == 1:
+            raise RuntimeError("the first delivery fails")
+        got.put(n)
+
+    before = signal.getsignal(signal.SIGTERM)
+    notices = install_signal_notices("n1", 2, 30.0, on_notice)
+    try:
+        signal.raise_signal(signal.SIGTERM)  # the handler runs before raise_signal returns: one call each
+        os.kill(os.getpid(), signal.SIGTERM)
+        second = got.get(timeout=30)
+    finally:
+        notices.close()
+    assert len(calls) == 2 and not notices._thread.is_alive()
+    assert (second.source, second.node_id, second.rank) == ("sigterm", "n1", 2)
+    assert second.deadline == second.received_at + timedelta(seconds=30)
+    assert signal.getsignal(signal.SIGTERM) is before

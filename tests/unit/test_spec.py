@@ -103,6 +103,15 @@ def test_set_parses_yaml_lists_of_fault_dicts():
     )
 
 
+def test_a_hold_fault_is_refused_off_the_training_loop():
+    """A HOLD holds the training loop until the supervisor asks: at after_publish it would hold the
+    supervisor itself, at bundle_write the background writer; the error names the sites it may use."""
+    assert FaultSpec(site="before_update", signal="HOLD", update=3).signal == "HOLD"
+    for site in ("after_publish", "bundle_write"):
+        with pytest.raises(ValueError, match=f"HOLD fault at site '{site}'.*microstep, backward, before_update"):
+            FaultSpec(site=site, signal="HOLD", update=3)
+
+
 def test_set_parses_a_list_value():
     """A YAML list override fills a tuple field."""
     spec = load_spec(TINY, ["train.betas=[0.8, 0.99]"])
