@@ -199,15 +199,16 @@ class SignalNotices:
         self._thread = threading.Thread(target=self._deliver, name="signal-notices", daemon=True)
 
     def install(self) -> SignalNotices:
-        """Start the thread, then catch the signals (on the main thread: only it may install
-        handlers). SIGTERM is unblocked here: a Ray worker inherits it blocked from the embedded Ray
-        (see :func:`~spotrun.orchestrator.launch.group_signals_spare_ray`). SIGINT stays as the
-        process has it (Ray blocks it in every process it starts)."""
-        self._thread.start()
+        """Catch the signals (on the main thread: only it may install handlers; elsewhere
+        ``ValueError``), then start the thread (a signal caught in between waits in the queue).
+        SIGTERM is unblocked here: a Ray worker inherits it blocked from the embedded Ray (see
+        :func:`~spotrun.orchestrator.launch.group_signals_spare_ray`). SIGINT stays as the process
+        has it (Ray blocks it in every process it starts)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._old[sig] = signal.getsignal(sig)
             signal.signal(sig, self._caught_signal)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        self._thread.start()
         return self
 
     def close(self) -> None:

@@ -87,7 +87,7 @@ class RankRunner:
             self.session.feed.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
         self.session.faults.record_to(FaultLog(self.storage, spec.job_id))  # verify counts what fired
         self._asked = threading.Event()  # set by request() and abort(): ends a HOLD fault's wait
-        self.session.faults.hold_with(self._asked.wait)
+        self.session.faults.hold_with(self._hold)
         self.writer = BundleWriter(self.storage, self.session.faults)
         # Rank 0 writes the metric points, off the training thread; each upserts by <job>/<update>/<name>.
         self.metrics: MetricSink = NullSink()
@@ -200,6 +200,13 @@ class RankRunner:
         with self._lock:
             self._report.state = state
         return state
+
+    def _hold(self) -> None:
+        """A HOLD fault, on the training thread: report the bundle write in flight once it is done (the
+        loop reports writes between updates, so a held rank would sit on it and the supervisor could not
+        publish it), then wait until asked to checkpoint, stop or abort."""
+        self._collect(self.writer.wait())
+        self._asked.wait()
 
     def _flags(self, update: int) -> list[bool]:
         """This rank's boundary flags for ``update``: checkpoint (asked for, or scheduled), stop, abort."""

@@ -179,8 +179,10 @@ class FaultSpec(_Strict):
 
     Used by the kill tests and ``spotrun verify``: ``SIGKILL`` really kills the
     process; ``SIGTERM`` is a preemption notice; ``HOLD`` sends nothing: the rank
-    waits at the site until the supervisor asks it to checkpoint, stop or abort (for
-    a notice, a drain, a resize, or to end the attempt), or until its process dies.
+    reports the bundle it is writing once written (so every bundle taken before the
+    hold gets published), then waits at the site until the supervisor asks it to
+    checkpoint, stop or abort (for a notice, a drain, a resize, or to end the
+    attempt), or until its process dies.
     A test holds a job that way so that what it does from outside (a notice, a node
     removed, a kill) takes effect before the job can finish, however fast it trains.
     ``attempt`` scopes the fault so that the resumed job does not hit it again at the

@@ -11,7 +11,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from spotrun.trainer.faults import FaultFired, FaultLog
+from spotrun.orchestrator.ledger import BundlePublished, Ledger
+from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.storage import Storage, open_storage
 from spotrun.trainer.trace import UpdateRecord
 from tests.conftest import ROOT
@@ -39,25 +40,33 @@ def hold(update: int, *, rank: int = 0, attempt: int = 1, site: str = "before_up
 
 
 def wait_until_held(storage: Storage, job: str, running: Callable[[], bool], attempt: int = 1,
-                    timeout: float = 120) -> FaultFired:
+                    published: int | None = None, timeout: float = 120) -> None:
     """Block until the job's ``HOLD`` fault of ``attempt`` fired (its record is written before the rank
-    holds); fail when the job ended first or ``timeout`` passed."""
-    faults, deadline = FaultLog(storage, job), time.monotonic() + timeout
-    while True:
-        held = [f for f in faults.read() if f.signal == "HOLD" and f.attempt == attempt]
-        if held:
-            return held[0]
-        assert running(), f"job {job} ended before its HOLD fault of attempt {attempt} fired"
-        assert time.monotonic() < deadline, f"job {job} did not reach its HOLD fault of attempt {attempt} in time"
-        time.sleep(0.01)  # polling a condition (the fault's record)
+    holds) and, with ``published``, the bundle of that update is published (a held rank reports the
+    write in flight, so every bundle taken before the hold is published while it holds); fail when
+    the job ended first or ``timeout`` passed."""
+    faults, ledger, deadline = FaultLog(storage, job), Ledger(storage, job), time.monotonic() + timeout
+
+    def reached() -> bool:
+        if not any(f.signal == "HOLD" and f.attempt == attempt for f in faults.read()):
+            return False
+        return published is None or any(isinstance(e, BundlePublished) and e.update == published
+                                        for e in ledger.read())
+
+    what = f"hold in attempt {attempt}" + (f" with bundle {published} published" if published is not None else "")
+    while not reached():
+        assert running(), f"job {job} ended before it came to {what}"
+        assert time.monotonic() < deadline, f"job {job} did not come to {what} in {timeout:g}s"
+        time.sleep(0.01)  # polling a condition (the fault's record, the ledger)
 
 
-def kill_when_held(cmd: list[str], storage: Path, job: str, attempt: int = 1) -> int:
-    """Start ``cmd`` (a job with a ``HOLD`` fault in ``attempt``); SIGKILL it once it holds. Returns the
-    exit code; fails when the job ended before holding."""
+def kill_when_held(cmd: list[str], storage: Path, job: str, attempt: int = 1, published: int | None = None) -> int:
+    """Start ``cmd`` (a job with a ``HOLD`` fault in ``attempt``); SIGKILL it once it holds (and, with
+    ``published``, once that bundle is published). Returns the exit code; fails when the job ended
+    before holding."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_until_held(open_storage(f"file://{storage}"), job, lambda: proc.poll() is None, attempt)
+        wait_until_held(open_storage(f"file://{storage}"), job, lambda: proc.poll() is None, attempt, published)
     except AssertionError:
         if proc.poll() is None:
             proc.kill()

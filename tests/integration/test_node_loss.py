@@ -107,19 +107,21 @@ class Background:
             assert time.monotonic() < deadline, "condition not reached in time"
             time.sleep(0.02)  # polling a condition
 
-    def wait_until_held(self, attempt: int = 1) -> None:
-        """Until the attempt's HOLD fault fired: the job trains no further until the supervisor asks."""
-        wait_until_held(open_storage(self.spec.storage), self.spec.job_id, self.thread.is_alive, attempt)
+    def wait_until_held(self, attempt: int = 1, published: int | None = None) -> None:
+        """Until the attempt's HOLD fault fired (the job trains no further until the supervisor asks) and,
+        with ``published``, that update's bundle is published."""
+        wait_until_held(open_storage(self.spec.storage), self.spec.job_id, self.thread.is_alive, attempt,
+                        published)
 
     def join(self) -> None:
         self.thread.join(timeout=300)
         assert not self.thread.is_alive()
 
 
-def shrink_then_grow(cluster: Cluster, job: Background) -> None:
-    """Remove rank 1's node once the job holds (attempt 1); add a node once it restarted on one rank;
-    wait for the job to end."""
-    job.wait_until_held()
+def shrink_then_grow(cluster: Cluster, job: Background, published: int) -> None:
+    """Remove rank 1's node once the job holds (attempt 1) with bundle ``published`` published; add a
+    node once it restarted on one rank; wait for the job to end."""
+    job.wait_until_held(published=published)
     remove_rank_node(cluster, job, rank=1)
     job.wait_for(lambda: any(isinstance(e, AttemptStarted) and e.world_size == 1 for e in job.events()))
     cluster.add_node(num_cpus=1)
@@ -144,7 +146,7 @@ def test_elastic_restarts_smaller_with_same_occurrences(cluster, reference, tmp_
     ref_spec, ref_trace = reference
     spec = make_spec(tmp_path, *SETS, "world.policy=elastic", f"faults=[{hold(12)}]", job_id="elastic")
     job = Background(spec, tmp_path / "t.jsonl")
-    job.wait_until_held()
+    job.wait_until_held(published=10)
     remove_rank_node(cluster, job, rank=1)
     job.join()
     assert job.error is None and job.outcome.restarts == 1, job.story()
@@ -152,7 +154,7 @@ def test_elastic_restarts_smaller_with_same_occurrences(cluster, reference, tmp_
     lost = next(e for e in events if isinstance(e, WorkerLost))
     assert lost.cause == "node-lost" and lost.rank == 1
     restored = next(e for e in events if isinstance(e, Restored))
-    assert restored.recovery_label == "exact-data"
+    assert restored.recovery_label == "exact-data" and restored.update == 10
     assert (restored.world_size_before, restored.world_size_after) == (2, 1)
     change = next(e for e in events if isinstance(e, TopologyChanged))
     assert (change.world_size_after, change.accum_steps_after) == (1, 4)
@@ -194,7 +196,7 @@ def test_elastic_grows_back_when_a_node_returns_fsdp_resharding_its_bundles(clus
                      "checkpoint.keep_last=50", f"faults=[{hold(30)}, {hold(40, attempt=2)}]",
                      job_id="fsdp-grow")  # the restored bundles stay to be read
     job = Background(spec, tmp_path / "t.jsonl")
-    shrink_then_grow(cluster, job)
+    shrink_then_grow(cluster, job, published=20)
     assert job.error is None and job.outcome.restarts == 1, job.story()
     events = job.events()
     resizing = next(e for e in events if isinstance(e, Resizing))
@@ -276,7 +278,7 @@ def test_strict_waits_and_resumes_bitwise_when_a_node_returns(cluster, reference
     spec = make_spec(tmp_path, *SETS, "world.policy=strict", "world.capacity_timeout_s=120", f"faults=[{hold(12)}]",
                      job_id="strict")
     job = Background(spec, tmp_path / "t.jsonl")
-    job.wait_until_held()
+    job.wait_until_held(published=10)
     remove_rank_node(cluster, job, rank=1)
     job.wait_for(lambda: any(isinstance(e, WorkerLost) for e in job.events()))
     cluster.add_node(num_cpus=1)  # capacity returns
@@ -286,7 +288,7 @@ def test_strict_waits_and_resumes_bitwise_when_a_node_returns(cluster, reference
     wait = next(e for e in events if isinstance(e, CapacityWait))
     assert wait.outcome == "placed" and wait.waited_seconds > 0
     restored = next(e for e in events if isinstance(e, Restored))
-    assert restored.recovery_label == "exact" and restored.world_size_after == 2
+    assert restored.recovery_label == "exact" and restored.world_size_after == 2 and restored.update == 10
     final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
     assert first_divergence(ref_trace, list(final.values())) is None and len(final) == 30
 

@@ -32,14 +32,15 @@ def reference(tmp_path_factory):
     return trace
 
 
-def run_with_notices(spec, trace, notices: list[Notice]):
+def run_with_notices(spec, trace, notices: list[Notice], published: int | None = None):
     """Run the job on a thread; once its rank holds (a HOLD fault in ``spec``: it trains no further
-    until the supervisor asks for a checkpoint, a stop or an abort), hand the supervisor ``notices``."""
+    until the supervisor asks for a checkpoint, a stop or an abort) and the bundle of update
+    ``published`` is published, hand the supervisor ``notices``."""
     sup = in_process_supervisor(spec, trace_path=str(trace))
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("outcome", sup.run()), daemon=True)
     thread.start()
-    wait_until_held(sup.storage, spec.job_id, thread.is_alive)
+    wait_until_held(sup.storage, spec.job_id, thread.is_alive, published=published)
     for n in notices:
         sup.notify(n)
     thread.join(timeout=120)
@@ -67,9 +68,11 @@ def test_notice_in_time_gives_an_emergency_bundle_and_loses_nothing(spec_factory
 
 
 def test_deadline_already_passed_falls_back_and_finishes_exactly(spec_factory, tmp_path, reference):
-    spec = spec_factory(*SETS, f"faults=[{hold(15)}]", job_id="late")  # bundle 10 is published by then
+    # held in update 11: bundle 10's write, started at the boundary just before, is only reported by
+    # the hold itself (the loop reports writes between updates)
+    spec = spec_factory(*SETS, f"faults=[{hold(11)}]", job_id="late")
     notice = Notice(source="aws", node_id="local", rank=0, deadline=_now() - timedelta(seconds=5))
-    outcome, events = run_with_notices(spec, tmp_path / "t.jsonl", [notice])
+    outcome, events = run_with_notices(spec, tmp_path / "t.jsonl", [notice], published=10)
     seen = next(e for e in events if isinstance(e, NoticeSeen))
     assert seen.action == "fallback" and "falling back" in seen.reason
     assert not [e for e in events if isinstance(e, NoticeHandled)]
