@@ -25,8 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spotrun.trainer.sharding import drop_unused
-
 
 class Collective(Protocol):
     rank: int
@@ -42,7 +40,8 @@ class Collective(Protocol):
         """FSDP reduced the gradients during backward: sum ``riders`` over the ranks, and broadcast
         rank 0's buffers as :meth:`sync_gradients` does, in one rendezvous of the ranks. ``used``
         says which trainable parameters (in the model's order) this rank's backward passes reached:
-        a parameter no rank reached is left without a gradient (see :class:`~spotrun.trainer.sharding.GradUse`)."""
+        a parameter no rank reached is left without a gradient (see :class:`~spotrun.trainer.sharding.GradUse`;
+        None: not known, none is dropped)."""
 
     def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:
         """The element-wise mean of ``values`` over the ranks and the element-wise OR of every rank's
@@ -113,12 +112,16 @@ class TorchCollective:
         return sums
 
     def sync_sharded(self, model: nn.Module, riders: list[float], used: list[bool] | None = None) -> list[float]:
-        used = used if used is not None else [p.grad is not None for p in trainable(model)]
-        t = torch.tensor([*riders, *(float(u) for u in used)], dtype=torch.float64, device=self.device)
+        # After FSDP's reduce-scatter every trainable parameter has a gradient (zeros from a rank that
+        # did not reach it), so only ``used`` can tell which no rank reached; without it none is dropped.
+        mask = [float(u) for u in used] if used is not None else []
+        t = torch.tensor([*riders, *mask], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         _broadcast_buffers(model)
         sums = t.tolist()
-        drop_unused(model, [int(n) for n in sums[len(riders):]])
+        for p, users in zip(trainable(model), sums[len(riders):], strict=used is not None):
+            if users == 0:  # no rank reached it: no gradient, as in a single process
+                p.grad = None
         return sums[:len(riders)]
 
     def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:

@@ -226,7 +226,7 @@ class GradUse:
     (``set_reduce_scatter_unused_params``), so that a unit's reduce-scatter has the same length on
     every rank; whether a parameter was reached is seen on its unsharded copy (a hook on its
     gradient's accumulation) and travels with the update's riders: a parameter no rank reached gets
-    its gradient taken off again (:func:`drop_unused`), as a single process would have none.
+    its gradient taken off again (``TorchCollective.sync_sharded``), as a single process would have none.
 
     What FSDP2 itself cannot do: a *unit* whose forward runs on some ranks and not on others.
     Its parameters are all-gathered when its forward starts, a collective the other ranks never
@@ -254,12 +254,3 @@ class GradUse:
         mask = [n in self.reached for n in self.names]
         self.reached = set()
         return mask
-
-
-def drop_unused(model: nn.Module, users: list[int]) -> None:
-    """After FSDP's reduce-scatter, given how many ranks reached each trainable parameter (in the
-    model's order): take the gradient off each parameter no rank reached (FSDP reduced zeros for it)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p, n in zip(params, users, strict=True):
-        if n == 0:
-            p.grad = None

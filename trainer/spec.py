@@ -309,7 +309,7 @@ class JobSpec(_Strict):
                 mode="json", include={"seq_len", "mask_prob", "shuffle_buffer", "vocab", "order"}
             ),
             "train": self.train.model_dump(
-                mode="json", exclude={"updates", "threads", "find_unused_parameters"}  # neither shapes an update
+                mode="json", exclude={"updates", "threads", "find_unused_parameters"}  # none of them shapes an update
             ),
             "global_sequences": self.global_sequences,
         }
