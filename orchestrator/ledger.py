@@ -29,6 +29,23 @@ class _Event(BaseModel):
     attempt: int
 
 
+class Budget(BaseModel):
+    """This run's two restart budgets and what it has used of each (see ``policy.loss_class``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    failures: int  # losses classed as failures so far
+    max_restarts: int  # world.max_restarts: the failures allowed
+    preemptions: int
+    max_preemptions: int | None  # world.max_preemptions; None: no limit
+
+    def left(self) -> dict[str, int | None]:
+        """What is left of each budget (None: no limit)."""
+        return {"failures_left": max(0, self.max_restarts - self.failures),
+                "preemptions_left": None if self.max_preemptions is None
+                else max(0, self.max_preemptions - self.preemptions)}
+
+
 class AttemptStarted(_Event):
     kind: Literal["attempt_started"] = "attempt_started"
     world_size: int
@@ -40,6 +57,7 @@ class AttemptStarted(_Event):
     placement_seconds: float | None = None  # reserving the ranks' resources and starting their processes
     process_group_seconds: float | None = None  # the ranks forming their torch.distributed group (slowest rank)
     rank_setup_seconds: float | None = None  # each rank building its state, data pipeline and sinks (slowest)
+    budget: Budget | None = None  # the budgets as this attempt starts (None: written before budgets were recorded)
 
 
 class Restored(_Event):
@@ -75,7 +93,11 @@ class WorkerLost(_Event):
     kind: Literal["worker_lost"] = "worker_lost"
     rank: int | None
     node_id: str | None = None
-    cause: str  # node-lost | process-exit | notice:<source> | collective-timeout | driver-exit
+    # node-lost | notice:<source> | process-exit | oom | unresponsive | collective-timeout | collective-error
+    # | error (the job's code raised) | start-failed
+    cause: str
+    loss: Literal["preemption", "failure"] | None = None  # None: recorded before losses were classed
+    budget: Budget | None = None  # the budgets with this loss counted
     detail: str = ""
     last_update: int  # the furthest update the attempt is known to have completed
     detected_at: datetime | None = None  # when the supervisor noticed the loss (``at`` is after the teardown)
