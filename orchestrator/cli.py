@@ -172,9 +172,17 @@ def cmd_history(a: argparse.Namespace) -> int:
         return 0
     _table(f"{a.job_id}: attempts ({doc['state']})", doc["attempts"],
            ["attempt", "started_at", "world_size", "published", "last_update", "ended"])
-    _table("restarts", doc["restarts"], ["attempt", "cause", "detected_at", "restored_from", "recovery_label",
+    _table("restarts", doc["restarts"], ["attempt", "cause", "loss", "detected_at", "restored_from", "recovery_label",
                                         "world_size_before", "world_size_after", "lost_updates",
                                         "downtime_seconds", "time_lost_seconds"])
+    b, run = doc["budgets"], doc["budgets"]["this_run"]
+    _table("losses and restart budgets (README: Preemptions and failures)", [
+        {"class": "preemption", "losses": b["preemptions"], "this_run": run["preemptions"],
+         "budget": "no limit" if run["failures"] is not None and run["max_preemptions"] is None
+         else run["max_preemptions"], "left": run["preemptions_left"]},
+        {"class": "failure", "losses": b["failures"], "this_run": run["failures"], "budget": run["max_restarts"],
+         "left": run["failures_left"]},
+    ], ["class", "losses", "this_run", "budget", "left"])
     if doc["notices"]:
         _table("preemption notices", doc["notices"], ["attempt", "at", "source", "node_id", "action", "reason"])
     g = doc["goodput"]

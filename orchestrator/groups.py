@@ -3,8 +3,9 @@
 The supervisor drives either through the same small interface, so its state
 machine is tested with the in-process group and runs real jobs on Ray.
 A lost rank surfaces as :class:`RankLost` (restart from the last bundle); an
-error raised by training code surfaces as :class:`RankFailed` (a bug or bad
-input: restarting would only repeat it).
+error raised by training code surfaces as :class:`RankFailed`: bad input that
+spotrun refused fails the job at once, anything else is a failure the job may
+restart from, within its budget (orchestrator/budgets.py).
 """
 
 from __future__ import annotations
@@ -33,15 +34,26 @@ class RankLost(RuntimeError):
 
 
 class RankFailed(RuntimeError):
-    """Training code raised: the job fails with this message instead of restarting.
+    """Training code raised.
 
     ``collective`` marks an error raised inside a collective (gloo, NCCL): a dead or hung peer
-    causes those, so the group looks for one before it lets the job fail."""
+    causes those, so the group looks for one before it calls it a failure. ``refusal`` marks bad
+    input spotrun refused (:func:`refuses`): the job fails with it at once instead of restarting."""
 
-    def __init__(self, message: str, rank: int | None = None, collective: bool = False) -> None:
+    def __init__(self, message: str, rank: int | None = None, collective: bool = False,
+                 refusal: bool = False) -> None:
         super().__init__(message)
         self.rank = rank
         self.collective = collective
+        self.refusal = refusal
+
+
+def refuses(error: BaseException) -> bool:
+    """Is ``error`` spotrun refusing bad input (a JobError, a corrupt file, an unsafe key, a state of an
+    unknown version)? Each of those is a ValueError of spotrun's own; the same input fails the same way
+    on every attempt, so restarting could only repeat it. A user's subclass of JobError counts too."""
+    return isinstance(error, ValueError) and any(
+        c.__module__.startswith("spotrun.") for c in type(error).__mro__ if issubclass(c, ValueError))
 
 
 class CapacityUnavailable(RuntimeError):
@@ -124,7 +136,8 @@ class InProcessGroup:
 
     def poll(self) -> list[Report]:
         if self._error is not None:
-            raise RankFailed(f"rank 0 raised {type(self._error).__name__}: {self._error}") from self._error
+            raise RankFailed(f"rank 0 raised {type(self._error).__name__}: {self._error}",
+                             refusal=refuses(self._error)) from self._error
         return [self.runner.poll()]
 
     def wait(self, seconds: float, wake: threading.Event) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from spotrun.orchestrator.goodput import goodput
 from spotrun.orchestrator.ledger import (
     AttemptStarted,
+    Budget,
     BundlePublished,
     BundleRejected,
     CorruptEvent,
@@ -47,7 +48,11 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     everything the attempt before it did. ``time_lost_seconds`` is the wall time from
     the moment the state the restart resumed from was current (the restored bundle's
     publication, or the previous attempt's start when that is later or nothing was
-    restored) to this attempt's start: the work thrown away plus the downtime."""
+    restored) to this attempt's start: the work thrown away plus the downtime.
+
+    ``budgets``: the losses of each class over the whole ledger, and what the newest run of the
+    driver has used and has left of each budget (``world.max_restarts`` for failures,
+    ``world.max_preemptions`` for preemptions; None: no limit or not recorded)."""
     events = Ledger(storage, job_id).read()
     attempts: dict[int, dict[str, Any]] = {}
     restarts: list[dict[str, Any]] = []
@@ -57,6 +62,8 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     published_at: dict[str, datetime] = {}
     resumed: set[int] = set()  # attempts that restored a bundle or began a new lineage
     corrupt, topology, rejected, notices = [], [], [], []
+    classes = {"preemption": 0, "failure": 0, "unclassified": 0}
+    budget: Budget | None = None  # the newest record of the budgets
     state = "unknown"
     for e in events:
         if isinstance(e, CorruptEvent):
@@ -66,6 +73,8 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
                                             "world_size": None, "node_ids": [], "published": 0,
                                             "last_update": None, "ended": None})
         a["ended_at"] = e.at.isoformat()
+        if isinstance(e, AttemptStarted | WorkerLost) and e.budget is not None:
+            budget = e.budget
         if isinstance(e, AttemptStarted):
             started[e.attempt] = e
             a.update(started_at=e.at.isoformat(), world_size=e.world_size, node_ids=e.node_ids,
@@ -82,6 +91,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
                                                                "action", "reason"}))
         elif isinstance(e, WorkerLost):
             losses[e.attempt] = e
+            classes[e.loss or "unclassified"] += 1
             a.update(ended=f"lost: {e.cause}", last_update=e.last_update)
         elif isinstance(e, Resizing):
             a.update(ended=f"scale-up to {e.world_size_target}")
@@ -113,7 +123,18 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
         points = read_points(storage, job_id, metrics_local_dir, LogCache())
     return {"job_id": job_id, "state": state, "attempts": list(attempts.values()), "restarts": restarts,
             "topology_changes": topology, "rejected_bundles": rejected, "corrupt_events": corrupt,
-            "notices": notices, "goodput": goodput(events, points.final, points.log, _rate(storage, job_id))}
+            "notices": notices, "budgets": _budgets(classes, budget),
+            "goodput": goodput(events, points.final, points.log, _rate(storage, job_id))}
+
+
+def _budgets(classes: dict[str, int], budget: Budget | None) -> dict[str, Any]:
+    """Losses by class over the whole ledger; the newest run's use of each budget and what is left."""
+    run: dict[str, Any] = {"failures": None, "max_restarts": None, "failures_left": None, "preemptions": None,
+                           "max_preemptions": None, "preemptions_left": None}
+    if budget is not None:
+        run.update(budget.model_dump(), **budget.left())
+    return {"preemptions": classes["preemption"], "failures": classes["failure"],
+            "unclassified": classes["unclassified"], "this_run": run}
 
 
 def _rate(storage: Storage, job_id: str) -> float | None:
@@ -151,6 +172,7 @@ def _restart(attempt: int, loss: WorkerLost | None, previous: dict[str, Any], st
     return {
         "attempt": attempt,
         "cause": cause,
+        "loss": loss.loss if loss else None,  # preemption | failure (None: not recorded, or no loss)
         "detected_at": (loss.at if loss else begun).isoformat(),
         "restored_from": restored.bundle if restored else None,
         "restored_update": restored.update if restored else 0,

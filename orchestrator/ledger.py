@@ -98,6 +98,7 @@ class WorkerLost(_Event):
     cause: str
     loss: Literal["preemption", "failure"] | None = None  # None: recorded before losses were classed
     budget: Budget | None = None  # the budgets with this loss counted
+    backoff_seconds: float | None = None  # waited before placing the next attempt (None: the job ended here)
     detail: str = ""
     last_update: int  # the furthest update the attempt is known to have completed
     detected_at: datetime | None = None  # when the supervisor noticed the loss (``at`` is after the teardown)

@@ -28,7 +28,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost
+from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, refuses
 from spotrun.orchestrator.notices import ImdsWatcher, Notice, install_signal_notices
 from spotrun.orchestrator.priority import run_at_normal_priority
 from spotrun.trainer.bundle import BundleError
@@ -41,6 +41,8 @@ from spotrun.trainer.spec import JobSpec
 
 # What a survivor's collective raises when a peer died or hung (gloo, NCCL, c10d).
 COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|c10d|Connection (closed|reset) by peer|[Tt]imed out")
+# What Ray says of a worker its memory monitor killed (a kernel OOM kill is a plain SIGKILL: process-exit).
+OOM_KILL = re.compile(r"running low on memory|OutOfMemoryError")
 PEER_PROBE_S = 5.0  # long enough for Ray to report a SIGKILLed peer dead (well under a second here)
 NEWS_WAIT_S = 10.0  # how long a rank's wait_for_news call blocks before it answers no news (and is sent again)
 WAKE_CHECK_S = 0.1  # how often a wait looks at the supervisor's wake event (a driver's notice)
@@ -271,7 +273,7 @@ class RayGroup:
             if isinstance(cause, (BundleError, ManifestError)):
                 raise cause from e  # the supervisor decides: fall back, or refuse the job
             raise RankFailed(f"rank {rank} raised {type(cause).__name__}: {cause}", rank,
-                             collective=bool(COLLECTIVE_ERROR.search(str(cause)))) from e
+                             collective=bool(COLLECTIVE_ERROR.search(str(cause))), refusal=refuses(cause)) from e
         except (RayActorError, GetTimeoutError) as e:
             # its creation task raised: a bug or bad input (an import that fails), not a lost machine
             if isinstance(e, RayActorError) and e.actor_init_failed:
@@ -281,10 +283,13 @@ class RayGroup:
     def _lost(self, rank: int, e: BaseException) -> RankLost:
         node = self.node_ids[rank] if rank < len(getattr(self, "node_ids", [])) else None
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        if isinstance(e, ActorUnavailableError) or (node is not None and node not in alive):
+        if (isinstance(e, ActorUnavailableError) or (node is not None and node not in alive)
+                or (isinstance(e, RayActorError) and e.preempted)):  # preempted: Ray drained the node for it
             cause = "node-lost"
         elif isinstance(e, GetTimeoutError):
             cause = "unresponsive"
+        elif OOM_KILL.search(str(e)):
+            cause = "oom"
         else:
             cause = "process-exit"
         return RankLost(rank, cause, str(e).splitlines()[0] if str(e) else type(e).__name__, node)

@@ -27,9 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from tenacity import RetryCallState, Retrying, wait_exponential_jitter
-
 from spotrun.orchestrator import policy
+from spotrun.orchestrator.budgets import RestartBudgets, classify
 from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WorkerGroup
 from spotrun.orchestrator.ledger import (
     AttemptStarted,
@@ -117,6 +116,7 @@ class Recovering:
     last_update: int
     lost: RankLost
     detected_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    error: RankFailed | None = None  # the job's code raised (the loss is a failure): the job's last error
 
 
 @dataclass
@@ -173,6 +173,8 @@ class Supervisor:
         self.sleep = sleep
         self.clock = clock
         self.restarts = 0
+        self.budgets = RestartBudgets(spec.world)
+        self._noticed: set[str | int] = set()  # node ids and ranks of this attempt a notice was seen for
         self.attempts = 0
         self.lineage_id: str | None = None
         self.published: list[Manifest] = []
@@ -191,7 +193,6 @@ class Supervisor:
         self._seen_notices: set[tuple] = set()
         self.sec_per_update: float | None = None  # measured, to judge whether a deadline leaves time
         self._rank_retries: dict[tuple[int, int], int] = {}  # (attempt, rank) -> storage retries
-        self._start_losses = 0  # ranks lost while an attempt was starting (before it trained)
         source = None
         if spec.data.order == "sequential":  # a streaming reader: its offsets also go under the source
             source = OffsetsStore(open_source(spec.data.shards, spec.storage_endpoint_url), spec.job_id,
@@ -304,22 +305,21 @@ class Supervisor:
             log.info("placement failed: %s", e)
             return Placing(st.cause, st.last_update, st.world_before,
                            st.waited_s + max(self.clock() - t0, CAPACITY_POLL_S), below=size - 1)
-        except (RankFailed, ValueError) as e:  # a rank could not be built: a bug or bad input (JobError, ...)
+        except ValueError as e:  # bad input refused in this process (JobError, DeviceError, ...)
             return Failed(str(e), e)
+        except RankFailed as e:  # a rank could not be built: bad input fails now, anything else may pass
+            return Failed(str(e), e) if e.refusal else self._start_lost(st, RankLost(e.rank, "start-failed", str(e)), e)
         except RankLost as e:
-            # A rank (or its node) was lost while the attempt started: nothing ran, so place again,
-            # within the restart budget (a node that keeps dying must not loop forever).
-            self._start_losses += 1
-            log.warning("a rank was lost while starting attempt %d: %s", self.attempts, e)
-            if self._start_losses > self.spec.world.max_restarts:
-                return Failed(f"ranks were lost while starting {self._start_losses} times "
-                              f"(world.max_restarts={self.spec.world.max_restarts}); last: {e}")
-            return Placing(st.cause, st.last_update, st.world_before, st.waited_s)
+            return self._start_lost(st, e)
+        self._noticed = set()
         try:
             restored = self._restore(group, candidates, st, size, label)
-        except (BundleIncompatible, UnknownSchemaError, BundleCorrupt, RankFailed, ValueError) as e:
+        except (BundleIncompatible, UnknownSchemaError, BundleCorrupt, ValueError) as e:
             group.teardown()
             return Failed(str(e), e)
+        except RankFailed as e:  # the job's load_state_dict raised
+            group.teardown()
+            return Failed(str(e), e) if e.refusal else self._start_lost(st, RankLost(e.rank, "start-failed", str(e)), e)
         except RankLost as e:
             return Recovering(group, self.attempts, size, st.last_update or 0, e)
         if st.world_before is not None and st.world_before != size:
@@ -329,6 +329,19 @@ class Supervisor:
         group.start()
         return Running(group, self.attempts, size, restored)
 
+    def _start_lost(self, st: Placing, lost: RankLost, error: RankFailed | None = None) -> State:
+        """A rank was lost, or could not start, before the attempt trained: nothing ran, so the attempt
+        is placed again under the same number, within the restart budgets (a node that keeps dying,
+        or an import that keeps failing, must not loop forever). No ``worker_lost`` is recorded (the
+        ledger has no attempt it ended); the next attempt's ``budget`` counts it."""
+        log.warning("a rank was lost while starting attempt %d (%s): %s", self.attempts, lost.cause, lost.detail)
+        verdict = self.budgets.count(classify(lost.cause, noticed=False))
+        if verdict is not None:
+            return Failed(f"{verdict}; the last, while starting attempt {self.attempts}: {lost.detail}",
+                          None if error is None else _with_budget(error, verdict))
+        self.sleep(self.budgets.backoff())
+        return Placing(st.cause, st.last_update, st.world_before, st.waited_s)
+
     def _restore(self, group: WorkerGroup, candidates: list[str], st: Placing, size: int, label: str) -> int:
         """Start the attempt from the newest bundle that verifies; returns its update (0 when fresh).
 
@@ -337,8 +350,8 @@ class Supervisor:
 
         def started() -> None:
             self.ledger.append(AttemptStarted(attempt=self.attempts, world_size=size, node_ids=group.node_ids,
-                                              rank_pids=group.pids(), pid=os.getpid(),
-                                              lineage_id=self.lineage_id, **getattr(group, "timings", {})))
+                                              rank_pids=group.pids(), pid=os.getpid(), lineage_id=self.lineage_id,
+                                              budget=self.budgets.record(), **getattr(group, "timings", {})))
 
         if not candidates and self.init_from:
             uri, init_key = self.init_from
@@ -403,7 +416,15 @@ class Supervisor:
         except RankLost as e:
             self._absorb(st, st.group.salvage())  # the survivors know how far the attempt got
             return Recovering(st.group, st.attempt, st.world_size, st.last_update, e)
-        except (RankFailed, PublishError) as e:
+        except RankFailed as e:
+            if e.refusal:  # bad input: the same input fails the same way on every attempt
+                st.group.teardown()
+                return Failed(str(e), e)
+            self._absorb(st, st.group.salvage())
+            node = st.group.node_ids[e.rank] if e.rank is not None and e.rank < len(st.group.node_ids) else None
+            lost = RankLost(e.rank, "collective-error" if e.collective else "error", str(e), node)
+            return Recovering(st.group, st.attempt, st.world_size, st.last_update, lost, error=e)
+        except PublishError as e:
             st.group.teardown()
             return Failed(str(e), e)
 
@@ -502,6 +523,8 @@ class Supervisor:
         if n.node_id is not None and n.node_id not in st.group.node_ids:
             record("ignored", f"node {n.node_id} hosts no rank of this attempt")
             return None
+        # whatever is done about it, a loss of this node or rank from now on was a preemption
+        self._noticed.update(x for x in (n.node_id, n.rank) if x is not None)
         if st.draining is not None:
             if n.node_id is None and st.draining.node_id is not None:
                 # a stop to the whole process group reaches a rank and the driver, in either order: the
@@ -565,34 +588,40 @@ class Supervisor:
                 if self.trace:
                     self.trace.write(record)
         self.publisher.retries_elsewhere = sum(self._rank_retries.values())
-        self.published += self.publisher.collect([b for r in reports for b in r.bundles])
+        new = self.publisher.collect([b for r in reports for b in r.bundles])
+        if new:
+            self.budgets.published()
+        self.published += new
 
     def _recovering(self, st: Recovering) -> State:
         t0 = self.clock()
         st.group.teardown()
         teardown = self.clock() - t0
         lost = st.lost
+        noticed = lost.node_id in self._noticed or lost.rank in self._noticed
+        loss = classify(lost.cause, noticed)
+        verdict = self.budgets.count(loss)
+        backoff = None if verdict is not None else self.budgets.backoff()
         self.ledger.append(WorkerLost(attempt=st.attempt, rank=lost.rank, node_id=lost.node_id, cause=lost.cause,
                                       detail=lost.detail, last_update=st.last_update, detected_at=st.detected_at,
-                                      teardown_seconds=round(teardown, 4)))
+                                      teardown_seconds=round(teardown, 4), loss=loss, budget=self.budgets.record(),
+                                      backoff_seconds=None if backoff is None else round(backoff, 4)))
         self.restarts += 1
-        log.warning("attempt %d lost rank %s on node %s (%s) at update %d: %s", st.attempt, lost.rank, lost.node_id,
-                    lost.cause, st.last_update, lost.detail)
-        if self.restarts > self.spec.world.max_restarts:
-            return Failed(f"rank {lost.rank} lost ({lost.cause}) and the job already restarted "
-                          f"{self.spec.world.max_restarts} times (world.max_restarts); last cause: {lost.detail}")
-        self.sleep(self._backoff())
+        log.warning("attempt %d lost rank %s on node %s (%s, a %s) at update %d: %s", st.attempt, lost.rank,
+                    lost.node_id, lost.cause, loss, st.last_update, lost.detail)
+        if verdict is not None:
+            return Failed(f"{verdict}; the last: rank {lost.rank} {lost.cause}: {lost.detail}",
+                          None if st.error is None else _with_budget(st.error, verdict))
+        self.sleep(backoff or 0.0)
         return Placing(cause=lost.cause, last_update=st.last_update, world_before=st.world_size)
-
-    def _backoff(self) -> float:
-        """Exponential backoff with jitter, from world.restart_backoff_s (tenacity computes it)."""
-        base = self.spec.world.restart_backoff_s
-        if base <= 0:
-            return 0.0
-        retry = RetryCallState(retry_object=Retrying(), fn=None, args=(), kwargs={})  # only attempt_number is read
-        retry.attempt_number = self.restarts
-        return wait_exponential_jitter(multiplier=base, max=max(base, 30.0), jitter=base)(retry)
 
     def _capacity_event(self, st: Placing, size: int, outcome: str) -> None:
         self.ledger.append(CapacityWait(attempt=max(self.attempts, 1), needed=size or min(
             self.spec.allowed_world_sizes()), available=self.capacity(), waited_seconds=st.waited_s, outcome=outcome))
+
+
+def _with_budget(error: RankFailed, verdict: str) -> RankFailed:
+    """The job's last error, saying why it was not restarted again (raised by ``run()``)."""
+    out = RankFailed(f"{error} (not restarted: {verdict})", error.rank, error.collective, error.refusal)
+    out.__cause__ = error
+    return out

@@ -293,7 +293,12 @@ class Verifier:
             self._start_cluster()
         try:
             self._run(ref_job, ref_trace, [], max_runs=1)
-            self._run(chaos_job, chaos_trace, [fault_set], max_runs=len(faults) + 2, removals=removals,
+            # Every planned fault may end an attempt as a failure, several before one bundle is published:
+            # the chaos run's budgets leave room for all of them (they are verify's doing, not the job's)
+            n = len(faults) + len(removals)
+            budgets = [f"world.max_restarts={max(self.spec.world.max_restarts, n)}",
+                       f"world.crash_loop_failures={max(self.spec.world.crash_loop_failures, n + 1)}"]
+            self._run(chaos_job, chaos_trace, [fault_set, *budgets], max_runs=len(faults) + 2, removals=removals,
                       drop=self.mutate)
         finally:
             if self.cluster is not None:

@@ -153,8 +153,12 @@ class WorldSpec(_Strict):
     # elastic: how often a running job below max_size looks for room to grow back (a restart from
     # a bundle taken for the purpose); 0 never grows while running
     grow_check_s: float = Field(30, ge=0)
-    max_restarts: int = Field(20, ge=0)
-    restart_backoff_s: float = Field(0.5, ge=0)  # first backoff; doubles per restart, with jitter
+    # Two budgets (orchestrator/budgets.py): failures (the job's code raised, a process died on a live
+    # node, ...) and preemptions (a node lost, a notice); a spot job is preempted for as long as it runs
+    max_restarts: int = Field(20, ge=0)  # failures restarted, per run of the driver
+    max_preemptions: int | None = Field(None, ge=0)  # None: no limit
+    crash_loop_failures: int = Field(3, ge=1)  # failures in a row with no bundle published between: fail now
+    restart_backoff_s: float = Field(0.5, ge=0)  # first backoff; doubles per loss since the last bundle
     cpus_per_rank: float = Field(1, gt=0)
     num_gpus_per_rank: float = Field(0, ge=0)
     placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "SPREAD"

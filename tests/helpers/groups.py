@@ -10,7 +10,8 @@ from spotrun.trainer.rank import Report
 
 class ScriptedGroup:
     """A worker group whose ranks' reports are scripted: each poll returns the next list of reports,
-    or raises :class:`RankLost` where the script says ``"lost"``; ``salvage`` is what survivors say."""
+    raises :class:`RankLost` where the script says ``"lost"``, or raises the script's exception;
+    ``salvage`` is what survivors say."""
 
     poll_interval_s = 0.0
 
@@ -32,6 +33,8 @@ class ScriptedGroup:
 
     def poll(self) -> list[Report]:
         nxt = self.polls.pop(0)
+        if isinstance(nxt, Exception):  # what a rank raised (RankFailed) or how it was lost
+            raise nxt
         if nxt == "lost":
             raise RankLost(1 - self._salvage[0].rank, "process-exit", "SIGKILL", self.node_ids[0])
         return nxt

@@ -297,3 +297,18 @@ class Forgetful(Calls):
 
 def forgetful_state(ctx: spotrun.BuildContext) -> spotrun.Job:
     return counting(Forgetful(), spotrun.MapData(Points(ctx.seed)), "calls")
+
+
+def raises_every_attempt(ctx: spotrun.BuildContext) -> spotrun.Job:
+    """A regression whose step raises at its fourth call in every process: each attempt fails the same way
+    (a bug, not a lost machine)."""
+    calls = Calls()  # deliberately not in ``state``: every attempt counts from zero
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        calls.n += 1
+        if calls.n == 4:
+            raise RuntimeError(f"the step's own bug (call {calls.n} in this process)")
+        return regression(model, batch)
+
+    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.StreamData(NoiseStream(ctx.seed)), step=step,
+                       optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01))

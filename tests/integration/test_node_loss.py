@@ -2,8 +2,8 @@
 
 elastic: the job restarts on the node that remains (world size 1), same occurrences per update,
 parameters within tolerance, label exact-data; it grows back to 2 ranks when a node joins. strict: the
-job waits for capacity and resumes bitwise-exact when a node comes back, or fails clearly when none
-does in time.
+job waits for capacity and resumes bitwise-exact each time a node comes back (three node losses with
+world.max_restarts=1: they are preemptions, not failures), or fails clearly when none does in time.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from spotrun.orchestrator.divergence import explain, first_stage
+from spotrun.orchestrator.groups import RankFailed
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import run_on_ray
 from spotrun.orchestrator.ledger import (
@@ -272,25 +273,59 @@ def test_when_another_job_holds_a_node_elastic_steps_down_and_strict_fails_in_ti
         remove_placement_group(other_job)
 
 
-def test_strict_waits_and_resumes_bitwise_when_a_node_returns(cluster, reference, tmp_path):
+def test_strict_survives_three_preemptions_with_one_failure_allowed_and_resumes_bitwise(cluster, reference,
+                                                                                       tmp_path):
+    """world.max_restarts=1, yet three nodes are lost, one in each attempt: node losses are preemptions,
+    which have no limit by default. Each time the job waits for capacity and resumes when a node comes
+    back; the whole run is bitwise the uninterrupted one."""
     two_workers(cluster)
     _, ref_trace = reference
-    spec = make_spec(tmp_path, *SETS, "world.policy=strict", "world.capacity_timeout_s=120", f"faults=[{hold(12)}]",
-                     job_id="strict")
+    holds = ", ".join([hold(12), hold(17, attempt=2), hold(22, attempt=3)])
+    spec = make_spec(tmp_path, *SETS, "world.policy=strict", "world.capacity_timeout_s=120", "world.max_restarts=1",
+                     f"faults=[{holds}]", job_id="strict")
     job = Background(spec, tmp_path / "t.jsonl")
-    job.wait_until_held(published=10)
-    remove_rank_node(cluster, job, rank=1)
-    job.wait_for(lambda: any(isinstance(e, WorkerLost) for e in job.events()))
-    cluster.add_node(num_cpus=1)  # capacity returns
+    for attempt, published in ((1, 10), (2, 15), (3, 20)):
+        job.wait_until_held(attempt=attempt, published=published)
+        remove_rank_node(cluster, job, rank=1)
+        job.wait_for(lambda n=attempt: sum(isinstance(e, WorkerLost) for e in job.events()) == n)
+        cluster.add_node(num_cpus=1)  # capacity returns
     job.join()
-    assert job.error is None and job.outcome.restarts == 1, job.story()
+    assert job.error is None and job.outcome.restarts == 3, job.story()
     events = job.events()
-    wait = next(e for e in events if isinstance(e, CapacityWait))
-    assert wait.outcome == "placed" and wait.waited_seconds > 0
-    restored = next(e for e in events if isinstance(e, Restored))
-    assert restored.recovery_label == "exact" and restored.world_size_after == 2 and restored.update == 10
+    losses = [e for e in events if isinstance(e, WorkerLost)]
+    assert [(e.cause, e.loss) for e in losses] == [("node-lost", "preemption")] * 3
+    assert [(e.budget.preemptions, e.budget.failures) for e in losses] == [(1, 0), (2, 0), (3, 0)]
+    assert all(e.outcome == "placed" and e.waited_seconds > 0 for e in events if isinstance(e, CapacityWait))
+    restored = [e for e in events if isinstance(e, Restored)]
+    assert [(e.recovery_label, e.world_size_after, e.update) for e in restored] == [
+        ("exact", 2, 10), ("exact", 2, 15), ("exact", 2, 20)]
+    budgets = history(open_storage(spec.storage), spec.job_id)["budgets"]
+    assert (budgets["preemptions"], budgets["failures"]) == (3, 0)
+    assert budgets["this_run"]["failures_left"] == 1 and budgets["this_run"]["preemptions_left"] is None
     final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
     assert first_divergence(ref_trace, list(final.values())) is None and len(final) == 30
+
+
+def test_a_step_that_raises_on_every_attempt_fails_after_max_restarts_failures(cluster, tmp_path):
+    """The job's own error is a failure: restarted within world.max_restarts (here 1, after a short
+    backoff), then the job fails with that error; no node was lost, so no preemption is counted."""
+    two_workers(cluster)
+    spec = make_spec(tmp_path, *SETS, "world.max_restarts=1", "world.crash_loop_failures=5",
+                     "job.entrypoint=tests.helpers.jobs:raises_every_attempt", job_id="raises")
+    with pytest.raises(RankFailed, match=r"the step's own bug .*not restarted: 2 failures, more than "
+                                         r"world.max_restarts=1") as raised:
+        run_on_ray(spec)
+    events = Ledger(open_storage(spec.storage), spec.job_id).read()
+    losses = [e for e in events if isinstance(e, WorkerLost)]
+    assert [(e.attempt, e.cause, e.loss) for e in losses] == [(1, "error", "failure"), (2, "error", "failure")]
+    assert [(e.budget.failures, e.budget.preemptions) for e in losses] == [(1, 0), (2, 0)]
+    # world.restart_backoff_s=0.1: the first restart waits 0.1-0.2 s, nowhere near the 30 s cap; the
+    # last failure ends the job with no wait at all
+    first, last = losses
+    assert first.backoff_seconds is not None and first.backoff_seconds < 1 and last.backoff_seconds is None
+    failed = [e for e in events if isinstance(e, JobFailed)]
+    assert len(failed) == 1 and "2 failures, more than world.max_restarts=1" in failed[0].reason
+    assert "RuntimeError" in str(raised.value)
 
 
 def test_strict_fails_clearly_when_capacity_never_returns(cluster, tmp_path):

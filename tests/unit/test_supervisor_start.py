@@ -30,27 +30,50 @@ def test_a_rank_lost_while_starting_is_placed_again(tmp_path):
     assert started == [1]
 
 
-def test_ranks_lost_at_every_start_exhaust_the_restart_budget(tmp_path):
-    spec = make_spec(tmp_path, "train.updates=4", "world.max_restarts=2", job_id="s")
+def test_nodes_lost_at_every_start_use_up_the_preemption_budget_not_the_failure_budget(tmp_path):
+    spec = make_spec(tmp_path, "train.updates=4", "world.max_restarts=0", "world.max_preemptions=2", job_id="s")
+    calls = []
 
     def make_group(*args):
+        calls.append(1)
         raise RankLost(0, "node-lost", "gone")
 
-    with pytest.raises(JobFailedError, match="lost while starting 3 times"):
+    with pytest.raises(JobFailedError, match="3 preemptions, more than world.max_preemptions=2"):
         Supervisor(spec, make_group, capacity=lambda: 1, sleep=lambda s: None).run()
+    assert len(calls) == 3, "max_restarts=0 allows no failure, yet both preemptions were restarted"
 
 
-def test_a_rank_that_cannot_start_fails_the_job_at_once(tmp_path):
+def test_a_rank_that_cannot_start_is_a_failure_retried_until_the_crash_loop(tmp_path):
+    """An import that fails may be one node's fault (retried); every attempt failing with no bundle
+    between them is a crash loop: the job fails with the last error after world.crash_loop_failures."""
     spec = make_spec(tmp_path, "train.updates=4", job_id="s")
-    calls = []
+    calls, waits = [], []
 
     def make_group(*args):
         calls.append(1)
         raise RankFailed("rank 0 could not start: ModuleNotFoundError: No module named 'mine'")
 
-    with pytest.raises(RankFailed, match="No module named 'mine'"):
+    with pytest.raises(RankFailed, match=r"No module named 'mine' \(not restarted: a crash loop: 3 failures in a row"):
+        Supervisor(spec, make_group, capacity=lambda: 1, sleep=waits.append).run()
+    assert len(calls) == 3
+    assert len(waits) == 2, "a backoff before each restart, none after the last failure"
+
+
+def test_bad_input_a_rank_refused_fails_the_job_at_once(tmp_path):
+    from spotrun.orchestrator.groups import refuses
+    from spotrun.trainer.job import JobError
+
+    spec = make_spec(tmp_path, "train.updates=4", job_id="s")
+    calls = []
+
+    def make_group(*args):
+        calls.append(1)
+        raise RankFailed("rank 0 raised JobError: build() returned no model", refusal=refuses(JobError("x")))
+
+    with pytest.raises(RankFailed, match="no model"):
         Supervisor(spec, make_group, capacity=lambda: 1, sleep=lambda s: None).run()
     assert calls == [1]
+    assert not refuses(RuntimeError("CUDA error")) and not refuses(ValueError("a user's own"))
 
 
 def test_an_elastic_restore_on_another_device_model_is_labelled_exact_data(tmp_path):
