@@ -163,8 +163,8 @@ def _refusal(*, reader: Probe, writer: Probe, why: str) -> str:
     rank = reader if reader.role == "rank" else writer
     driver = writer if reader.role == "rank" else reader
     same = rank.storage == driver.storage and rank.storage.startswith("file://")
-    hint = (" The same path, but not the same files: on that node it is a directory of its own disk."
-            if same else "")
+    hint = (f" The same path, but not the same files: rank {rank.rank}'s node has a disk (or mount) of its own "
+            "there." if same else "")
     return (f"storage is not shared: {reader.who()} cannot see the probe {writer.who()} wrote at the start of "
             f"attempt {writer.attempt} ({writer.key}: {why}). Rank {rank.rank} resolved storage to {rank.storage}; "
             f"the driver resolved it to {driver.storage}.{hint} Nothing was trained. {FIX}")
