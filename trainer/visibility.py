@@ -11,7 +11,7 @@ So before any restore or update, each attempt proves the storage is shared, in b
    (:func:`post_driver_probe`);
 2. each rank reads that probe back from the storage as the rank resolved it, then writes its
    own, ``.../rank-<r>.json`` (:func:`answer_probe`, called where the rank is set up);
-3. the driver reads every rank's probe back (:func:`check_answers`), then removes the
+3. the driver finds every rank's probe there (:func:`check_answers`), then removes the
    attempt's probes (:func:`remove_probes`, best effort).
 
 A failure in either direction raises :class:`StorageNotShared` naming the rank, its node, the
@@ -129,12 +129,13 @@ def answer_probe(storage: Storage, request: RankProbe) -> Probe:
 
 
 def check_answers(storage: Storage, driver: Probe, answers: Sequence[Probe]) -> None:
-    """Step 3, on the driver: read every rank's probe back; :class:`StorageNotShared` names the first
-    rank whose probe the driver cannot see."""
+    """Step 3, on the driver: find every rank's probe in one listing of the attempt's probes (one request
+    whatever the world size; the nonce in their keys means only this attempt's ranks wrote them);
+    :class:`StorageNotShared` names the first rank whose probe the driver cannot see."""
+    seen = set(storage.list(attempt_prefix(driver.job_id, driver.attempt, driver.nonce)))
     for answer in answers:
-        missing = _unseen(storage, answer)
-        if missing:
-            raise StorageNotShared(_refusal(reader=driver, writer=answer, why=missing))
+        if answer.key not in seen:
+            raise StorageNotShared(_refusal(reader=driver, writer=answer, why="it is not there"))
 
 
 def remove_probes(storage: Storage, driver: Probe) -> None:
