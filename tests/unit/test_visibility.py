@@ -19,6 +19,7 @@ from spotrun.trainer.visibility import (
     post_driver_probe,
     probes_prefix,
     remove_probes,
+    resolved,
 )
 
 HEAD = Node(node_id="a" * 56, ip="10.0.0.1", host="head-host")
@@ -95,3 +96,14 @@ def test_a_probe_left_behind_is_neither_a_bundle_nor_retained_as_one(spec_factor
     run_in_process(spec)
     assert [(r.key, r.published) for r in list_bundles(storage, "left")] == [("left/bundles/u0000000010-a1", True)]
     assert storage.list(probes_prefix("left")) == leftovers
+
+
+def test_s3_storage_is_named_with_the_endpoint_this_process_resolved(monkeypatch):
+    """A node whose environment points S3 elsewhere (``AWS_ENDPOINT_URL``) resolves the same URI to
+    another service: the refusal's storage names the endpoint each side really talks to."""
+    from spotrun.trainer.s3 import S3Storage
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    assert resolved(S3Storage("s3://bucket/prefix")) == "s3://bucket/prefix (endpoint http://127.0.0.1:9)"
+    assert resolved(S3Storage("s3://bucket/prefix", "http://u:secret@10.0.0.5:9000")) == \
+        "s3://bucket/prefix (endpoint http://10.0.0.5:9000)"
