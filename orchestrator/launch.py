@@ -28,6 +28,7 @@ from spotrun.orchestrator.ray_internals import quiet_auth_notice, shutdown_witho
 from spotrun.orchestrator.supervisor import Outcome, Supervisor
 from spotrun.trainer.job import entrypoint_of, load_entrypoint
 from spotrun.trainer.spec import JobSpec
+from spotrun.trainer.storage import open_storage
 
 log = logging.getLogger("spotrun")
 
@@ -120,9 +121,11 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | N
     check_entrypoint(spec)
     ensure_ray(spec, address)
 
+    storage = open_storage(spec.storage, spec.storage_endpoint_url, check=False)  # the supervisor checks it
+
     def make_group(size, attempt, lineage, label, mode):
-        return RayGroup(spec, size, attempt=attempt, lineage_id=lineage, recovery_label=label, restore_mode=mode,
-                        drop=drop, record_ids=record_ids, trace=trace_path is not None,
+        return RayGroup(spec, size, attempt=attempt, lineage_id=lineage, recovery_label=label, storage=storage,
+                        restore_mode=mode, drop=drop, record_ids=record_ids, trace=trace_path is not None,
                         placement_timeout_s=max(5.0, spec.world.capacity_timeout_s))
 
     drain_source = None

@@ -38,6 +38,16 @@ from spotrun.trainer.device import rank_device
 from spotrun.trainer.manifest import ManifestError
 from spotrun.trainer.rank import RankRunner, Report
 from spotrun.trainer.spec import JobSpec
+from spotrun.trainer.storage import Storage
+from spotrun.trainer.visibility import (
+    Node,
+    Probe,
+    RankProbe,
+    StorageNotShared,
+    check_answers,
+    post_driver_probe,
+    remove_probes,
+)
 
 # What a survivor's collective raises when a peer died or hung (gloo, NCCL, c10d).
 COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|c10d|Connection (closed|reset) by peer|[Tt]imed out")
@@ -80,8 +90,7 @@ class RankActor:
             self.runner.wake()  # the supervisor's wait ends: the notice is in its next poll
 
     def where(self) -> dict[str, Any]:
-        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "ip": ray.util.get_node_ip_address()}
+        return {**this_node().model_dump(), "pid": os.getpid()}
 
     def free_port(self) -> int:
         with socket.socket() as s:
@@ -90,10 +99,11 @@ class RankActor:
 
     def setup(self, spec_json: str, rank: int, world_size: int, init_method: str, attempt: int,
               lineage_id: str, recovery_label: str, restore_mode: RestoreMode | None, drop: tuple[str, ...],
-              record_ids: bool, trace: bool) -> dict[str, Any]:
-        """Pick the device (refusing a GPU this torch cannot see), form the process group, build the
-        rank. Returns the device, the rank's runtime (device model and library versions), and where
-        the time went."""
+              record_ids: bool, trace: bool, probe_json: str) -> dict[str, Any]:
+        """Pick the device (refusing a GPU this torch cannot see), form the process group, answer the
+        driver's storage probe (``StorageNotShared`` when this rank cannot see it), build the rank.
+        Returns the device, the rank's runtime (device model and library versions), its probe, and
+        where the time went."""
         t0 = time.perf_counter()
         run_at_normal_priority()  # before the process group's threads start: they inherit it
         spec = JobSpec.model_validate_json(spec_json)
@@ -115,9 +125,9 @@ class RankActor:
         self.runner = RankRunner(spec, rank=rank, world_size=world_size, attempt=attempt, lineage_id=lineage_id,
                                  recovery_label=recovery_label, collective=collective,
                                  restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace,
-                                 device=device)
+                                 device=device, probe=RankProbe.model_validate_json(probe_json))
         return {"process_group_seconds": t1 - t0, "rank_setup_seconds": time.perf_counter() - t1,
-                "device": device, "runtime": self.runner.session.desc.runtime}
+                "device": device, "runtime": self.runner.session.desc.runtime, "probe": self.runner.probe}
 
     def _runner(self) -> RankRunner:
         if self.runner is None:
@@ -149,6 +159,12 @@ class RankActor:
 
     def wait_for_news(self, timeout: float) -> bool:
         return self._runner().wait_for_news(timeout)
+
+
+def this_node() -> Node:
+    """The Ray node this process runs on, and its address."""
+    return Node(node_id=ray.get_runtime_context().get_node_id(), ip=ray.util.get_node_ip_address(),
+                host=socket.gethostname())
 
 
 def rank_bundle(spec: JobSpec) -> dict[str, float]:
@@ -201,11 +217,14 @@ class RayGroup:
     traced_poll_interval_s = 0.1
 
     def __init__(self, spec: JobSpec, world_size: int, *, attempt: int, lineage_id: str, recovery_label: str,
-                 restore_mode: RestoreMode | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,
-                 trace: bool = True,
-                 placement_timeout_s: float = 60.0) -> None:
+                 storage: Storage, restore_mode: RestoreMode | None = None, drop: tuple[str, ...] = (),
+                 record_ids: bool = False, trace: bool = True, placement_timeout_s: float = 60.0) -> None:
+        """Place and start the ranks of one attempt. ``storage`` is the job's storage as the driver
+        opened it: every rank must see it too (:mod:`~spotrun.trainer.visibility`), or
+        ``StorageNotShared`` is raised before any rank restores or trains."""
         t0 = time.perf_counter()
         self.world_size = world_size
+        self.storage = storage
         if trace:
             self.poll_interval_s = min(self.poll_interval_s, self.traced_poll_interval_s)
         w = spec.world
@@ -232,7 +251,8 @@ class RayGroup:
     def _start(self, spec: JobSpec, world_size: int, attempt: int, lineage_id: str, recovery_label: str,
                restore_mode: RestoreMode | None, drop: tuple[str, ...], record_ids: bool, trace: bool,
                t0: float) -> None:
-        """Create one actor per bundle of the placement group, form the process group, build the ranks."""
+        """Create one actor per bundle of the placement group, form the process group, prove every rank
+        sees the driver's storage, build the ranks."""
         w = spec.world
         pg = self.pg
         if pg is None:
@@ -251,14 +271,24 @@ class RayGroup:
         port = self._call([self.actors[0].free_port.remote()])[0]
         init_method = f"tcp://{self.where[0]['ip']}:{port}"
         spec_json = spec.model_dump_json()
-        setups = self._call([a.setup.remote(spec_json, r, world_size, init_method, attempt, lineage_id,
-                                            recovery_label, restore_mode, drop, record_ids, trace)
-                             for r, a in enumerate(self.actors)], timeout=STARTUP_TIMEOUT_S)
+        probe = post_driver_probe(self.storage, spec.job_id, attempt, this_node())
+        try:
+            setups = self._call([a.setup.remote(spec_json, r, world_size, init_method, attempt, lineage_id,
+                                                recovery_label, restore_mode, drop, record_ids, trace,
+                                                self._probe_for(probe, r).model_dump_json())
+                                 for r, a in enumerate(self.actors)], timeout=STARTUP_TIMEOUT_S)
+            check_answers(self.storage, probe, [s_["probe"] for s_ in setups])
+        finally:
+            remove_probes(self.storage, probe)
         self.runtimes = [s_["runtime"] for s_ in setups]  # each rank's device model and library versions
         # Recorded in AttemptStarted: where this attempt's start-up time went (slowest rank for each part).
         self.timings = {"placement_seconds": round(placement, 4)}
         for k in ("process_group_seconds", "rank_setup_seconds"):
             self.timings[k] = round(max(s[k] for s in setups), 4)
+
+    def _probe_for(self, driver: Probe, rank: int) -> RankProbe:
+        w_ = self.where[rank]
+        return RankProbe(driver=driver, rank=rank, node=Node(node_id=w_["node_id"], ip=w_["ip"], host=w_["host"]))
 
     def _call(self, refs: list[Any], timeout: float | None = POLL_TIMEOUT_S) -> list[Any]:
         """``ray.get`` each rank's ref (``refs[r]`` belongs to rank r), turning a lost actor into
@@ -270,7 +300,7 @@ class RayGroup:
             return ray.get(ref, timeout=timeout)
         except RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
-            if isinstance(cause, (BundleError, ManifestError)):
+            if isinstance(cause, (BundleError, ManifestError, StorageNotShared)):
                 raise cause from e  # the supervisor decides: fall back, or refuse the job
             raise RankFailed(f"rank {rank} raised {type(cause).__name__}: {cause}", rank,
                              collective=bool(COLLECTIVE_ERROR.search(str(cause))), refusal=refuses(cause)) from e

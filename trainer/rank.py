@@ -37,6 +37,7 @@ from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.state import CopiesDone
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import UpdateRecord, pack_stages, unpack_stages
+from spotrun.trainer.visibility import Probe, RankProbe, answer_probe
 
 
 @dataclass
@@ -68,7 +69,10 @@ class RankRunner:
     def __init__(self, spec: JobSpec, *, rank: int, world_size: int, attempt: int, lineage_id: str,
                  recovery_label: str, collective: Collective, restore_mode: RestoreMode | None = None,
                  drop: tuple[str, ...] = (), record_ids: bool = False, trace: bool = True,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", probe: RankProbe | None = None) -> None:
+        """``probe``: the driver's storage probe (:mod:`~spotrun.trainer.visibility`), read back and
+        answered before anything is built; ``StorageNotShared`` when this rank cannot see it. None
+        where the driver shares this process (nothing to prove)."""
         self.spec = spec
         self.rank = rank
         self.attempt = attempt
@@ -76,6 +80,8 @@ class RankRunner:
         self.recovery_label = recovery_label
         self.collective = collective
         self.storage = open_storage(spec.storage, spec.storage_endpoint_url)
+        # first: a rank on storage the driver cannot see fails before it builds the job (seconds) or writes to it
+        self.probe: Probe | None = answer_probe(self.storage, probe) if probe is not None else None
         self.trace = trace
         self.session = TrainSession(spec, rank=rank, world_size=world_size, attempt=attempt,
                                     restore_mode=restore_mode, drop=drop,

@@ -253,6 +253,12 @@ class S3Storage:
     def __repr__(self) -> str:
         return f"S3Storage(uri={self.uri!r}, endpoint_url={safe_endpoint(self.endpoint_url)!r})"
 
+    @property
+    def endpoint(self) -> str:
+        """The endpoint this client talks to, without user-info: ``endpoint_url``, or the one boto3
+        resolved from the environment and configuration (``AWS_ENDPOINT_URL``, the region)."""
+        return safe_endpoint(self._client.meta.endpoint_url) or ""
+
     # -- helpers ------------------------------------------------------------------------------
 
     def _key(self, key: str) -> str:
