@@ -4,7 +4,8 @@ After every update the ranks agree on three flags, *checkpoint here*, *stop afte
 *abort*, and average the update's loss and metrics, in the gradients' own all-reduce (a small
 collective of their own where no gradient sync runs: one rank, or DDP's sync).
 A flag is raised by the schedule (``checkpoint.every_updates``, the last update) or by the supervisor
-(:meth:`RankRunner.request`, e.g. on a preemption notice), so every rank takes
+(:meth:`RankRunner.request`: on a preemption notice, or each checkpoint under
+``every_updates: auto``), so every rank takes
 the same boundary even though a request reaches each rank at a different time.
 
 At an agreed boundary each rank captures its state to host memory (the stall),
@@ -212,8 +213,7 @@ class RankRunner:
         """This rank's boundary flags for ``update``: checkpoint (asked for, or scheduled), stop, abort."""
         with self._lock:
             wanted = [self._checkpoint_requested, self._stop_requested, self._abort_requested]
-        scheduled = update % self.spec.checkpoint.every_updates == 0 or update >= self.spec.train.updates
-        return [wanted[0] or scheduled, wanted[1], wanted[2]]
+        return [wanted[0] or self.spec.checkpoint.scheduled(update, self.spec.train.updates), wanted[1], wanted[2]]
 
     def _gather_stages(self, record: UpdateRecord) -> None:
         """Every rank's stage digests into ``record`` (one all-gather; only rank 0's is reported)."""
