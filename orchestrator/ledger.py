@@ -174,6 +174,8 @@ class BundlePublished(_Event):
     write_seconds: float
     capture_seconds: float | None = None  # of the stall: the copy to host memory (None: not recorded)
     write_wait_seconds: float | None = None  # of the stall: the previous write finishing
+    # what the updates the background write overlapped took beyond plain ones (rank 0's loop; None: not measured)
+    overlap_seconds: float | None = None
     storage_retries: int = 0  # transient storage errors retried by the job so far, all processes
 
 

@@ -33,6 +33,7 @@ from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.metric_writer import BackgroundWriter
 from spotrun.trainer.metrics import MetricSink, NullSink, metrics_dir, open_sinks, points_of
+from spotrun.trainer.overlap import WriteOverlap
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.state import CopiesDone
@@ -51,6 +52,8 @@ class BundleReport:
     files: list[dict[str, Any]]
     write_seconds: float
     draft: dict[str, Any] | None = None  # rank 0: the manifest without files
+    # what the updates this write overlapped took beyond plain ones (trainer/overlap.py; None: not measured)
+    overlap_seconds: float | None = None
 
 
 @dataclass
@@ -90,6 +93,7 @@ class RankRunner:
         self._asked = threading.Event()  # set by request() and abort(): ends a HOLD fault's wait
         self.session.faults.hold_with(self._hold)
         self.writer = BundleWriter(self.storage, self.session.faults)
+        self.overlap = WriteOverlap()  # the write's cost beyond the stall, for checkpoint.every_updates=auto
         # Rank 0 writes the metric points, off the training thread; each upserts by <job>/<update>/<name>.
         self.metrics: MetricSink = NullSink()
         if rank == 0 and spec.metrics.sinks:
@@ -165,6 +169,7 @@ class RankRunner:
         state = "finished"
         try:
             while not s.done:
+                t0 = time.perf_counter()
                 record = s.run_update(self._flags)
                 if self.trace:
                     self._gather_stages(record)
@@ -175,6 +180,7 @@ class RankRunner:
                         [record.loss, *(record.metrics[n] for n in names)], self._flags(record.update))
                     record.metrics = dict(zip(names, values, strict=True))
                 checkpoint, stop, abort = agreed
+                self.overlap.update(time.perf_counter() - t0)
                 self.metrics.write(points_of(self.spec.job_id, record.update, self.attempt, self.lineage_id,
                                              {"loss": record.loss, "lr": record.lr, "applied": record.applied,
                                               **record.metrics}))
@@ -248,6 +254,7 @@ class RankRunner:
                 source_offsets=s.source_offsets(shards),
             ).model_dump(mode="json")
         self._collect(self.writer.submit(capture, key))
+        self.overlap.began(key)
         if draft is not None:
             # read when this bundle's write is collected, always later and on this thread
             self._drafts[key] = ({**draft, "stall_seconds": time.perf_counter() - t0,
@@ -257,10 +264,11 @@ class RankRunner:
     def _collect(self, result: WriteResult | None) -> None:
         if result is None:
             return
+        draft = _with_copy_wait(*self._drafts.pop(result.bundle_key, (None, None)))
         report = BundleReport(
             rank=self.rank, attempt=self.attempt, bundle_key=result.bundle_key, update=result.update,
-            files=[f.model_dump() for f in result.files], write_seconds=result.write_seconds,
-            draft=_with_copy_wait(*self._drafts.pop(result.bundle_key, (None, None))),
+            files=[f.model_dump() for f in result.files], write_seconds=result.write_seconds, draft=draft,
+            overlap_seconds=self.overlap.ended(result.bundle_key, draft["copy_wait_seconds"] if draft else 0.0),
         )
         with self._lock:
             self._report.bundles.append(report)
