@@ -194,6 +194,10 @@ class RankRunner:
                 if checkpoint:
                     with self._lock:
                         self._checkpoint_requested = False
+                        if not (self._stop_requested or self._abort_requested):
+                            # a HOLD after this boundary waits for the next request: under auto the
+                            # supervisor asks again and again, and one it made long ago holds nothing
+                            self._asked.clear()
                     self._checkpoint(record.update)
                 self._collect(self.writer.poll())
                 if stop and not s.done:
@@ -211,7 +215,8 @@ class RankRunner:
     def _hold(self) -> None:
         """A HOLD fault, on the training thread: report the bundle write in flight once it is done (the
         loop reports writes between updates, so a held rank would sit on it and the supervisor could not
-        publish it), then wait until asked to checkpoint, stop or abort."""
+        publish it), then wait until asked to checkpoint, stop or abort (a checkpoint request the rank
+        already took at an earlier boundary does not count)."""
         self._collect(self.writer.wait())
         self._asked.wait()
 
