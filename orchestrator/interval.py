@@ -49,22 +49,26 @@ MOVED = 0.1  # a periodic decision is recorded (and acted on) only when it moves
 def decide(inputs: IntervalInputs) -> IntervalDecision:
     """Young's interval from ``inputs`` within their bounds, and what it is expected to cost."""
     exposure = inputs.uptime_s + PRIOR_WEIGHT * inputs.prior_interval_s
-    mtbp = exposure / (inputs.preemptions + PRIOR_WEIGHT)
-    mtbp_losing = exposure / (inputs.preemptions_losing_work + PRIOR_WEIGHT)
     costs = inputs.checkpoint_costs_s[-RECENT_BUNDLES:]
-    cost = statistics.median(costs) if costs else None
-    ideal = math.sqrt(2 * cost * mtbp_losing) if cost is not None else inputs.min_interval_s
-    interval = min(max(ideal, inputs.min_interval_s), inputs.max_interval_s)
-    bound = "min" if ideal < inputs.min_interval_s else "max" if ideal > inputs.max_interval_s else None
-    per_update = inputs.sec_per_update
+    return choose(statistics.median(costs) if costs else None, exposure / (inputs.preemptions + PRIOR_WEIGHT),
+                  exposure / (inputs.preemptions_losing_work + PRIOR_WEIGHT), inputs.sec_per_update,
+                  inputs.min_interval_s, inputs.max_interval_s)
+
+
+def choose(cost_s: float | None, mtbp_s: float, mtbp_losing_work_s: float, sec_per_update: float | None,
+           min_interval_s: float, max_interval_s: float) -> IntervalDecision:
+    """Young's interval for a checkpoint cost and a mean run time between preemptions that lose work,
+    within the bounds (the lower one while the cost is unknown: None)."""
+    ideal = math.sqrt(2 * cost_s * mtbp_losing_work_s) if cost_s is not None else min_interval_s
+    interval = min(max(ideal, min_interval_s), max_interval_s)
     return IntervalDecision(
         interval_s=round(interval, 3),
-        interval_updates=max(1, round(interval / per_update)) if per_update else None,
-        checkpoint_cost_s=None if cost is None else round(cost, 6),
-        mtbp_s=round(mtbp, 1), mtbp_losing_work_s=round(mtbp_losing, 1),
+        interval_updates=max(1, round(interval / sec_per_update)) if sec_per_update else None,
+        checkpoint_cost_s=None if cost_s is None else round(cost_s, 6),
+        mtbp_s=round(mtbp_s, 1), mtbp_losing_work_s=round(mtbp_losing_work_s, 1),
         expected_lost_work_s=round(interval / 2, 3),
-        expected_overhead=round((cost or 0.0) / interval + interval / 2 / mtbp_losing, 6),
-        bound=bound)
+        expected_overhead=round((cost_s or 0.0) / interval + interval / 2 / mtbp_losing_work_s, 6),
+        bound="min" if ideal < min_interval_s else "max" if ideal > max_interval_s else None)
 
 
 def moved(before: IntervalDecision | None, after: IntervalDecision) -> bool:
