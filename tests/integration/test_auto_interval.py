@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+from typing import Any
 
 import pytest
 
 from spotrun.orchestrator.launch import run_on_ray
 from spotrun.orchestrator.ledger import BundlePublished, IntervalChosen, Ledger, Restored
+from spotrun.orchestrator.supervisor import Outcome
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import ROOT, make_spec
@@ -29,12 +32,32 @@ SETS = ("world.size=2", f"train.updates={UPDATES}", "data.workers=1", "model.dro
 FAULTS = f"faults=[{hold(6)}, {hold(10)}, {{site: microstep, update: 12, microstep: 1, rank: 1}}]"
 
 
+def run_bounded(spec, trace, timeout: float = 240) -> Outcome:
+    """``run_on_ray`` on a thread of its own: a job whose checkpoints are never asked for holds at
+    update 6 for ever, and the test fails instead of hanging."""
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["outcome"] = run_on_ray(spec, trace_path=str(trace))
+        except BaseException as e:  # re-raised on the test's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"the job did not finish in {timeout:g}s: no checkpoint was asked for"
+    if "error" in result:
+        raise result["error"]
+    return result["outcome"]
+
+
 def test_auto_interval_requests_checkpoints_records_decisions_and_restarts_exactly(tmp_path):
     ref = make_spec(tmp_path / "ref", *SETS, "checkpoint.every_updates=100", job_id="ref")
     run_on_ray(ref, trace_path=str(tmp_path / "ref.jsonl"))
     spec = make_spec(tmp_path, *SETS, "checkpoint.every_updates=auto", "checkpoint.min_interval_s=0.05",
                      "checkpoint.max_interval_s=0.05", FAULTS, job_id="auto")
-    outcome = run_on_ray(spec, trace_path=str(tmp_path / "t.jsonl"))
+    outcome = run_bounded(spec, tmp_path / "t.jsonl")
 
     assert outcome.state == "finished" and outcome.restarts == 1
     final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
