@@ -66,7 +66,8 @@ def test_auto_interval_requests_checkpoints_records_decisions_and_restarts_exact
 
     events = Ledger(open_storage(spec.storage), "auto").read()
     first = [e.update for e in events if isinstance(e, BundlePublished) and e.attempt == 1]
-    assert 6 in first and max(first) < 12, "the ranks' own schedule takes only the last update's bundle"
+    assert 6 in first, "the supervisor asked for a checkpoint, which released rank 0's hold at update 6"
+    assert max(first) < 12, "the ranks' own schedule takes only the last update's bundle"
     assert any(e.overlap_seconds is not None for e in events if isinstance(e, BundlePublished))
     restored = next(e for e in events if isinstance(e, Restored))
     assert restored.attempt == 2 and 6 <= restored.update < 12
