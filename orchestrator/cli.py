@@ -185,6 +185,11 @@ def cmd_history(a: argparse.Namespace) -> int:
     ], ["class", "losses", "this_run", "budget", "left"])
     if doc["notices"]:
         _table("preemption notices", doc["notices"], ["attempt", "at", "source", "node_id", "action", "reason"])
+    if doc["checkpoint_intervals"]:
+        _table(f"checkpoint interval (auto; {len(doc['checkpoint_intervals'])} decisions in --json)",
+               doc["checkpoint_intervals"][-1:], ["at", "reason", "interval_s", "interval_updates", "bound",
+                                                  "checkpoint_cost_s", "mtbp_losing_work_s", "expected_lost_work_s",
+                                                  "expected_overhead"])
     g = doc["goodput"]
     money = ["cost_usd", "badput_usd"] if g["cost_usd"] is not None else []
     _table(f"goodput {_percent(g['goodput'])} (productive / wall; README \"Goodput\")",

@@ -16,6 +16,7 @@ from spotrun.orchestrator.ledger import (
     BundleRejected,
     CorruptEvent,
     InitializedFrom,
+    IntervalChosen,
     JobFailed,
     JobFinished,
     Ledger,
@@ -36,7 +37,9 @@ if TYPE_CHECKING:
 
 def history(storage: Storage, job_id: str, points: Points | None = None,
             metrics_local_dir: str = "./spotrun-metrics") -> dict[str, Any]:
-    """Attempts, one row per restart with its cause and what it cost, and the job's goodput.
+    """Attempts, one row per restart with its cause and what it cost, and the job's goodput; under
+    ``checkpoint.every_updates: auto``, every interval it chose (``checkpoint_intervals``, oldest
+    first: the decision, why it was taken, and its inputs).
 
     ``points``: the job's metric points, read from its sinks when not given (beside the bundles
     on file storage, else under ``metrics_local_dir``); goodput is computed from them and the
@@ -61,7 +64,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     started: dict[int, AttemptStarted] = {}
     published_at: dict[str, datetime] = {}
     resumed: set[int] = set()  # attempts that restored a bundle or began a new lineage
-    corrupt, topology, rejected, notices = [], [], [], []
+    corrupt, topology, rejected, notices, intervals = [], [], [], [], []
     classes = {"preemption": 0, "failure": 0, "unclassified": 0}
     budget: Budget | None = None  # the newest record of the budgets
     state = "unknown"
@@ -102,6 +105,9 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
         elif isinstance(e, InitializedFrom):
             resumed.add(e.attempt)
             a.update(initialized_from=e.bundle, recovery_label=e.recovery_label, reset=e.reset)
+        elif isinstance(e, IntervalChosen):
+            intervals.append({"attempt": e.attempt, "at": e.at.isoformat(), "reason": e.reason,
+                              **e.decision.model_dump(mode="json"), "inputs": e.inputs.model_dump(mode="json")})
         elif isinstance(e, TopologyChanged):
             topology.append(e.model_dump(mode="json"))
         elif isinstance(e, BundleRejected):
@@ -123,7 +129,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
         points = read_points(storage, job_id, metrics_local_dir, LogCache())
     return {"job_id": job_id, "state": state, "attempts": list(attempts.values()), "restarts": restarts,
             "topology_changes": topology, "rejected_bundles": rejected, "corrupt_events": corrupt,
-            "notices": notices, "budgets": _budgets(classes, budget),
+            "notices": notices, "budgets": _budgets(classes, budget), "checkpoint_intervals": intervals,
             "goodput": goodput(events, points.final, points.log, _rate(storage, job_id))}
 
 

@@ -175,7 +175,49 @@ class BundlePublished(_Event):
     write_seconds: float
     capture_seconds: float | None = None  # of the stall: the copy to host memory (None: not recorded)
     write_wait_seconds: float | None = None  # of the stall: the previous write finishing
+    # what the updates the background write overlapped took beyond plain ones (rank 0's loop; None: not measured)
+    overlap_seconds: float | None = None
     storage_retries: int = 0  # transient storage errors retried by the job so far, all processes
+
+
+class IntervalInputs(BaseModel):
+    """What ``checkpoint.every_updates: auto`` decides from (see orchestrator/interval.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint_costs_s: list[float]  # the newest bundles' stall plus overlap, oldest first
+    sec_per_update: float | None  # measured by the supervisor (None: no update seen yet)
+    preemptions: int  # losses classed as preemptions in the job's ledger
+    preemptions_losing_work: int  # of them, those no notice-driven bundle covered
+    uptime_s: float  # the attempts' run time so far
+    prior_interval_s: float  # checkpoint.expected_preemption_interval_s
+    min_interval_s: float
+    max_interval_s: float
+
+
+class IntervalDecision(BaseModel):
+    """The interval ``auto`` chose and what it expects that interval to cost."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    interval_s: float  # run time from one bundle's publication (or the attempt's start) to the next request
+    interval_updates: int | None  # the same in updates at the measured speed (None: speed not measured yet)
+    checkpoint_cost_s: float | None  # the estimate used (None: no bundle measured yet)
+    mtbp_s: float  # mean run time between preemptions, the prior included
+    mtbp_losing_work_s: float  # the same for preemptions that lose work (the ones the interval is for)
+    expected_lost_work_s: float  # work one preemption that loses work is expected to throw away
+    expected_overhead: float  # fraction of run time expected to go to checkpoints and to redoing lost work
+    bound: Literal["min", "max"] | None = None  # the bound that clamped the interval, if one did
+
+
+class IntervalChosen(_Event):
+    """``checkpoint.every_updates: auto`` chose an interval: at an attempt's start (after a loss or
+    not), once the first bundle measured the checkpoint cost, or periodically when it moved."""
+
+    kind: Literal["interval_chosen"] = "interval_chosen"
+    reason: Literal["start", "loss", "measured", "periodic"]
+    inputs: IntervalInputs
+    decision: IntervalDecision
 
 
 class JobFinished(_Event):
@@ -191,7 +233,8 @@ class JobFailed(_Event):
 
 Event = Annotated[
     AttemptStarted | Restored | InitializedFrom | BundleRejected | BundlePublished | WorkerLost | CapacityWait
-    | TopologyChanged | Resizing | OffsetsCommitted | NoticeSeen | NoticeHandled | JobFinished | JobFailed,
+    | TopologyChanged | Resizing | OffsetsCommitted | NoticeSeen | NoticeHandled | JobFinished | JobFailed
+    | IntervalChosen,
     Field(discriminator="kind"),
 ]
 _EVENT = TypeAdapter(Event)

@@ -45,10 +45,17 @@ def decide(spec: JobSpec, available_ranks: int, waited_s: float) -> Decision:
         f"or declare world.policy=elastic with a smaller world.min_size"))
 
 
-def grow(spec: JobSpec, world_size: int, available_ranks: int, updates_left: int) -> Decision | None:
+def grow(spec: JobSpec, world_size: int, available_ranks: int, updates_left: int,
+         interval_updates: int | None = None) -> Decision | None:
     """elastic, while running: restart larger when a larger allowed world fits and enough of the job
-    is left to repay the restart (more than one checkpoint interval). ``None``: stay as is."""
-    if spec.world.policy != "elastic" or updates_left <= spec.checkpoint.every_updates:
+    is left to repay the restart (more than one checkpoint interval: ``interval_updates``, by default
+    the fixed ``checkpoint.every_updates``; under ``auto`` the caller gives the one it chose). ``None``:
+    stay as is."""
+    every = interval_updates if interval_updates is not None else spec.checkpoint.fixed_every
+    if every is None:
+        raise ValueError("policy.grow under checkpoint.every_updates=auto needs interval_updates (the interval "
+                         "auto chose, in updates)")
+    if spec.world.policy != "elastic" or updates_left <= every:
         return None
     larger = [n for n in spec.allowed_world_sizes() if world_size < n <= available_ranks]
     if not larger:

@@ -32,6 +32,7 @@ from spotrun.orchestrator.ledger import (
     BundlePublished,
     BundleRejected,
     CapacityWait,
+    IntervalChosen,
     NoticeSeen,
     Resizing,
     Restored,
@@ -136,6 +137,11 @@ class _Figures:
             return f"scale-up: {e.world_size_before} -> {e.world_size_target} ranks ({e.reason})"
         if isinstance(e, CapacityWait):
             return f"waited {e.waited_seconds:.1f}s for capacity ({e.available} of {e.needed} ranks): {e.outcome}"
+        if isinstance(e, IntervalChosen):
+            d = e.decision
+            return (f"checkpoint interval ({e.reason}): {d.interval_s:.1f}s"
+                    + (f" (~{d.interval_updates} updates)" if d.interval_updates else "")
+                    + f"; expected lost work {d.expected_lost_work_s:.1f}s per preemption that loses work")
         if isinstance(e, BundleRejected):  # told with the restore it led to (a refused run tells stderr)
             self._rejected.append(f"{_name(e.bundle)} ({e.reason})")
         return None

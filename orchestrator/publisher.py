@@ -81,7 +81,8 @@ class Publisher:
                 continue
             del self._reports[key]
             manifest = self._merge(key, parts)
-            if self.publish(manifest, key):
+            overlap = next((p.overlap_seconds for p in parts if p.rank == 0), None)
+            if self.publish(manifest, key, overlap):
                 done.append(manifest)
         return done
 
@@ -98,8 +99,9 @@ class Publisher:
         return Manifest.model_validate({**draft, "files": [f.model_dump() for f in files],
                                         "write_seconds": max(p.write_seconds for p in parts)})
 
-    def publish(self, manifest: Manifest, bundle_key: str) -> bool:
-        """Create the manifest; False if it already existed (another publisher won)."""
+    def publish(self, manifest: Manifest, bundle_key: str, overlap_seconds: float | None = None) -> bool:
+        """Create the manifest; False if it already existed (another publisher won). ``overlap_seconds``:
+        rank 0's measure of the write's slowdown of training, for the ledger (the manifest has no field)."""
         if not publish(self.storage, manifest, bundle_key):
             return False
         update = manifest.counters.attempted_updates
@@ -107,7 +109,7 @@ class Publisher:
             attempt=manifest.attempt, bundle=bundle_key, update=update, bytes=manifest.total_bytes,
             stall_seconds=manifest.stall_seconds, write_seconds=manifest.write_seconds,
             capture_seconds=manifest.capture_seconds, write_wait_seconds=manifest.write_wait_seconds,
-            storage_retries=self.storage_retries))
+            overlap_seconds=overlap_seconds, storage_retries=self.storage_retries))
         self.after_publish(update)
         self.commit_offsets(manifest, bundle_key, manifest.attempt)
         self.retain()

@@ -12,7 +12,9 @@ why; every transition is appended to the ledger.
 
 Checkpoints happen inside the ranks (trainer/rank.py); the supervisor only
 publishes: it merges the ranks' write reports into a manifest, creates it
-(the commit point), commits offsets, then runs retention.
+(the commit point), commits offsets, then runs retention. Under
+``checkpoint.every_updates: auto`` it also chooses the interval
+(orchestrator/interval.py) and asks the ranks for each checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from spotrun.orchestrator import policy
+from spotrun.orchestrator import interval, policy
 from spotrun.orchestrator.budgets import RestartBudgets, classify
 from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WorkerGroup
 from spotrun.orchestrator.ledger import (
@@ -35,6 +37,8 @@ from spotrun.orchestrator.ledger import (
     BundleRejected,
     CapacityWait,
     InitializedFrom,
+    IntervalChosen,
+    IntervalDecision,
     JobFailed,
     JobFinished,
     Ledger,
@@ -141,6 +145,18 @@ State = Pending | Placing | Running | Recovering | Finished | Stopped | Failed
 
 
 @dataclass
+class CheckpointClock:
+    """``checkpoint.every_updates: auto``: the interval in force, and when the next checkpoint is due."""
+
+    attempt: int | None = None  # the attempt the clock runs for (a new one restarts it)
+    decision: IntervalDecision | None = None
+    decided_at: float = 0.0  # supervisor clock
+    since: float = 0.0  # the attempt's start or the latest publication: the interval counts from there
+    published: int = 0  # bundles published when the clock last looked
+    requested: bool = False  # a checkpoint was asked for and is not published yet
+
+
+@dataclass
 class Outcome:
     state: str
     counters: Counters | None
@@ -193,6 +209,7 @@ class Supervisor:
         self._seen_notices: set[tuple] = set()
         self.sec_per_update: float | None = None  # measured, to judge whether a deadline leaves time
         self._rank_retries: dict[tuple[int, int], int] = {}  # (attempt, rank) -> storage retries
+        self._auto = CheckpointClock()
         source = None
         if spec.data.order == "sequential":  # a streaming reader: its offsets also go under the source
             source = OffsetsStore(open_source(spec.data.shards, spec.storage_endpoint_url), spec.job_id,
@@ -445,6 +462,7 @@ class Supervisor:
             st.group.teardown()
             return Placing(cause="scale-up", last_update=st.last_update, world_before=st.world_size)
         self._consider_growing(st)
+        self._checkpoint_clock(st)
         st.group.wait(self._until_next_look(st), self._woken)
         return st
 
@@ -469,7 +487,8 @@ class Supervisor:
                 or st.growing is not None or self.clock() - self._grow_checked < every):
             return
         self._grow_checked = self.clock()
-        decision = policy.grow(self.spec, st.world_size, self.capacity(), self.spec.train.updates - st.last_update)
+        decision = policy.grow(self.spec, st.world_size, self.capacity(), self.spec.train.updates - st.last_update,
+                               self._interval_updates())
         if decision is None:
             return
         target = decision.world_size
@@ -484,6 +503,53 @@ class Supervisor:
                                     world_size_target=target, reason=decision.reason))
         st.group.request(checkpoint=True, stop=True)
         st.growing = target
+
+    # -- checkpoint.every_updates: auto ----------------------------------------------------
+
+    def _checkpoint_clock(self, st: Running) -> None:
+        """Under ``auto``: decide the interval when an attempt starts, once the first bundle measured
+        the checkpoint cost, and every :data:`interval.REDECIDE_S`; ask the ranks for a checkpoint once
+        the interval has passed since the attempt's start or the latest publication (one at a time)."""
+        if self.spec.checkpoint.fixed_every is not None or st.draining is not None or st.growing is not None:
+            return
+        c, now = self._auto, self.clock()
+        if c.attempt != st.attempt:
+            c.attempt, c.since, c.published, c.requested = st.attempt, now, len(self.published), False
+            self._redecide(st, "start")
+        if len(self.published) > c.published:
+            c.since, c.published, c.requested = now, len(self.published), False
+            if c.decision is not None and c.decision.checkpoint_cost_s is None:
+                self._redecide(st, "measured")
+        if now - c.decided_at >= interval.REDECIDE_S:
+            self._redecide(st, "periodic")
+        if c.decision is not None and not c.requested and now - c.since >= c.decision.interval_s:
+            st.group.request(checkpoint=True)
+            c.requested = True
+
+    def _redecide(self, st: Running, reason: str) -> None:
+        """Choose the interval from the ledger; record it (a periodic one only when it moved)."""
+        events = self.ledger.read()
+        if reason == "start" and any(isinstance(e, WorkerLost) and e.attempt == st.attempt - 1 for e in events):
+            reason = "loss"
+        inputs = interval.observe(events, self.spec.checkpoint, self.sec_per_update, st.attempt, datetime.now(UTC))
+        decision = interval.decide(inputs)
+        c = self._auto
+        c.decided_at = self.clock()
+        if reason == "periodic" and not interval.moved(c.decision, decision):
+            return
+        c.decision = decision
+        self.ledger.append(IntervalChosen(attempt=st.attempt, reason=reason, inputs=inputs, decision=decision))
+        log.info("checkpoint interval %.1fs (%s updates; %s): checkpoint cost %s s, mean time between preemptions "
+                 "that lose work %.0fs", decision.interval_s, decision.interval_updates or "?", reason,
+                 decision.checkpoint_cost_s, decision.mtbp_losing_work_s)
+
+    def _interval_updates(self) -> int:
+        """The checkpoint interval in updates: the fixed one, or auto's at the measured speed (1 before that)."""
+        fixed = self.spec.checkpoint.fixed_every
+        if fixed is not None:
+            return fixed
+        decision = self._auto.decision
+        return (decision.interval_updates or 1) if decision is not None else 1
 
     # -- preemption notices ---------------------------------------------------------------
 

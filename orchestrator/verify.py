@@ -59,6 +59,7 @@ from spotrun.orchestrator.divergence import Divergence, Stage, divergence_rows, 
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import embedded_cpus
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored
+from spotrun.orchestrator.specfile import SpecError
 from spotrun.orchestrator.supervisor import JobFailedError
 from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_sinks
@@ -136,6 +137,18 @@ class NodeRemoval:
     rank: int
 
 
+def fixed_interval(spec: JobSpec) -> int:
+    """``checkpoint.every_updates``, which verify plans its faults by; refuses ``auto``, whose
+    checkpoints come when the measured timing says so (no fault could be planned at one)."""
+    every = spec.checkpoint.fixed_every
+    if every is None:
+        raise SpecError("spotrun verify plans its faults at fixed checkpoint boundaries, and checkpoint.every_updates"
+                        "=auto takes its checkpoints when the measured timing says so; run verify with a fixed "
+                        "interval, e.g. --set checkpoint.every_updates=3 (the interval is not part of the trajectory: "
+                        "what verify proves with a fixed interval holds under auto too)")
+    return every
+
+
 def plan_faults(spec: JobSpec, kills: int, seed: int,
                 nodes: bool = False) -> tuple[list[FaultSpec], list[NodeRemoval]]:
     """``kills`` faults at increasing updates, one per attempt, cycling through the fault sites
@@ -148,7 +161,7 @@ def plan_faults(spec: JobSpec, kills: int, seed: int,
     which the next attempt is sure to restore. With ``checkpoint.every_updates >= train.updates``
     no bundle comes before the end and nothing is planned (:func:`proof_failures` says so)."""
     sites = (*SITES, NODE_SITE) if nodes else SITES
-    every, last = spec.checkpoint.every_updates, spec.train.updates
+    every, last = fixed_interval(spec), spec.train.updates
     # From one interval after the first bundle on: it is written in the background and published by
     # the supervisor's next poll, and a fault an update after its boundary often came first (under
     # load, every fault of a short plan did), so that no restart restored a bundle at all.
@@ -164,7 +177,7 @@ def _plan(spec: JobSpec, kills: int, rng: random.Random, sites: Sequence[str],
     """:func:`plan_faults`' plan through ``sites`` in turn, the first fault after update ``start``
     (a boundary site: at the first boundary after it). ``rng`` is verify's own generator, never the
     job's streams."""
-    every, last = spec.checkpoint.every_updates, spec.train.updates
+    every, last = fixed_interval(spec), spec.train.updates
     accum = spec.train.accum_steps
     faults: list[FaultSpec] = []
     removals: list[NodeRemoval] = []
@@ -216,6 +229,7 @@ class Verifier:
         self.workdir = workdir
         self.load = load  # load_spec
         spec: JobSpec = load(config, self.overrides)
+        fixed_interval(spec)  # refuses auto before anything runs
         if "jsonl" not in spec.metrics.sinks:
             # the JSONL sink's log keeps every write of every attempt: the raw view of the metric points
             self.overrides.append(f"metrics.sinks=[{', '.join([*spec.metrics.sinks, 'jsonl'])}]")
@@ -446,7 +460,7 @@ def proof_failures(spec: JobSpec, kills: int, seed: int, nodes: bool, planned: i
     one fault that fired and one restart that restored a published bundle: without them no restore
     was compared with anything, and a run that nothing interrupted passes every other check. Each
     line names the numbers to change (``--kills``, ``checkpoint.every_updates``, ``train.updates``)."""
-    every, last = spec.checkpoint.every_updates, spec.train.updates
+    every, last = fixed_interval(spec), spec.train.updates
     if kills < 1:
         return ["no fault was planned (--kills 0), so no restore was tested: run verify with --kills 1 or more"]
     if planned == 0:

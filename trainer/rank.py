@@ -4,7 +4,8 @@ After every update the ranks agree on three flags, *checkpoint here*, *stop afte
 *abort*, and average the update's loss and metrics, in the gradients' own all-reduce (a small
 collective of their own where no gradient sync runs: one rank, or DDP's sync).
 A flag is raised by the schedule (``checkpoint.every_updates``, the last update) or by the supervisor
-(:meth:`RankRunner.request`, e.g. on a preemption notice), so every rank takes
+(:meth:`RankRunner.request`: on a preemption notice, or each checkpoint under
+``every_updates: auto``), so every rank takes
 the same boundary even though a request reaches each rank at a different time.
 
 At an agreed boundary each rank captures its state to host memory (the stall),
@@ -32,6 +33,7 @@ from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.metric_writer import BackgroundWriter
 from spotrun.trainer.metrics import MetricSink, NullSink, metrics_dir, open_sinks, points_of
+from spotrun.trainer.overlap import WriteOverlap
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.state import CopiesDone
@@ -51,6 +53,8 @@ class BundleReport:
     files: list[dict[str, Any]]
     write_seconds: float
     draft: dict[str, Any] | None = None  # rank 0: the manifest without files
+    # what the updates this write overlapped took beyond plain ones (trainer/overlap.py; None: not measured)
+    overlap_seconds: float | None = None
 
 
 @dataclass
@@ -95,6 +99,7 @@ class RankRunner:
         self._asked = threading.Event()  # set by request() and abort(): ends a HOLD fault's wait
         self.session.faults.hold_with(self._hold)
         self.writer = BundleWriter(self.storage, self.session.faults)
+        self.overlap = WriteOverlap()  # the write's cost beyond the stall, for checkpoint.every_updates=auto
         # Rank 0 writes the metric points, off the training thread; each upserts by <job>/<update>/<name>.
         self.metrics: MetricSink = NullSink()
         if rank == 0 and spec.metrics.sinks:
@@ -170,6 +175,7 @@ class RankRunner:
         state = "finished"
         try:
             while not s.done:
+                t0 = time.perf_counter()
                 record = s.run_update(self._flags)
                 if self.trace:
                     self._gather_stages(record)
@@ -180,6 +186,7 @@ class RankRunner:
                         [record.loss, *(record.metrics[n] for n in names)], self._flags(record.update))
                     record.metrics = dict(zip(names, values, strict=True))
                 checkpoint, stop, abort = agreed
+                self.overlap.update(time.perf_counter() - t0)
                 self.metrics.write(points_of(self.spec.job_id, record.update, self.attempt, self.lineage_id,
                                              {"loss": record.loss, "lr": record.lr, "applied": record.applied,
                                               **record.metrics}))
@@ -193,6 +200,10 @@ class RankRunner:
                 if checkpoint:
                     with self._lock:
                         self._checkpoint_requested = False
+                        if not (self._stop_requested or self._abort_requested):
+                            # a HOLD after this boundary waits for the next request: under auto the
+                            # supervisor asks again and again, and one it made long ago holds nothing
+                            self._asked.clear()
                     self._checkpoint(record.update)
                 self._collect(self.writer.poll())
                 if stop and not s.done:
@@ -210,7 +221,8 @@ class RankRunner:
     def _hold(self) -> None:
         """A HOLD fault, on the training thread: report the bundle write in flight once it is done (the
         loop reports writes between updates, so a held rank would sit on it and the supervisor could not
-        publish it), then wait until asked to checkpoint, stop or abort."""
+        publish it), then wait until asked to checkpoint, stop or abort (a checkpoint request the rank
+        already took at an earlier boundary does not count)."""
         self._collect(self.writer.wait())
         self._asked.wait()
 
@@ -218,8 +230,7 @@ class RankRunner:
         """This rank's boundary flags for ``update``: checkpoint (asked for, or scheduled), stop, abort."""
         with self._lock:
             wanted = [self._checkpoint_requested, self._stop_requested, self._abort_requested]
-        scheduled = update % self.spec.checkpoint.every_updates == 0 or update >= self.spec.train.updates
-        return [wanted[0] or scheduled, wanted[1], wanted[2]]
+        return [wanted[0] or self.spec.checkpoint.scheduled(update, self.spec.train.updates), wanted[1], wanted[2]]
 
     def _gather_stages(self, record: UpdateRecord) -> None:
         """Every rank's stage digests into ``record`` (one all-gather; only rank 0's is reported)."""
@@ -254,6 +265,7 @@ class RankRunner:
                 source_offsets=s.source_offsets(shards),
             ).model_dump(mode="json")
         self._collect(self.writer.submit(capture, key))
+        self.overlap.began(key)
         if draft is not None:
             # read when this bundle's write is collected, always later and on this thread
             self._drafts[key] = ({**draft, "stall_seconds": time.perf_counter() - t0,
@@ -263,10 +275,11 @@ class RankRunner:
     def _collect(self, result: WriteResult | None) -> None:
         if result is None:
             return
+        draft = _with_copy_wait(*self._drafts.pop(result.bundle_key, (None, None)))
         report = BundleReport(
             rank=self.rank, attempt=self.attempt, bundle_key=result.bundle_key, update=result.update,
-            files=[f.model_dump() for f in result.files], write_seconds=result.write_seconds,
-            draft=_with_copy_wait(*self._drafts.pop(result.bundle_key, (None, None))),
+            files=[f.model_dump() for f in result.files], write_seconds=result.write_seconds, draft=draft,
+            overlap_seconds=self.overlap.ended(result.bundle_key, draft["copy_wait_seconds"] if draft else 0.0),
         )
         with self._lock:
             self._report.bundles.append(report)

@@ -17,7 +17,7 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_VOCAB = "".join(chr(c) for c in range(32, 127)) + "\n\t"
 
@@ -166,9 +166,50 @@ class WorldSpec(_Strict):
 
 
 class CheckpointSpec(_Strict):
-    every_updates: int = Field(10, ge=1)
+    """When bundles are taken and how many are kept.
+
+    ``every_updates`` is a fixed interval in updates, or ``auto``: the supervisor chooses the interval
+    in seconds from the job's own measurements (the cost of the bundles it wrote, the preemptions in
+    its ledger) and asks the ranks for each checkpoint; the ranks' own schedule then takes only the
+    last update's. The three ``*_s`` keys are read by ``auto`` only."""
+
+    every_updates: int | Literal["auto"] = 10
+    # auto's prior for the mean run time between preemptions, until the job has seen some; it weighs as
+    # one observed preemption. An hour is short on purpose: a prior shorter than the truth is corrected
+    # by every hour the job runs without a preemption, a longer one only by many preemptions.
+    expected_preemption_interval_s: float = Field(3600, gt=0)
+    min_interval_s: float = Field(10, gt=0)  # auto never checkpoints more often than this
+    max_interval_s: float = Field(3600, gt=0)  # nor less often: it bounds the work a failure can lose
     keep_last: int = Field(3, ge=1)
     restore_mode: Literal["snapshot", "replay"] = "snapshot"
+
+    @field_validator("every_updates", mode="before")
+    @classmethod
+    def _every(cls, value: Any) -> Any:
+        """One message for both kinds of value (a union would report one error per member)."""
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"checkpoint.every_updates takes a whole number of updates >= 1, or auto (an interval "
+                         f"chosen from the measured checkpoint cost and preemption rate); got {value!r}")
+
+    @model_validator(mode="after")
+    def _check(self) -> CheckpointSpec:
+        if self.min_interval_s > self.max_interval_s:
+            raise ValueError(f"checkpoint.min_interval_s={self.min_interval_s:g} exceeds checkpoint.max_interval_s="
+                             f"{self.max_interval_s:g}: every_updates=auto chooses its interval between the two; "
+                             "lower min_interval_s or raise max_interval_s")
+        return self
+
+    @property
+    def fixed_every(self) -> int | None:
+        """The fixed interval in updates; None under ``auto``."""
+        return None if self.every_updates == "auto" else self.every_updates
+
+    def scheduled(self, update: int, last: int) -> bool:
+        """Whether the ranks' own schedule checkpoints after ``update`` (``last``: the job's last update,
+        always checkpointed). Under ``auto`` the supervisor asks for every other checkpoint."""
+        every = self.fixed_every
+        return update >= last or (every is not None and update % every == 0)
 
 
 # microstep: before micro-batch m (m > 0: mid-accumulation); backward: inside microstep m, after the
@@ -185,8 +226,9 @@ class FaultSpec(_Strict):
     process; ``SIGTERM`` is a preemption notice; ``HOLD`` sends nothing: the rank
     reports the bundle it is writing once written (so every bundle taken before the
     hold gets published), then waits at the site until the supervisor asks it to
-    checkpoint, stop or abort (for a notice, a drain, a resize, or to end the
-    attempt), or until its process dies.
+    checkpoint, stop or abort (for a notice, a drain, a resize, a checkpoint under
+    ``every_updates: auto``, or to end the attempt), or until its process dies; a
+    checkpoint request the rank already took at an earlier boundary does not count.
     A test holds a job that way so that what it does from outside (a notice, a node
     removed, a kill) takes effect before the job can finish, however fast it trains.
     ``attempt`` scopes the fault so that the resumed job does not hit it again at the

@@ -26,6 +26,7 @@ from tests.conftest import ROOT
     ("bench.steady_speed", ["--json"]),
     ("bench.trace_cost", []),
     ("bench.sharded_bundles", []),
+    ("bench.auto_interval", []),
 ])
 def test_bench_runs_in_quick_mode(tmp_path, module, extra):
     r = subprocess.run([sys.executable, "-m", module, "--quick", "--out", str(tmp_path), *extra],
