@@ -1,4 +1,4 @@
-"""A survivor's collective error when a peer dies is a restart, not a failure (RayGroup.poll).
+"""A survivor's collective error when a peer dies is that peer's loss, not the job's own error (RayGroup.poll).
 
 The ranks are stand-in actors whose ``run`` raises what a real survivor's gloo all-reduce raises
 when its peer is gone; the peer is a real actor, really killed. The old order-dependent settling
@@ -70,7 +70,7 @@ def test_a_collective_that_timed_out_with_every_peer_alive_is_a_collective_timeo
     ray.get(g.actors[1].poll.remote(1))  # the peer was alive all along
 
 
-def test_the_jobs_own_error_still_fails_the_job():
+def test_the_jobs_own_error_is_its_failure_not_a_lost_peer():
     g = group_of(["ValueError-like bug in the step: shapes (4, 8) and (9, 2) do not match", None])
     failed = settle(g)
     assert isinstance(failed, RankFailed) and "shapes" in str(failed)
