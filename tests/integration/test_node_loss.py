@@ -189,7 +189,8 @@ def test_elastic_grows_back_when_a_node_returns_fsdp_resharding_its_bundles(clus
     uninterrupted 2-rank run, parameters within tolerance, both restores exact-data. (The grow itself
     does not depend on the parallelism; the replicated 2 -> 1 restore is the test above.)"""
     two_workers(cluster)
-    sets = (*SETS, "train.parallelism=fsdp", "train.updates=400", "checkpoint.every_updates=20")
+    # 60 updates: the holds, not the length, decide when the node goes and when it returns
+    sets = (*SETS, "train.parallelism=fsdp", "train.updates=60", "checkpoint.every_updates=20")
     ref_spec = make_spec(tmp_path, *sets, job_id="fsdp-ref")
     run_on_ray(ref_spec, trace_path=str(tmp_path / "ref.jsonl"))
     # held at update 30 of attempt 1 until its node is lost, and at 40 of attempt 2 until it grows
@@ -216,7 +217,7 @@ def test_elastic_grows_back_when_a_node_returns_fsdp_resharding_its_bundles(clus
     assert [(m.world.size, m.world.parallelism) for m in manifests] == [(2, "fsdp"), (1, "fsdp")]
     final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
     ref = {r.update: r for r in read_trace(tmp_path / "ref.jsonl")}
-    assert sorted(final) == sorted(ref) == list(range(1, 401))
+    assert sorted(final) == sorted(ref) == list(range(1, 61))
     for u, r in final.items():
         assert (r.occurrences_sha256, r.n_occurrences) == (ref[u].occurrences_sha256, ref[u].n_occurrences)
     assert {r.world_size for r in final.values()} == {1, 2}
@@ -228,10 +229,10 @@ def test_elastic_grows_back_when_a_node_returns_fsdp_resharding_its_bundles(clus
     assert stage is not None and stage.stage == "gradient", (u, stage)
     a, b = final_params(ref_spec), final_params(spec)
     diff = max(float((a[k] - b[k]).abs().max()) for k in a)
-    print(f"fsdp elastic 2->1->2: max |param difference| after 400 updates {diff:.3g}")
-    # 400 updates drift further than the 30 of TOLERANCE: on this schedule 2.4e-3 for fsdp, 2.0e-3 for
-    # the same run replicated (ddp); a wrong row put together would differ by orders of magnitude more
-    assert 0 < diff <= 5 * TOLERANCE, f"parameters drifted {diff:g} > {5 * TOLERANCE:g}"
+    print(f"fsdp elastic 2->1->2: max |param difference| after 60 updates {diff:.3g}")
+    # summed in another order for the updates at one rank: close (8.2e-5 measured), never equal; a wrong
+    # row put together would differ by orders of magnitude more
+    assert 0 < diff <= TOLERANCE, f"parameters drifted {diff:g} > {TOLERANCE:g}"
 
 
 def test_room_for_more_ranks_asks_the_scheduler(cluster, tmp_path):
