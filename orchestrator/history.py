@@ -34,12 +34,14 @@ if TYPE_CHECKING:
 
 
 def history(storage: Storage, job_id: str, points: Points | None = None,
-            metrics_local_dir: str = "./spotrun-metrics") -> dict[str, Any]:
+            metrics_local_dir: str = "./spotrun-metrics", ledger: Ledger | None = None) -> dict[str, Any]:
     """Attempts, one row per restart with its cause and what it cost, and the job's goodput.
 
     ``points``: the job's metric points, read from its sinks when not given (beside the bundles
     on file storage, else under ``metrics_local_dir``); goodput is computed from them and the
-    ledger alone (see :mod:`spotrun.orchestrator.goodput`).
+    ledger alone (see :mod:`spotrun.orchestrator.goodput`). ``ledger``: the job's ledger, kept by a
+    caller that reads it again (the dashboard), so that only new events are fetched; a new one when
+    not given.
 
     A restart row joins the loss that ended an attempt (``worker_lost``; absent when
     the driver itself died) with the start of the next one: its restore, or, when no
@@ -48,7 +50,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     the moment the state the restart resumed from was current (the restored bundle's
     publication, or the previous attempt's start when that is later or nothing was
     restored) to this attempt's start: the work thrown away plus the downtime."""
-    events = Ledger(storage, job_id).read()
+    events = (ledger or Ledger(storage, job_id, fold=None)).read()
     attempts: dict[int, dict[str, Any]] = {}
     restarts: list[dict[str, Any]] = []
     losses: dict[int, WorkerLost] = {}

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
+from spotrun.orchestrator.dashboard.views import Reader
 from spotrun.orchestrator.folding import FoldPolicy
 from spotrun.orchestrator.ledger import AttemptStarted, BundlePublished, CorruptEvent, Ledger, OffsetsCommitted
 from spotrun.trainer.storage import LocalStorage, StorageError
@@ -228,6 +229,20 @@ def test_a_warm_reader_fetches_only_new_objects(tmp_path):
         writer.append(event(i))
     assert reader.read() == [event(i) for i in range(25)]
     assert set(storage.gets) == {f"j/events/{segment(16, 23)}", f"j/events/{singles(24)[0]}"}
+
+
+def test_a_dashboard_refresh_fetches_only_new_events(tmp_path):
+    writer = Ledger(LocalStorage(tmp_path), "j", fold=POLICY)
+    for i in range(22):
+        writer.append(event(i))
+    storage = CountingGets(tmp_path)
+    reader = Reader(storage)
+    reader.job("j")
+    assert {k for k in storage.gets if "/events/" in k}  # the cold load read the ledger
+    storage.gets.clear()
+    writer.append(event(22))
+    assert len(reader.events("j")) == 23 and len(reader.job("j")["history"]["attempts"]) == 3
+    assert {k for k in storage.gets if "/events/" in k} == {f"j/events/{singles(22)[0]}"}
 
 
 class FailingDelete(LocalStorage):
