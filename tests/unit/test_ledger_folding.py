@@ -6,41 +6,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
 from spotrun.orchestrator.dashboard.views import Reader
-from spotrun.orchestrator.folding import FoldPolicy
-from spotrun.orchestrator.ledger import AttemptStarted, BundlePublished, CorruptEvent, Ledger, OffsetsCommitted
+from spotrun.orchestrator.ledger import CorruptEvent, Ledger
 from spotrun.trainer.storage import LocalStorage, StorageError
-
-POLICY = FoldPolicy(block=4, fanout=2, levels=3)  # segments of 4, 8 and 16 events
-T0 = datetime(2026, 12, 1, tzinfo=UTC)
-
-
-def event(i: int, tag: str = "") -> AttemptStarted | BundlePublished | OffsetsCommitted:
-    """The ``i``-th event of a made-up job: an attempt every 10 events, else a bundle's two events."""
-    at, attempt = T0 + timedelta(seconds=30 * i), 1 + i // 10
-    if i % 10 == 0:
-        return AttemptStarted(attempt=attempt, world_size=2, pid=i, lineage_id=tag or "L", at=at)
-    if i % 2:
-        return BundlePublished(attempt=attempt, bundle=f"b{tag}{i}", update=i, bytes=1, stall_seconds=0.1,
-                               write_seconds=0.2, at=at)
-    return OffsetsCommitted(attempt=attempt, bundle=f"b{tag}{i - 1}", update=i - 1, at=at)
-
-
-def names(storage: LocalStorage, job: str = "j") -> list[str]:
-    return [k.split("/events/", 1)[1] for k in storage.list(f"{job}/events")]
-
-
-def singles(*seqs: int) -> list[str]:
-    return [f"{n:012d}.json" for n in seqs]
-
-
-def segment(first: int, last: int) -> str:
-    return f"segments/{first:012d}-{last:012d}.jsonl"
+from tests.helpers.ledger import POLICY, event, names, segment, singles
 
 
 class Crash(BaseException):
@@ -152,22 +125,24 @@ def test_concurrent_writers_lose_and_duplicate_nothing(tmp_path):
 
 
 def test_an_old_ledger_of_singles_reads_and_is_folded_one_block_per_append(tmp_path):
+    """A ledger written before segments is read as it is; a folding writer then folds one closed block
+    per append from its first append on (41 is no block boundary), largest blocks first."""
     storage = LocalStorage(tmp_path)
-    written = [event(i) for i in range(40)]
+    written = [event(i) for i in range(41)]
     old = Ledger(storage, "j", fold=None)  # as the ledger was written before segments
     for e in written:
         old.append(e)
     assert Ledger(storage, "j").read() == written
     writer = Ledger(storage, "j", fold=POLICY)
     folded_after = []
-    for i in range(40, 44):
+    for i in range(41, 45):
         written.append(event(i))
         writer.append(written[-1])
         folded_after.append([n for n in names(storage) if n.startswith("segments/")])
         assert Ledger(storage, "j").read() == written
-    every = [segment(0, 15), segment(16, 31), segment(32, 39)]
-    assert folded_after == [every[:1], every[:2], every, every]  # 40-43 is still open
-    assert names(storage) == [*singles(40, 41, 42, 43), *folded_after[-1]]
+    every = [segment(0, 15), segment(16, 31), segment(32, 39), segment(40, 43)]
+    assert folded_after == [every[:1], every[:2], every[:3], every]
+    assert names(storage) == [*singles(44), *every]
 
 
 def test_a_single_that_is_not_one_line_of_json_stays_a_single(tmp_path):
