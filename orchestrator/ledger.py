@@ -312,6 +312,10 @@ class Ledger:
             if block is not None:
                 self._fold_block(listing, block)
             return removed or block is not None
+        except FileNotFoundError as e:  # another writer folded it meanwhile: nothing is lost, nothing to say
+            log.info("ledger %s/%s: an object to fold is gone (%s); folding again at the next append",
+                     self.storage.uri, self.prefix, e)
+            return True
         except (StorageError, OSError) as e:
             log.warning("ledger %s/%s: folding stopped (%s); every event is written, the next append "
                         "folds again", self.storage.uri, self.prefix, e)
