@@ -36,14 +36,16 @@ if TYPE_CHECKING:
 
 
 def history(storage: Storage, job_id: str, points: Points | None = None,
-            metrics_local_dir: str = "./spotrun-metrics") -> dict[str, Any]:
+            metrics_local_dir: str = "./spotrun-metrics", ledger: Ledger | None = None) -> dict[str, Any]:
     """Attempts, one row per restart with its cause and what it cost, and the job's goodput; under
     ``checkpoint.every_updates: auto``, every interval it chose (``checkpoint_intervals``, oldest
     first: the decision, why it was taken, and its inputs).
 
     ``points``: the job's metric points, read from its sinks when not given (beside the bundles
     on file storage, else under ``metrics_local_dir``); goodput is computed from them and the
-    ledger alone (see :mod:`spotrun.orchestrator.goodput`).
+    ledger alone (see :mod:`spotrun.orchestrator.goodput`). ``ledger``: the job's ledger, kept by a
+    caller that reads it again (the dashboard), so that only new events are fetched; a new one when
+    not given.
 
     A restart row joins the loss that ended an attempt (``worker_lost``; absent when
     the driver itself died) with the start of the next one: its restore, or, when no
@@ -56,7 +58,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     ``budgets``: the losses of each class over the whole ledger, and what the newest run of the
     driver has used and has left of each budget (``world.max_restarts`` for failures,
     ``world.max_preemptions`` for preemptions; None: no limit or not recorded)."""
-    events = Ledger(storage, job_id).read()
+    events = (ledger or Ledger(storage, job_id, fold=None)).read()
     attempts: dict[int, dict[str, Any]] = {}
     restarts: list[dict[str, Any]] = []
     losses: dict[int, WorkerLost] = {}

@@ -8,14 +8,34 @@ loses the race for a sequence number takes the next one. A later process (the
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from spotrun.orchestrator.folding import (
+    DEFAULT_FOLD,
+    SEGMENTS,
+    FoldPolicy,
+    Listing,
+    Span,
+    body,
+    foldable,
+    line,
+    lines_of,
+    plan,
+    segment_key,
+    single_key,
+    single_line,
+)
 from spotrun.trainer.counters import Counters
-from spotrun.trainer.storage import Storage
+from spotrun.trainer.storage import Storage, StorageError, list_versions
+
+log = logging.getLogger(__name__)
 
 
 def _now() -> datetime:
@@ -248,50 +268,224 @@ class CorruptEvent(BaseModel):
     error: str
 
 
-class Ledger:
-    """A job's events, each its own create-only object under ``<job>/events/``. An instance keeps
-    the events it parsed: use a new one after the job's events are deleted."""
+class _SegmentLine(BaseModel):
+    """A line of a ledger segment (:mod:`spotrun.orchestrator.folding`): a single's event and its number."""
 
-    def __init__(self, storage: Storage, job_id: str, on_append: Callable[[_Event], None] | None = None) -> None:
-        """``on_append``: told of every event once it is written (``spotrun run``'s progress display)."""
+    model_config = ConfigDict(extra="forbid")
+
+    seq: int
+    event: Event
+
+
+_LINE = TypeAdapter(_SegmentLine)
+READ_LISTINGS = 5  # listings a read makes while folds remove what the previous one named
+
+
+@dataclass
+class _Segment:
+    """A segment, parsed: ``(order, seq, event)`` per line and the sequence numbers its lines hold."""
+
+    entries: list[tuple[int, int | None, _Event | CorruptEvent]]
+    held: set[int]
+
+
+class Ledger:
+    """A job's events: create-only singles under ``<job>/events/``, folded by the writer into
+    create-only segments (:mod:`spotrun.orchestrator.folding`) so that a reader pays one request per
+    segment, not per event. An instance keeps what it parsed (by key, and by ETag where the storage
+    lists one) and parses only new objects when read again: a supervisor at every placement, the
+    dashboard at every refresh. Reads and appends of one instance are serialised."""
+
+    def __init__(self, storage: Storage, job_id: str, on_append: Callable[[_Event], None] | None = None, *,
+                 fold: FoldPolicy | None = DEFAULT_FOLD) -> None:
+        """``on_append``: told of every event once it is written (``spotrun run``'s progress display).
+        ``fold``: the segment sizes this instance folds to when it appends; None: it never folds and
+        writes as the ledger did before segments (a reader's choice, or a benchmark's baseline; a writer
+        racing a folding one needs the check a folding writer makes after each write)."""
         self.storage = storage
         self.on_append = on_append
+        self.fold = fold
         self.prefix = f"{job_id}/events/"
         self._next: int | None = None  # the next sequence number to try (None: not looked up yet)
-        # key -> its event: an event is written once, whole (create-only), and never changes, so a
-        # ledger read again (a supervisor at every placement, a harness polling) parses only new keys
-        self._parsed: dict[str, _Event] = {}
+        self._lock = threading.RLock()
+        # key -> (its version, what it parsed to): singles and segments are written once, whole
+        # (create-only), and never change, so a ledger read again parses only new keys
+        self._parsed: dict[str, tuple[str | None, _Event | _Segment]] = {}
+        self._raw: dict[str, bytes] = {}  # unfolded singles' bytes (a folding writer's): what a fold copies
+        self._due = True  # a fold may be due: checked at the first append, then at block boundaries
 
-    def _keys(self) -> list[str]:
-        return [k for k in self.storage.list(self.prefix) if k.endswith(".json")]
+    def _list(self) -> Listing:
+        """List the events, forgetting what is gone (folded away, or the job deleted)."""
+        listing = Listing(self.prefix, list_versions(self.storage, self.prefix))
+        for cache in (self._parsed, self._raw):
+            for key in [k for k in cache if k not in listing.versions]:
+                del cache[key]
+        return listing
 
     def append(self, event: _Event) -> str:
-        """Write ``event`` under the next free sequence number; returns its key."""
-        if self._next is None:
-            keys = self._keys()
-            self._next = int(keys[-1][len(self.prefix):-5]) + 1 if keys else 0
+        """Write ``event`` under the next free sequence number; returns its key. A folding instance
+        first makes sure the event will be read (see :mod:`~spotrun.orchestrator.folding`), then folds
+        when a block may have closed: at its first append, at each block boundary, and after a fold
+        that found work (one fold per append, so an append never waits for a long catch-up)."""
         blob = event.model_dump_json().encode()
+        with self._lock:
+            seq = self._write(blob)
+            if self.on_append is not None:
+                self.on_append(event)
+            if self.fold is not None and (self._due or seq % self.fold.block == 0):
+                self._due = self._fold(self._list(), self.fold)
+            return single_key(self.prefix, seq)
+
+    def _write(self, blob: bytes) -> int:
+        """Create the next free single holding ``blob`` that readers will see; its sequence number."""
         while True:
-            key = f"{self.prefix}{self._next:012d}.json"
-            self._next += 1
-            if self.storage.put_new(key, blob):
-                if self.on_append is not None:
-                    self.on_append(event)
-                return key
+            if self._next is None:
+                self._next = self._list().top + 1
+            seq, self._next = self._next, self._next + 1
+            key = single_key(self.prefix, seq)
+            if not self.storage.put_new(key, blob):
+                continue
+            if self.fold is None:
+                return seq
+            if self._visible(seq, blob):
+                self._raw[key] = blob
+                return seq
+            # a segment holds another event under this number: ours would never be read
+            self.storage.delete([key])
+            self._next, self._due = max(self._next, self._list().top + 1), True
+
+    def _visible(self, seq: int, blob: bytes) -> bool:
+        """False if a segment holds another event under ``seq``, just written with ``blob``: the slot was
+        free because its single had been folded and removed (this writer is behind another one)."""
+        mine = line(seq, blob)
+        for _ in range(READ_LISTINGS):
+            segments = Listing(self.prefix, list_versions(self.storage, self.prefix + SEGMENTS)).segments
+            try:
+                held = [x.text for key, span in segments.items() if seq in span
+                        for x in lines_of(self.storage.get(key), span) if x.seq == seq]
+            except FileNotFoundError:
+                continue  # merged into a larger segment since the listing
+            return all(text == mine for text in held)
+        raise self._unsettled()
+
+    def _fold(self, listing: Listing, policy: FoldPolicy) -> bool:
+        """Remove what segments replaced (left by a crash), then fold the next closed block; whether
+        there was work (so more may be due). A failure here loses nothing (every event is written): it
+        is logged, and the next append tries again."""
+        try:
+            removed = self._remove_replaced(listing)
+            block = plan(listing, policy)
+            if block is not None:
+                self._fold_block(listing, block)
+            return removed or block is not None
+        except FileNotFoundError as e:  # another writer folded it meanwhile: nothing is lost, nothing to say
+            log.info("ledger %s/%s: an object to fold is gone (%s); folding again at the next append",
+                     self.storage.uri, self.prefix, e)
+            return True
+        except (StorageError, OSError) as e:
+            log.warning("ledger %s/%s: folding stopped (%s); every event is written, the next append "
+                        "folds again", self.storage.uri, self.prefix, e)
+            return True
+
+    def _remove_replaced(self, listing: Listing) -> bool:
+        """Delete the singles and smaller segments inside a segment whose lines hold all their events;
+        whether there were any."""
+        doomed: list[str] = []
+        for key, span in listing.segments.items():
+            segments, singles = listing.inside(span)
+            if not (segments or singles):
+                continue
+            held = self._segment(listing, key).held
+            doomed += [listing.singles[n] for n in singles if n in held]
+            doomed += [k for k in segments if self._segment(listing, k).held <= held]
+        if doomed:
+            self.storage.delete(sorted(set(doomed)))
+        return bool(doomed)
+
+    def _fold_block(self, listing: Listing, block: Span) -> None:
+        """Write ``block``'s segment from the segments and singles inside it; remove those once it exists."""
+        segments, singles = listing.inside(block)
+        lines = [x for k in segments for x in lines_of(self.storage.get(k), listing.segments[k])]
+        held = {x.seq for x in lines}
+        folded = []
+        for n in singles:
+            key = listing.singles[n]
+            raw = None if n in held else self._raw.get(key) or self.storage.get(key)
+            if raw is None or foldable(raw):  # None: already in a segment here (left by a crash)
+                folded.append(key)
+                if raw is not None:
+                    lines.append(single_line(n, raw))
+        if self.storage.put_new(segment_key(self.prefix, block), body(lines)):
+            self.storage.delete(segments + folded)
+        # else another writer folded this block: it removes what it folded, or a later _remove_replaced does
 
     def read(self) -> list[_Event | CorruptEvent]:
-        """Every event in order; one that does not parse is a :class:`CorruptEvent` (read again next time)."""
-        out: list[_Event | CorruptEvent] = []
-        for key in self._keys():
-            event = self._parsed.get(key)
-            if event is None:
+        """Every event in sequence order, each once; one that does not parse is a :class:`CorruptEvent`
+        (read again next time)."""
+        with self._lock:
+            for _ in range(READ_LISTINGS):
+                listing = self._list()
                 try:
-                    event = self._parsed[key] = _EVENT.validate_json(self.storage.get(key))
-                except (ValidationError, ValueError) as e:
-                    out.append(CorruptEvent(key=key, error=str(e).splitlines()[0]))
-                    continue
-            out.append(event)
-        return out
+                    return self._assemble(listing)
+                except FileNotFoundError:
+                    continue  # folded away since the listing: the next one names the segment that holds it
+            raise self._unsettled()
+
+    def _unsettled(self) -> StorageError:
+        return StorageError(f"the ledger under {self.storage.uri}/{self.prefix} changed under each of "
+                            f"{READ_LISTINGS} listings in a row; read it again (is a writer folding in a loop?)")
+
+    def _assemble(self, listing: Listing) -> list[_Event | CorruptEvent]:
+        """The segments' events, then every single no segment holds, by sequence number."""
+        ordered: list[tuple[int, _Event | CorruptEvent]] = []
+        seen: set[int] = set()
+        for key, _ in sorted(listing.segments.items(), key=lambda kv: (kv[1].first, -kv[1].last)):
+            for order, seq, event in self._segment(listing, key).entries:
+                if seq is None or seq not in seen:
+                    ordered.append((order, event))
+                if seq is not None:
+                    seen.add(seq)
+        ordered += [(n, self._single(listing, key)) for n, key in listing.singles.items() if n not in seen]
+        ordered.sort(key=lambda x: x[0])  # stable: a damaged line stays after the line before it
+        return [e for _, e in ordered] + [
+            CorruptEvent(key=k, error="not a ledger object name (NNNNNNNNNNNN.json or segments/FIRST-LAST.jsonl)")
+            for k in listing.strays]
+
+    def _single(self, listing: Listing, key: str) -> _Event | CorruptEvent:
+        version = listing.versions[key]
+        hit = self._parsed.get(key)
+        if hit is not None and hit[0] == version and not isinstance(hit[1], _Segment):
+            return hit[1]
+        raw = self.storage.get(key)
+        try:
+            event = _EVENT.validate_json(raw)
+        except (ValidationError, ValueError) as e:
+            return CorruptEvent(key=key, error=str(e).splitlines()[0])
+        self._parsed[key] = (version, event)
+        if self.fold is not None:
+            self._raw[key] = raw
+        return event
+
+    def _segment(self, listing: Listing, key: str) -> _Segment:
+        version = listing.versions[key]
+        hit = self._parsed.get(key)
+        if hit is not None and hit[0] == version and isinstance(hit[1], _Segment):
+            return hit[1]
+        entries: list[tuple[int, int | None, _Event | CorruptEvent]] = []
+        for i, x in enumerate(lines_of(self.storage.get(key), listing.segments[key]), 1):
+            if x.seq is None:
+                entries.append((x.order, None, CorruptEvent(key=key, error=f"line {i}: no sequence number "
+                                                                           "of this segment's range")))
+                continue
+            try:
+                entries.append((x.order, x.seq, _LINE.validate_json(x.text).event))
+            except (ValidationError, ValueError) as e:
+                entries.append((x.order, x.seq, CorruptEvent(key=single_key(self.prefix, x.seq),
+                                                             error=f"in {key}: {str(e).splitlines()[0]}")))
+        segment = _Segment(entries, {x[1] for x in entries if x[1] is not None})
+        if not any(isinstance(e, CorruptEvent) for _, _, e in entries):  # a corrupt event is never kept
+            self._parsed[key] = (version, segment)
+        return segment
 
     def next_attempt(self) -> int:
         return 1 + sum(1 for e in self.read() if isinstance(e, AttemptStarted))

@@ -490,19 +490,29 @@ class S3Storage:
     def delete_prefix(self, prefix: str) -> None:
         p = check_key(prefix.rstrip("/"))
         try:
-            full = [self.root + p, *self._list_raw(self.root + p + "/")]
-            n = self.DELETE_BATCH
-            for i in range(0, len(full), n):
-                batch = {"Objects": [{"Key": k} for k in full[i:i + n]], "Quiet": True}
-                reply = self._run(partial(self._client.delete_objects, Bucket=self.bucket, Delete=batch))
-                errors = [e for e in reply.get("Errors", []) if e.get("Code") not in ("NoSuchKey",)]
-                if errors:
-                    first = errors[0]
-                    raise StorageError(
-                        f"cannot delete under {self._where(prefix)}: {len(errors)} object(s) refused, first "
-                        f"{first.get('Key', '')[len(self.root):]}: {first.get('Code')}: {first.get('Message', '')}")
+            self._delete_objects([self.root + p, *self._list_raw(self.root + p + "/")], f"under {self._where(prefix)}")
         except (ClientError, BotoCoreError, *TRANSIENT_EXCEPTIONS) as e:
             raise self._fail("delete under", prefix, e) from e
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """One ``DeleteObjects`` request per :attr:`DELETE_BATCH` keys."""
+        try:
+            self._delete_objects([self._key(k) for k in keys], f"in {self._where()}")
+        except (ClientError, BotoCoreError, *TRANSIENT_EXCEPTIONS) as e:
+            raise self._fail("delete objects in", None, e) from e
+
+    def _delete_objects(self, full: Sequence[str], where: str) -> None:
+        """Delete the objects ``full`` (whole keys, root included); a key already gone is no error."""
+        n = self.DELETE_BATCH
+        for i in range(0, len(full), n):
+            batch = {"Objects": [{"Key": k} for k in full[i:i + n]], "Quiet": True}
+            reply = self._run(partial(self._client.delete_objects, Bucket=self.bucket, Delete=batch))
+            errors = [e for e in reply.get("Errors", []) if e.get("Code") not in ("NoSuchKey",)]
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"cannot delete {where}: {len(errors)} object(s) refused, first "
+                    f"{first.get('Key', '')[len(self.root):]}: {first.get('Code')}: {first.get('Message', '')}")
 
     # -- multipart ------------------------------------------------------------------------------
 

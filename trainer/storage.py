@@ -64,6 +64,17 @@ class Storage(Protocol):
 
     def delete_prefix(self, prefix: str) -> None: ...
 
+    def delete(self, keys: Sequence[str]) -> None:
+        """Remove each of ``keys`` (one already gone is no error), in as few requests as the backend allows."""
+
+
+def list_versions(storage: Storage, prefix: str) -> dict[str, str | None]:
+    """Every key under ``prefix`` with its version where the storage lists one in the same requests
+    (S3's ETag), else None: a reader that keeps parsed objects by key sees one that was replaced."""
+    lister = getattr(storage, "list_etags", None)  # S3, and the dashboard's read-only view of S3
+    etags: dict[str, str] | None = lister(prefix) if lister else None
+    return dict(etags) if etags is not None else dict.fromkeys(storage.list(prefix))
+
 
 # From this size a file goes to disk with direct I/O. Measured here, bundle write / dd direct, with the
 # tensors written from aligned host buffers (medians of 3-7 interleaved repetitions, a loaded machine):
@@ -301,6 +312,10 @@ class LocalStorage:
         for p in sorted(base.rglob("*"), reverse=True):
             p.unlink() if p.is_file() or p.is_symlink() else p.rmdir()
         base.rmdir()
+
+    def delete(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._path(key).unlink(missing_ok=True)
 
 
 def open_storage(uri: str, endpoint_url: str | None = None, *, check: bool = True) -> Storage:

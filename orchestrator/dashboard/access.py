@@ -45,6 +45,9 @@ class _RefusesWrites:
     def delete_prefix(self, prefix: str) -> None:
         raise ReadOnlyError("the dashboard is read-only")
 
+    def delete(self, keys: Sequence[str]) -> None:
+        raise ReadOnlyError("the dashboard is read-only")
+
 
 class ReadOnlyLocalStorage(_RefusesWrites, LocalStorage):
     """A local root for reading only: no mkdir, no write-permission check, no path outside the root."""

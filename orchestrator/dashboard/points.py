@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
 from spotrun.trainer.metrics import MetricPoint, metrics_dir, read_object_points, upsert
-from spotrun.trainer.storage import Storage
+from spotrun.trainer.storage import Storage, list_versions
 
 SQLITE, JSONL = "metrics.sqlite", "metrics.jsonl"
 
@@ -104,14 +104,12 @@ class ObjectCache:
 
     def read(self, storage: Storage, job_id: str) -> list[MetricPoint]:
         prefix = f"{job_id}/metrics"
-        lister = getattr(storage, "list_etags", None)
-        etags: dict[str, str] | None = lister(prefix) if lister else None
-        keys = sorted(etags) if etags is not None else storage.list(prefix)
+        versions = list_versions(storage, prefix)
         groups = []
-        for key in keys:
+        for key in sorted(versions):
             if not key.endswith((".json", ".jsonl")):
                 continue
-            etag = etags[key] if etags is not None else None
+            etag = versions[key]
             with self._lock:
                 hit = self._cache.get(key)
             if hit is not None and etag is not None and hit[0] == etag:
@@ -126,7 +124,7 @@ class ObjectCache:
                     self._cache[key] = (etag, points)
             groups.append(points)
         with self._lock:  # forget objects that are gone
-            for key in [k for k in self._cache if k.startswith(prefix + "/") and k not in keys]:
+            for key in [k for k in self._cache if k.startswith(prefix + "/") and k not in versions]:
                 del self._cache[key]
         return upsert(groups)
 

@@ -1,13 +1,15 @@
 """View models: the plain dicts behind every page and every ``/api`` answer.
 
 :class:`Reader` holds what outlives a request (the storage, the checksum verdicts,
-parsed metric logs). Each view reads the job afresh, so a refresh shows a running
-job's progress. ``history`` is :func:`spotrun.orchestrator.history.history` unchanged: the
-same fields ``spotrun history --json`` prints.
+parsed metric logs, each job's ledger). Each view reads the job afresh, so a refresh
+shows a running job's progress, fetching only what was written since the last one.
+``history`` is :func:`spotrun.orchestrator.history.history` unchanged: the same fields
+``spotrun history --json`` prints.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -32,6 +34,8 @@ class Reader:
     checks: ChecksumCache = field(default_factory=ChecksumCache)
     logs: LogCache = field(default_factory=LogCache)
     objects: ObjectCache = field(default_factory=ObjectCache)
+    ledgers: dict[str, Ledger] = field(default_factory=dict)  # per job: a refresh fetches only new events
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def jobs(self) -> list[dict[str, Any]]:
         return [self.job(j)["summary"] for j in job_ids(self.storage)]
@@ -39,11 +43,19 @@ class Reader:
     def points(self, job_id: str) -> Points:
         return read_points(self.storage, job_id, self.metrics_local_dir, self.logs, self.objects)
 
+    def ledger(self, job_id: str) -> Ledger:
+        """The job's ledger, kept between requests (it only reads: it never folds)."""
+        with self._lock:
+            return self.ledgers.setdefault(job_id, Ledger(self.storage, job_id, fold=None))
+
+    def _history(self, job_id: str, points: Points) -> dict[str, Any]:
+        return history(self.storage, job_id, points, ledger=self.ledger(job_id))
+
     def job(self, job_id: str) -> dict[str, Any]:
         """Everything the job page shows. Raises :class:`~.access.JobNotFound` for an unknown id."""
         require_job(self.storage, job_id)
         points = self.points(job_id)
-        hist = history(self.storage, job_id, points)
+        hist = self._history(job_id, points)
         attempt_spans = observed.spans(hist, points)
         restarts = observed.restarts(hist, points, attempt_spans)
         rows, total = self._bundles(job_id, hist, verify=False)
@@ -60,11 +72,11 @@ class Reader:
 
     def history(self, job_id: str) -> dict[str, Any]:
         """What ``spotrun history JOB_ID --json`` prints."""
-        return history(self.storage, require_job(self.storage, job_id), self.points(job_id))
+        return self._history(require_job(self.storage, job_id), self.points(job_id))
 
     def bundles(self, job_id: str, verify: bool = False) -> list[dict[str, Any]]:
         require_job(self.storage, job_id)
-        return self._bundles(job_id, history(self.storage, job_id, self.points(job_id)), verify)[0]
+        return self._bundles(job_id, self._history(job_id, self.points(job_id)), verify)[0]
 
     def metrics(self, job_id: str, name: str | None = None) -> dict[str, Any]:
         require_job(self.storage, job_id)
@@ -82,7 +94,7 @@ class Reader:
         """Every ledger event in order; an unparsable file is an event of kind ``corrupt``."""
         require_job(self.storage, job_id)
         out = []
-        for e in Ledger(self.storage, job_id).read():
+        for e in self.ledger(job_id).read():
             doc = e.model_dump(mode="json")
             if not isinstance(e, CorruptEvent):
                 doc = {"kind": doc.pop("kind"), "attempt": doc.pop("attempt"), "at": doc.pop("at"), **doc}
