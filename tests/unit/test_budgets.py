@@ -89,3 +89,34 @@ def test_a_process_that_dies_after_a_notice_for_its_node_is_a_preemption(tmp_pat
     assert outcome.state == "finished", "max_restarts=0: had the loss counted as a failure, the job would fail"
     [lost] = [e for e in Ledger(open_storage(spec.storage), "n").read() if isinstance(e, WorkerLost)]
     assert (lost.cause, lost.loss) == ("process-exit", "preemption")
+
+
+def test_history_and_the_dashboard_show_both_budgets(tmp_path, capsys):
+    """One failure, one preemption: history's table and --json and the job page count each class and say
+    what is left of each budget."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from spotrun.orchestrator.cli import main
+    from spotrun.orchestrator.dashboard import create_app
+    from spotrun.orchestrator.groups import RankLost
+
+    spec = make_spec(tmp_path, "train.updates=4", "world.max_restarts=3", "world.max_preemptions=5", job_id="h")
+    groups = [ScriptedGroup(1, [RankFailed("rank 0 raised OSError: disk", 0)]),
+              ScriptedGroup(1, [RankLost(0, "node-lost", "reclaimed", "node-0")]),
+              ScriptedGroup(1, [_finished(4)])]
+    assert Supervisor(spec, lambda *a: groups.pop(0), capacity=lambda: 1, sleep=lambda s: None).run().restarts == 2
+    runs = str(tmp_path / "runs")
+    assert main(["history", "h", "--storage", f"file://{runs}", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(r["cause"], r["loss"]) for r in doc["restarts"]] == [("error", "failure"), ("node-lost", "preemption")]
+    assert doc["budgets"] == {"preemptions": 1, "failures": 1, "unclassified": 0, "this_run": {
+        "failures": 1, "max_restarts": 3, "failures_left": 2, "preemptions": 1, "max_preemptions": 5,
+        "preemptions_left": 4}}
+    assert main(["history", "h", "--storage", f"file://{runs}"]) == 0
+    table = capsys.readouterr().out
+    assert "restart budgets" in table and "no limit" not in table
+    page = TestClient(create_app(f"file://{runs}"), base_url="http://127.0.0.1").get("/jobs/h").text
+    assert ("1 preemption(s)" in page and "1 failure(s)" in page and "used 1 of 3 failures" in page
+            and "(world.max_restarts, 2 left)" in page and "1 preemption(s) of 5 (4 left)" in page), page
