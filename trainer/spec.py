@@ -22,6 +22,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 DEFAULT_VOCAB = "".join(chr(c) for c in range(32, 127)) + "\n\t"
 
 
+Applies = Literal["both", "recipe", "job"]
+# Who reads a key (``json_schema_extra={"applies": ...}`` on a model, overridden per field; ``spotrun spec``
+# and docs/SPEC.md print it): "both": the engine, for any job; "recipe": only the built-in character LM
+# (spotrun.recipes.char_lm), so a user's job never sees it unless it reads ``ctx.spec`` itself;
+# "job": only a user's job (``job.*``).
+RECIPE: dict[str, Any] = {"applies": "recipe"}
+
+
+def _section(applies: Applies) -> ConfigDict:
+    """A section's config: strict like every spec model, and who reads its keys unless a field says otherwise."""
+    return ConfigDict(extra="forbid", frozen=True, json_schema_extra={"applies": applies})
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -31,8 +44,15 @@ class JobCodeSpec(_Strict):
     ``spotrun.BuildContext`` and returning a ``spotrun.Job``; ``config`` is free-form and reaches
     it as ``ctx.config``. Both shape the trajectory: a bundle restores only under equal values."""
 
-    entrypoint: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
-    config: dict[str, Any] = {}
+    model_config = _section("job")
+
+    entrypoint: str = Field(
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
+        description="`package.module:function` that takes a `spotrun.BuildContext` and returns a `spotrun.Job`; "
+                    "imported on every rank (run spotrun from the folder that holds the module, or install it)")
+    config: dict[str, Any] = Field(
+        {}, description="free-form settings for the job, passed to the entrypoint as `ctx.config`; part of the "
+                        "trajectory (a bundle restores only under an equal config)")
 
 
 class ModelSpec(_Strict):
@@ -41,12 +61,19 @@ class ModelSpec(_Strict):
     ``module:function`` that takes ``(spec: ModelSpec, vocab_size: int)`` and returns an
     ``nn.Module`` whose ``forward(tokens) -> logits``."""
 
-    kind: Literal["gpt", "mlp", "factory"] = "gpt"
-    n_layer: int = Field(2, ge=1)
-    n_head: int = Field(2, ge=1)
-    n_embd: int = Field(64, ge=4)
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    factory: str | None = None
+    model_config = _section("recipe")
+
+    kind: Literal["gpt", "mlp", "factory"] = Field(
+        "gpt", description="the built-in LM's network: `gpt` a tiny character GPT, `mlp` a fast bigram-like net, "
+                           "`factory` the module named by `model.factory`")
+    n_layer: int = Field(2, ge=1, description="transformer blocks (`gpt`)")
+    n_head: int = Field(2, ge=1, description="attention heads per block (`gpt`); must divide `model.n_embd`")
+    n_embd: int = Field(64, ge=4, description="embedding width")
+    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout probability in the network (`gpt`)",
+                           json_schema_extra={"unit": "probability"})
+    factory: str | None = Field(
+        None, description="`kind: factory` only: `module:function` taking `(spec: ModelSpec, vocab_size: int)` "
+                          "and returning an `nn.Module` whose `forward(tokens) -> logits`")
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -62,18 +89,34 @@ class ModelSpec(_Strict):
 class DataSpec(_Strict):
     """Where records come from and how they become sequences."""
 
-    shards: str = "configs/data/tiny"
-    vocab: str = DEFAULT_VOCAB
-    shuffle_buffer: int = Field(64, ge=0)
-    workers: int = Field(2, ge=0)
-    prefetch: int = Field(2, ge=1)
-    seq_len: int = Field(64, ge=2)
-    mask_prob: float = Field(0.1, ge=0.0, le=1.0)
-    recovery: Literal["exact", "bounded-repetition", "fresh-epoch"] = "exact"
-    max_repeat: int = Field(0, ge=0)
-    # permuted: a fresh permutation each epoch. sequential: the order a streaming reader delivers
-    # (shards by name, lines in order), with per-shard offsets committed under the source.
-    order: Literal["permuted", "sequential"] = "permuted"
+    model_config = _section("both")
+
+    shards: str = Field(
+        "configs/data/tiny", description="the JSONL shards of a `spotrun.TokenData` job and of the built-in LM: a "
+                                         "local folder (relative to where spotrun starts) or an `s3://` prefix")
+    vocab: str = Field(DEFAULT_VOCAB, description="the built-in LM's characters, each once (its tokenizer)",
+                       json_schema_extra=RECIPE)
+    shuffle_buffer: int = Field(
+        64, ge=0, description="occurrences mixed in a buffer on top of the epoch order (0: none); not used by "
+                              "`spotrun.StreamData`", json_schema_extra={"unit": "occurrences"})
+    workers: int = Field(2, ge=0, description="data loader processes per rank (0: load on the training thread)")
+    prefetch: int = Field(2, ge=1, description="micro-batches each loader process prepares ahead",
+                          json_schema_extra={"unit": "micro-batches"})
+    seq_len: int = Field(64, ge=2, description="the built-in LM's sequence length (a `spotrun.TokenData` job "
+                                               "sets its own `seq_len`)", json_schema_extra=RECIPE | {"unit": "tokens"})
+    mask_prob: float = Field(0.1, ge=0.0, le=1.0, description="the built-in LM replaces each input token with "
+                                                              "MASK with this probability", json_schema_extra=RECIPE)
+    recovery: Literal["exact", "bounded-repetition", "fresh-epoch"] = Field(
+        "exact", description="what a restore promises about the data: `exact` the same occurrences as an "
+                             "uninterrupted run; `bounded-repetition` resume a streaming reader from its committed "
+                             "offsets, repeating at most `data.max_repeat` occurrences; `fresh-epoch` start a new "
+                             "epoch (for a world size that cannot keep the order)")
+    max_repeat: int = Field(0, ge=0, description="`recovery: bounded-repetition` only: the most occurrences one "
+                                                 "restore may deliver again", json_schema_extra={"unit": "occurrences"})
+    order: Literal["permuted", "sequential"] = Field(
+        "permuted", description="`permuted`: a fresh permutation each epoch; `sequential`: the order a streaming "
+                                "reader delivers (shards by name, lines in order), with per-shard offsets committed "
+                                "under the source")
 
     @model_validator(mode="after")
     def _check(self) -> DataSpec:
@@ -91,42 +134,67 @@ class DataSpec(_Strict):
 
 
 class GradScalerSpec(_Strict):
-    init_scale: float = Field(2.0**16, gt=0)
-    growth_interval: int = Field(2000, ge=1)
+    """fp16's loss scaler (``train.precision: fp16`` only)."""
+
+    model_config = _section("both")
+
+    init_scale: float = Field(2.0**16, gt=0, description="the fp16 loss scale an update starts from")
+    growth_interval: int = Field(2000, ge=1, description="updates without an overflow before the scale doubles",
+                                 json_schema_extra={"unit": "updates"})
 
 
 class TrainSpec(_Strict):
-    """The optimisation. ``updates`` counts attempted updates."""
+    """The optimisation. ``updates`` counts attempted updates. A user's job builds its own optimizer and schedule:
+    ``lr``, ``min_lr``, ``warmup_updates``, ``weight_decay``, ``betas`` and ``ema_decay`` are the built-in LM's."""
 
-    updates: int = Field(200, ge=1)
-    micro_batch: int = Field(8, ge=1)
-    accum_steps: int = Field(2, ge=1)
-    lr: float = Field(3e-3, gt=0)
-    min_lr: float = Field(3e-4, ge=0)
-    warmup_updates: int = Field(10, ge=0)
-    weight_decay: float = Field(0.01, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = Field(1.0, ge=0)
-    ema_decay: float = Field(0.99, ge=0, lt=1)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    model_config = _section("both")
+
+    updates: int = Field(200, ge=1, description="updates the job runs to (attempted, including skipped ones); "
+                                               "`ctx.total_updates` for a schedule")
+    micro_batch: int = Field(8, ge=1, description="sequences (samples) per rank per microstep",
+                             json_schema_extra={"unit": "samples"})
+    accum_steps: int = Field(2, ge=1, description="microsteps per update at `world.size`; the global batch is "
+                                                  "world.size x accum_steps x micro_batch and stays fixed when the "
+                                                  "world size changes", json_schema_extra={"unit": "microsteps"})
+    lr: float = Field(3e-3, gt=0, description="the built-in LM's peak learning rate (AdamW)", json_schema_extra=RECIPE)
+    min_lr: float = Field(3e-4, ge=0, description="the built-in LM's learning rate at the last update (cosine decay)",
+                          json_schema_extra=RECIPE)
+    warmup_updates: int = Field(10, ge=0, description="the built-in LM's linear warmup to `train.lr`",
+                                json_schema_extra=RECIPE)
+    weight_decay: float = Field(0.01, ge=0, description="the built-in LM's AdamW weight decay (matrices only)",
+                                json_schema_extra=RECIPE)
+    betas: tuple[float, float] = Field((0.9, 0.95), description="the built-in LM's AdamW betas",
+                                       json_schema_extra=RECIPE)
+    grad_clip: float = Field(1.0, ge=0, description="the engine clips the global gradient norm to this before every "
+                                                    "optimizer step, for any job (0: no clipping)")
+    ema_decay: float = Field(0.99, ge=0, lt=1, description="the built-in LM's parameter EMA decay (a user's job "
+                                                           "passes `spotrun.Job(ema_decay=...)`)",
+                             json_schema_extra=RECIPE)
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="autocast dtype of the forward pass; `fp16` adds a loss scaler (`train.grad_scaler`)")
     grad_scaler: GradScalerSpec = GradScalerSpec()
-    scheduler_counts: Literal["applied", "attempted"] = "applied"
-    threads: int = Field(1, ge=1)
-    # How gradients are averaged across ranks: "allreduce" sums every gradient in one flat buffer
-    # after the last microstep's backward (any step function works on the model itself); "ddp" wraps
-    # the model in torch's DistributedDataParallel (bucketed, overlapped with backward, no_sync on the
-    # earlier microsteps; the step must call the model it is given, not its submodules). See README.
-    grad_sync: Literal["allreduce", "ddp"] = "allreduce"
-    # grad_sync=ddp only: let DDP find the parameters a backward did not reach (a branch some batches
-    # skip) by walking the autograd graph at every backward. Without it such a parameter is refused.
-    find_unused_parameters: bool = False
-    # "ddp": every rank holds the whole model, optimizer and EMA (replicas; rank 0 writes them).
-    # "fsdp": FSDP2 shards parameters, gradients, optimizer state and EMA over the ranks on dim 0
-    # (fully_shard per unit, see spotrun.Job(shard=...)), and every rank writes its own shard.
-    parallelism: Literal["ddp", "fsdp"] = "ddp"
-    # GPU: TF32 matmuls are faster and round inputs to 10 mantissa bits, differently on each GPU
-    # generation; off unless allowed (bitwise restores hold either way on the same GPU model)
-    allow_tf32: bool = False
+    scheduler_counts: Literal["applied", "attempted"] = Field(
+        "applied", description="whether the scheduler steps on applied updates only (an update the fp16 scaler "
+                               "skips does not advance it) or on every attempted one")
+    threads: int = Field(1, ge=1, description="torch CPU threads per rank")
+    grad_sync: Literal["allreduce", "ddp"] = Field(
+        "allreduce", description="how gradients are averaged across ranks: `allreduce` sums every gradient in one "
+                                 "flat buffer after the last microstep's backward (any step function works on the "
+                                 "model itself); `ddp` wraps the model in torch's DistributedDataParallel "
+                                 "(bucketed, overlapped with backward, no_sync on the earlier microsteps; the step "
+                                 "must call the model it is given, not its submodules)")
+    find_unused_parameters: bool = Field(
+        False, description="`grad_sync: ddp` only: let DDP find the parameters a backward did not reach (a branch "
+                           "some batches skip) by walking the autograd graph at every backward; without it such a "
+                           "parameter is refused")
+    parallelism: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="`ddp`: every rank holds the whole model, optimizer and EMA (replicas; rank 0 writes "
+                           "them); `fsdp`: FSDP2 shards parameters, gradients, optimizer state and EMA over the "
+                           "ranks on dim 0 (one unit per `spotrun.Job(shard=...)` call), and every rank writes its "
+                           "own shard")
+    allow_tf32: bool = Field(
+        False, description="GPU: allow TF32 matmuls, faster but rounding inputs to 10 mantissa bits differently "
+                           "on each GPU generation (bitwise restores hold either way on the same GPU model)")
 
     @model_validator(mode="after")
     def _check(self) -> TrainSpec:
@@ -145,24 +213,46 @@ class TrainSpec(_Strict):
 
 
 class WorldSpec(_Strict):
-    size: int = Field(1, ge=1)
-    policy: Literal["strict", "elastic", "fresh-epoch"] = "strict"
-    min_size: int = Field(1, ge=1)
-    max_size: int | None = Field(None, ge=1)
-    capacity_timeout_s: float = Field(60, ge=0)
-    # elastic: how often a running job below max_size looks for room to grow back (a restart from
-    # a bundle taken for the purpose); 0 never grows while running
-    grow_check_s: float = Field(30, ge=0)
-    # Two budgets (orchestrator/budgets.py): failures (the job's code raised, a process died on a live
-    # node, ...) and preemptions (a node lost, a notice); a spot job is preempted for as long as it runs
-    max_restarts: int = Field(20, ge=0)  # failures restarted, per run of the driver
-    max_preemptions: int | None = Field(None, ge=0)  # None: no limit
-    crash_loop_failures: int = Field(3, ge=1)  # failures in a row with no bundle published between: fail now
-    restart_backoff_s: float = Field(0.5, ge=0)  # first backoff; doubles per loss since the last bundle
-    cpus_per_rank: float = Field(1, gt=0)
-    num_gpus_per_rank: float = Field(0, ge=0)
-    placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "SPREAD"
-    collective_timeout_s: float = Field(120, gt=0)
+    """How many ranks, on what resources, and how restarts are budgeted. Two budgets: failures (the job's code
+    raised, a process died on a live node, ...) and preemptions (a node lost, a notice)."""
+
+    model_config = _section("both")
+
+    size: int = Field(1, ge=1, description="ranks the job starts with (and sizes its global batch by)",
+                      json_schema_extra={"unit": "ranks"})
+    policy: Literal["strict", "elastic", "fresh-epoch"] = Field(
+        "strict", description="what a restart after a topology change may use: `strict` the same world size "
+                              "(waiting up to `world.capacity_timeout_s`; bitwise restores); `elastic` any size "
+                              "between `world.min_size` and `world.max_size`, largest first, keeping the global "
+                              "batch and the data, and grows back while running when room returns; `fresh-epoch` "
+                              "any allowed size, the data restarting at the next epoch")
+    min_size: int = Field(1, ge=1, description="`policy: elastic`: the fewest ranks a restart may use",
+                          json_schema_extra={"unit": "ranks"})
+    max_size: int | None = Field(None, ge=1, description="`policy: elastic`: the most ranks (none: `world.size`)",
+                                 json_schema_extra={"unit": "ranks"})
+    capacity_timeout_s: float = Field(60, ge=0, description="how long a restart waits for the ranks it needs "
+                                                            "before giving up (or shrinking, under elastic)")
+    grow_check_s: float = Field(30, ge=0, description="`policy: elastic`: how often a job below `world.max_size` "
+                                                      "looks for room to grow back (a restart from a bundle taken "
+                                                      "for the purpose); 0 never grows while running")
+    max_restarts: int = Field(20, ge=0, description="failures restarted per run of the driver; one more fails "
+                                                    "the job", json_schema_extra={"unit": "restarts"})
+    max_preemptions: int | None = Field(None, ge=0, description="preemptions restarted per run of the driver "
+                                                                "(none: no limit; a spot job is preempted for as "
+                                                                "long as it runs)",
+                                        json_schema_extra={"unit": "restarts"})
+    crash_loop_failures: int = Field(3, ge=1, description="failures in a row with no bundle published between "
+                                                          "them that fail the job at once",
+                                     json_schema_extra={"unit": "failures"})
+    restart_backoff_s: float = Field(0.5, ge=0, description="the first wait before a restart; doubles per loss "
+                                                            "since the last bundle")
+    cpus_per_rank: float = Field(1, gt=0, description="Ray CPUs each rank reserves", json_schema_extra={"unit": "CPUs"})
+    num_gpus_per_rank: float = Field(0, ge=0, description="Ray GPUs each rank reserves (0: train on CPU)",
+                                     json_schema_extra={"unit": "GPUs"})
+    placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "SPREAD", description="the Ray placement-group strategy for the ranks")
+    collective_timeout_s: float = Field(120, gt=0, description="how long a collective (all-reduce, barrier) may "
+                                                               "wait for the other ranks before the attempt fails")
 
 
 class CheckpointSpec(_Strict):
@@ -173,15 +263,25 @@ class CheckpointSpec(_Strict):
     its ledger) and asks the ranks for each checkpoint; the ranks' own schedule then takes only the
     last update's. The three ``*_s`` keys are read by ``auto`` only."""
 
-    every_updates: int | Literal["auto"] = 10
-    # auto's prior for the mean run time between preemptions, until the job has seen some; it weighs as
-    # one observed preemption. An hour is short on purpose: a prior shorter than the truth is corrected
-    # by every hour the job runs without a preemption, a longer one only by many preemptions.
-    expected_preemption_interval_s: float = Field(3600, gt=0)
-    min_interval_s: float = Field(10, gt=0)  # auto never checkpoints more often than this
-    max_interval_s: float = Field(3600, gt=0)  # nor less often: it bounds the work a failure can lose
-    keep_last: int = Field(3, ge=1)
-    restore_mode: Literal["snapshot", "replay"] = "snapshot"
+    model_config = _section("both")
+
+    every_updates: int | Literal["auto"] = Field(
+        10, description="a bundle every this many updates (and after the last), or `auto`: an interval chosen "
+                        "from the measured checkpoint cost and preemption rate", json_schema_extra={"unit": "updates"})
+    expected_preemption_interval_s: float = Field(
+        3600, gt=0, description="`auto`'s prior for the mean run time between preemptions until the job has seen "
+                                "some; it weighs as one observed preemption (short on purpose: a prior shorter than "
+                                "the truth is corrected by every hour without a preemption, a longer one only by "
+                                "many preemptions)")
+    min_interval_s: float = Field(10, gt=0, description="`auto` never checkpoints more often than this")
+    max_interval_s: float = Field(3600, gt=0, description="`auto` never checkpoints less often than this: it bounds "
+                                                          "the work a failure can lose")
+    keep_last: int = Field(3, ge=1, description="published bundles kept; older ones are purged after a newer one "
+                                                "is recorded", json_schema_extra={"unit": "bundles"})
+    restore_mode: Literal["snapshot", "replay"] = Field(
+        "snapshot", description="how a restore rebuilds the data position: `snapshot` loads the saved shuffle "
+                                "buffer and packer state (O(buffer)); `replay` recomputes them from the seed and "
+                                "the cursor; both give the same next occurrences")
 
     @field_validator("every_updates", mode="before")
     @classmethod
@@ -212,9 +312,7 @@ class CheckpointSpec(_Strict):
         return update >= last or (every is not None and update % every == 0)
 
 
-# microstep: before micro-batch m (m > 0: mid-accumulation); backward: inside microstep m, after the
-# forward pass; before_update: all microsteps done, optimizer not stepped; bundle_write: after a
-# rank's first bundle file is written; after_publish: manifest created, offsets not committed.
+# Where a fault can happen (FaultSpec.site says what each means).
 FaultSite = Literal["microstep", "backward", "before_update", "bundle_write", "after_publish"]
 HOLD_SITES: tuple[FaultSite, ...] = ("microstep", "backward", "before_update")  # on the training thread
 
@@ -234,12 +332,23 @@ class FaultSpec(_Strict):
     ``attempt`` scopes the fault so that the resumed job does not hit it again at the
     same place."""
 
-    site: FaultSite
-    signal: Literal["SIGKILL", "SIGTERM", "HOLD"] = "SIGKILL"
-    update: int = Field(ge=1)
-    microstep: int = Field(0, ge=0)
-    attempt: int = Field(1, ge=1)
-    rank: int = Field(0, ge=0)
+    model_config = _section("both")
+
+    site: FaultSite = Field(
+        description="where: `microstep` before micro-batch `microstep` (> 0: mid-accumulation); `backward` inside "
+                    "that microstep, after its forward pass; `before_update` all microsteps done, optimizer not "
+                    "stepped; `bundle_write` after a rank's first bundle file is written; `after_publish` manifest "
+                    "created, offsets not committed")
+    signal: Literal["SIGKILL", "SIGTERM", "HOLD"] = Field(
+        "SIGKILL", description="`SIGKILL` kills the process; `SIGTERM` is a preemption notice; `HOLD` waits at the "
+                               "site until the supervisor asks for a checkpoint, stop or abort")
+    update: int = Field(ge=1, description="the update the fault happens in (1-based)",
+                        json_schema_extra={"unit": "updates"})
+    microstep: int = Field(0, ge=0, description="the microstep within that update (sites `microstep`, `backward`)",
+                           json_schema_extra={"unit": "microsteps"})
+    attempt: int = Field(1, ge=1, description="the attempt the fault happens in, so that the resumed job does not "
+                                              "hit it again at the same place")
+    rank: int = Field(0, ge=0, description="the rank the fault happens on")
 
     @model_validator(mode="after")
     def _check(self) -> FaultSpec:
@@ -254,37 +363,59 @@ class PreemptionSpec(_Strict):
     """How notices are watched. A notice asks for a checkpoint at the next boundary and a
     drain before its deadline; SIGTERM and Ray drains give ``grace_s`` from their arrival."""
 
-    grace_s: float = Field(110, gt=0)
-    imds_url: str | None = None  # e.g. http://169.254.169.254 on EC2; None disables the AWS watcher
-    imds_poll_s: float = Field(1.0, gt=0)
-    watch_ray_drain: bool = True
-    drain_poll_s: float = Field(1.0, gt=0)
-    safety_factor: float = Field(1.5, ge=1)  # margin on the estimated time to finish an update and publish
+    model_config = _section("both")
+
+    grace_s: float = Field(110, gt=0, description="the time a SIGTERM or Ray drain notice leaves before the node "
+                                                  "goes (a cloud notice carries its own deadline)")
+    imds_url: str | None = Field(None, description="the instance metadata service to poll for spot notices, e.g. "
+                                                   "http://169.254.169.254 on EC2; none disables the AWS watcher")
+    imds_poll_s: float = Field(1.0, gt=0, description="how often the metadata service is polled")
+    watch_ray_drain: bool = Field(True, description="treat a Ray node drain as a preemption notice")
+    drain_poll_s: float = Field(1.0, gt=0, description="how often Ray is asked about node drains")
+    safety_factor: float = Field(1.5, ge=1, description="margin on the estimated time to finish an update and "
+                                                        "publish, when deciding whether a notice leaves room for it",
+                                 json_schema_extra={"unit": "factor"})
 
 
 class MetricsSpec(_Strict):
     """Where metric points go. Local sink files sit beside the bundles on file storage,
     else under ``local_dir``."""
 
-    # s3: into the job's s3:// storage; tensorboard: event files in <sink dir>/tensorboard
-    sinks: tuple[Literal["sqlite", "jsonl", "s3", "tensorboard"], ...] = ("sqlite",)
-    local_dir: str = "./spotrun-metrics"
+    model_config = _section("both")
+
+    sinks: tuple[Literal["sqlite", "jsonl", "s3", "tensorboard"], ...] = Field(
+        ("sqlite",), description="where metric points go: `sqlite` and `jsonl` files, `s3` into the job's s3:// "
+                                 "storage, `tensorboard` event files in `<sink dir>/tensorboard`")
+    local_dir: str = Field("./spotrun-metrics", description="where local sink files go when the job's storage is "
+                                                            "not a local folder (else beside the bundles)")
 
 
 class CostSpec(_Strict):
     """What the job's machines cost, to turn its badput into money (``spotrun history``, the dashboard)."""
 
-    usd_per_rank_hour: float | None = Field(None, gt=0)  # None: times only, no money
+    model_config = _section("both")
+
+    usd_per_rank_hour: float | None = Field(None, gt=0, description="what one rank's machine costs per hour, to "
+                                                                    "turn badput into money (none: times only)",
+                                            json_schema_extra={"unit": "USD per rank-hour"})
 
 
 class JobSpec(_Strict):
-    """A whole job: the validated YAML spec (unknown keys are refused, naming the nearest valid one). Each section
-    is a model of its own (TrainSpec, DataSpec, WorldSpec, ...) whose fields say their meaning and default."""
+    """A whole job, as YAML: unknown keys are refused (naming the nearest valid one), and cross-field rules are
+    checked before anything runs. Each section is a model of its own (``TrainSpec``, ``DataSpec``,
+    ``WorldSpec``, ...). ``spotrun spec --explain KEY`` prints one key's type, default, unit, meaning and
+    whether it applies to a user's job or only to the built-in character LM; ``spotrun spec --defaults`` prints
+    the whole default spec."""
 
-    job_id: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-    seed: int = 0
-    storage: str = "file://./runs"
-    storage_endpoint_url: str | None = None
+    model_config = _section("both")
+
+    job_id: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+                        description="the job's name: its folder under `storage` (default: the spec file's stem)")
+    seed: int = Field(0, description="seeds every generator: model init, data order, each occurrence's transform")
+    storage: str = Field("file://./runs", description="where bundles and the ledger go: `file://PATH` or a local "
+                                                      "path, or `s3://BUCKET/PREFIX`")
+    storage_endpoint_url: str | None = Field(None, description="an S3-compatible service for `s3://` storage "
+                                                               "(none: AWS)")
     job: JobCodeSpec | None = None  # None: the built-in character LM (spotrun.recipes.char_lm)
     model: ModelSpec = ModelSpec()
     data: DataSpec = DataSpec()
@@ -294,7 +425,8 @@ class JobSpec(_Strict):
     metrics: MetricsSpec = MetricsSpec()
     cost: CostSpec = CostSpec()
     preemption: PreemptionSpec = PreemptionSpec()
-    faults: tuple[FaultSpec, ...] = ()
+    faults: tuple[FaultSpec, ...] = Field((), description="deliberate faults for tests and `spotrun verify` (each "
+                                                          "a `faults[].*` mapping); empty in a real job")
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
@@ -306,7 +438,7 @@ class JobSpec(_Strict):
             raise ValueError(
                 f"train.grad_sync=ddp cannot keep world.policy=strict bitwise at {w.size} ranks: DDP rebuilds its "
                 "buckets after a process's first update, so the first update after a restore sums in another "
-                "order (measured in bench/RESULTS.md, section 5). Use train.grad_sync=allreduce (the default), "
+                "order. Use train.grad_sync=allreduce (the default), "
                 "or world.policy=elastic (close parameters)")
         if w.max_size is not None and w.max_size < w.min_size:
             raise ValueError(f"world.max_size={w.max_size} is below world.min_size={w.min_size}")
