@@ -1,22 +1,8 @@
-"""The user's job: what an entrypoint returns, and how the engine finds and checks it.
+"""The user's job: what an entrypoint returns (:class:`Job`, whose docstring is the contract), and how
+the engine finds and checks it.
 
-A spec names an entrypoint, ``job: {entrypoint: "package.module:build", config: {...}}``. On every
-rank the engine seeds every global generator, calls ``build(ctx)`` with a :class:`BuildContext`,
-and trains the :class:`Job` it returns. spotrun owns the loop, the data order and cursor, every
-RNG, the update boundary and the bundle; the job brings pure pieces and registers the rest:
-
-- ``model()`` builds the network (called after every generator is seeded);
-- ``data`` is a :class:`~spotrun.trainer.data.kinds.MapData`, ``TokenData`` or ``StreamData``;
-- ``step(model, batch)`` returns the loss, or ``(loss, {"name": float, ...})``; spotrun does
-  backward, accumulation, clipping, the grad scaler, the optimizer and scheduler steps and
-  ``zero_grad``;
-- ``optimizer(model)`` and ``scheduler(optimizer, total_updates)`` build those two;
-- ``shard(model, mesh)`` (``train.parallelism: fsdp`` only) chooses the FSDP2 units;
-- ``state`` maps a name to any object with ``state_dict()``/``load_state_dict()`` whose state
-  shapes later updates; each rank's copy is saved and restored (it must round-trip through
-  ``torch.load(weights_only=True)``).
-
-A spec without ``job`` runs the built-in character LM, :data:`BUILTIN`, written on this same API.
+A spec names an entrypoint, ``job: {entrypoint: "package.module:build", config: {...}}``; a spec
+without ``job`` runs the built-in character LM, :data:`BUILTIN`, written on this same API.
 """
 
 from __future__ import annotations
@@ -61,7 +47,46 @@ class BuildContext:
 
 @dataclass
 class Job:
-    """A training job on spotrun's engine (see the module docstring for each piece's contract)."""
+    """A training job on spotrun's engine: what ``build(ctx: spotrun.BuildContext)`` returns.
+
+    On every rank the engine seeds every global generator, calls the entrypoint named by the spec's
+    ``job.entrypoint`` and trains the Job it returns. spotrun owns the loop, the data order and
+    cursor, every RNG, the update boundary and the bundle; the job brings pure pieces and registers
+    the rest:
+
+    - ``model()``: builds the network (called after every generator is seeded).
+    - ``data``: a ``spotrun.MapData``, ``spotrun.TokenData`` or ``spotrun.StreamData`` (each
+      documents what it needs to resume exactly).
+    - ``step(model, batch)``: one microstep's forward pass on one micro-batch (already on the
+      rank's device, under the spec's autocast). It returns the loss, a scalar tensor that requires
+      grad, or ``(loss, {"name": float, ...})``: metrics named the same at every microstep, finite
+      (except under fp16), and none called ``loss``, ``lr`` or ``applied`` (spotrun reports those).
+      It must not call ``backward()``, ``step()`` or ``zero_grad()``: spotrun does backward,
+      accumulation over ``train.accum_steps`` microsteps, gradient sync, the fp16 grad scaler,
+      clipping to ``train.grad_clip``, the optimizer and scheduler steps and ``zero_grad``.
+    - ``optimizer(model)``: builds the optimizer from the model it is given; its state is saved by
+      parameter name.
+    - ``scheduler(optimizer, total_updates)``: builds the LR scheduler, or None; it steps once per
+      applied update (or per attempted one under ``train.scheduler_counts: attempted``).
+    - ``state``: any other object whose state shapes later updates, by name (an identifier), each
+      a ``spotrun.Stateful`` (``state_dict()`` and ``load_state_dict()``). Each rank's copy is saved
+      in every bundle and restored before training resumes; its ``state_dict()`` must round-trip
+      through ``torch.load(weights_only=True)`` (tensors, numbers, strings, booleans, None and
+      lists/tuples/dicts of them). State kept anywhere else is lost at a restart.
+    - ``ema_decay``: keep an fp32 exponential moving average of the parameters (saved and
+      restored), or None.
+    - ``shard(model, mesh)``: ``train.parallelism: fsdp`` only; calls torch's
+      ``fully_shard(module, mesh=mesh)`` on each submodule that should be a unit of its own (each
+      transformer block, say); spotrun then wraps the root. None: each top-level child that holds
+      parameters is a unit. A submodule the step may skip on some ranks (an expert, an optional
+      head) must stay in a unit every rank runs (the root): FSDP2 gathers a unit's parameters when
+      its forward starts, which ranks that skip it never join.
+
+    Bad pieces raise :class:`JobError` naming the piece and the fix. Of the spec, only the keys
+    ``spotrun spec --explain KEY`` marks as applying to any job are read for you; the built-in
+    LM's keys (``train.lr``, ``data.seq_len``, ``model.*``, ...) reach the job only through
+    ``ctx.spec``.
+    """
 
     model: Callable[[], nn.Module]
     data: Any  # MapData | TokenData | StreamData (checked by the engine when it binds the data)
@@ -69,12 +94,7 @@ class Job:
     optimizer: Callable[[nn.Module], torch.optim.Optimizer]
     scheduler: Callable[[torch.optim.Optimizer, int], Any] | None = None
     state: Mapping[str, Stateful] = field(default_factory=dict)
-    ema_decay: float | None = None  # keep an fp32 exponential moving average of the parameters
-    # train.parallelism=fsdp: shard(model, mesh) calls torch's fully_shard(module, mesh=mesh) on each
-    # submodule that should be a unit of its own (each transformer block, say); spotrun then wraps
-    # the root. None: each top-level child that holds parameters is a unit. A submodule the step may
-    # skip on some ranks (an expert, an optional head) must stay in a unit every rank runs (the root):
-    # FSDP2 gathers a unit's parameters when its forward starts, which ranks that skip it never join.
+    ema_decay: float | None = None
     shard: Callable[[nn.Module, Any], None] | None = None
 
     def __post_init__(self) -> None:

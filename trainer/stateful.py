@@ -12,6 +12,13 @@ from typing import Any, Protocol, runtime_checkable
 
 @runtime_checkable
 class Stateful(Protocol):
+    """An object whose state spotrun saves in every bundle and restores before training resumes.
+
+    ``state_dict()`` returns the state as data (tensors, numbers, strings, booleans, None and
+    lists/tuples/dicts of them: it must load with ``torch.load(weights_only=True)``);
+    ``load_state_dict(state)`` puts that state back so that every later update is what it would
+    have been without the restart. Register one with ``spotrun.Job(state={"name": obj})``."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
