@@ -321,12 +321,12 @@ def parser() -> argparse.ArgumentParser:
                    help="run on a local cluster of this many nodes and remove nodes too (one rank per node)")
     f.add_argument("--mutate", metavar="CATEGORIES",
                    help="prove the proof: a deliberately broken chaos run whose restores lose these state "
-                        "categories (docs/STATE.md; state:NAME for a registered object); its verdict must FAIL: "
-                        "exit 0 when verify caught it, 1 when not")
+                        "categories (`spotrun inventory` lists them; state:NAME for a registered object); its "
+                        "verdict must FAIL: exit 0 when verify caught it, 1 when not")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_verify)
 
-    v = sub.add_parser("inventory", help="the state inventory (docs/STATE.md is generated from it)")
+    v = sub.add_parser("inventory", help="the state inventory: what a bundle saves and how each part is restored")
     v.add_argument("--markdown", action="store_true")
     v.add_argument("--write", metavar="PATH")
     v.set_defaults(func=cmd_inventory)

@@ -3,7 +3,7 @@
     python -m spotrun.orchestrator.mutant --drop CATEGORY[,CATEGORY] run CONFIG ...
 
 runs exactly ``spotrun run CONFIG ...`` except that every restore loses the named state
-categories (``docs/STATE.md``; ``state:<name>`` skips a registered object's restore). verify
+categories (``spotrun inventory``; ``state:<name>`` skips a registered object's restore). verify
 runs its chaos run through here to prove that losing a category does not go unnoticed. Nothing
 else starts this module: ``spotrun run`` has no way to drop state.
 """

@@ -569,4 +569,4 @@ def render(report: Report, console) -> None:
         console.print(d)
         if report.restore_oracle:
             console.print("state categories lost at a restore: " + ", ".join(report.restore_oracle)
-                          + " (see docs/STATE.md for each category's owner and restore action)")
+                          + " (`spotrun inventory` gives each category's owner and restore action)")
