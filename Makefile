@@ -31,6 +31,7 @@ bench: venv
 
 docs: venv
 	$(VENV)/bin/spotrun inventory --markdown --write docs/STATE.md
+	$(VENV)/bin/spotrun spec --markdown --write docs/SPEC.md
 
 clean:
 	rm -rf $(VENV) runs-demo .pytest_cache .mypy_cache .ruff_cache

@@ -234,6 +234,22 @@ def cmd_verify(a: argparse.Namespace) -> int:
     return 0 if report.succeeded() else 1
 
 
+def cmd_spec(a: argparse.Namespace) -> int:
+    from spotrun.trainer import specdoc
+
+    if a.explain is not None:
+        text = specdoc.explain_text(specdoc.explain(a.explain))
+    elif a.defaults:
+        text = specdoc.defaults_yaml()
+    else:
+        text = specdoc.markdown()
+    if a.write:
+        Path(a.write).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def cmd_inventory(a: argparse.Namespace) -> int:
     from spotrun.trainer.inventory import CATEGORIES, markdown
 
@@ -325,6 +341,16 @@ def parser() -> argparse.ArgumentParser:
                         "verdict must FAIL: exit 0 when verify caught it, 1 when not")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_verify)
+
+    sp = sub.add_parser("spec", help="the job spec's keys: defaults, one key explained, or the whole reference")
+    what = sp.add_mutually_exclusive_group(required=True)
+    what.add_argument("--defaults", action="store_true", help="print the default spec as YAML (a valid spec)")
+    what.add_argument("--explain", metavar="KEY",
+                      help="one dotted key (e.g. train.grad_clip): type, default, unit, meaning, and whether it "
+                           "applies to your own job or only to the built-in character LM")
+    what.add_argument("--markdown", action="store_true", help="every key as one Markdown reference")
+    sp.add_argument("--write", metavar="PATH", help="write to PATH instead of stdout")
+    sp.set_defaults(func=cmd_spec)
 
     v = sub.add_parser("inventory", help="the state inventory: what a bundle saves and how each part is restored")
     v.add_argument("--markdown", action="store_true")

@@ -6,7 +6,6 @@ names its nearest valid spelling.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from spotrun.trainer.spec import DataSpec, JobSpec
+from spotrun.trainer.specdoc import nearest
 
 
 class SpecError(ValueError):
@@ -62,8 +62,8 @@ def explain(err: ValidationError, source: str) -> str:
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
             valid = _fields_at(e["loc"])
-            near = difflib.get_close_matches(str(e["loc"][-1]), valid, n=1)
-            hint = f"; did you mean {'.'.join([*map(str, e['loc'][:-1]), near[0]])!r}?" if near else ""
+            near = nearest(str(e["loc"][-1]), valid)
+            hint = f"; did you mean {'.'.join([*map(str, e['loc'][:-1]), near])!r}?" if near else ""
             lines.append(f"  {key}: unknown key{hint} (valid here: {', '.join(valid)})")
         else:
             lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
@@ -120,3 +120,4 @@ def load_spec(path: str | Path | None, overrides: Sequence[str] = (), job_id: st
         return JobSpec.model_validate(raw)
     except ValidationError as e:
         raise SpecError(explain(e, source)) from e
+
