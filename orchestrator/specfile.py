@@ -6,6 +6,7 @@ names its nearest valid spelling.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from spotrun.trainer.spec import DataSpec, JobSpec
-from spotrun.trainer.specdoc import nearest
+from spotrun.trainer.specdoc import nearest, recipe_keys_set
 
 
 class SpecError(ValueError):
@@ -117,7 +118,23 @@ def load_spec(path: str | Path | None, overrides: Sequence[str] = (), job_id: st
     if job_id:
         raw["job_id"] = job_id
     try:
-        return JobSpec.model_validate(raw)
+        spec = JobSpec.model_validate(raw)
     except ValidationError as e:
         raise SpecError(explain(e, source)) from e
+    warn_recipe_keys(spec, source)
+    return spec
 
+
+def warn_recipe_keys(spec: JobSpec, source: str) -> None:
+    """Name, on stderr, the built-in recipe's keys a spec with ``job.entrypoint`` sets: spotrun passes none of
+    them to a user's job, so a user who sets ``train.lr`` there would otherwise believe it took effect.
+
+    A warning, not a refusal: none of them changes what the engine does to the user's data or updates,
+    and an entrypoint may read them from ``ctx.spec`` on purpose."""
+    names = recipe_keys_set(spec)
+    if names:
+        sys.stderr.write(
+            f"spotrun: warning: spec {source} runs your own job (job.entrypoint) but sets {', '.join(names)}, "
+            "which only the built-in character LM reads: spotrun does not apply them to your job (it sees them "
+            "only if your entrypoint reads ctx.spec). Set the equivalent in your job, or drop them "
+            "(`spotrun spec --explain KEY` says who reads a key).\n")

@@ -12,6 +12,8 @@ from spotrun.orchestrator.specfile import load_spec
 from spotrun.trainer.specdoc import APPLIES_TO, keys, markdown
 from tests.conftest import ROOT
 
+USER_JOB = "job.entrypoint=tests.helpers.jobs:stream_job"
+
 
 def test_spec_doc_is_current():
     assert (ROOT / "docs/SPEC.md").read_text() == markdown(), "run `make docs` to regenerate docs/SPEC.md"
@@ -69,3 +71,15 @@ def test_defaults_round_trip_through_the_loader(capsys):
     assert yaml.safe_load(text)["train"]["grad_clip"] == 1.0
     assert load_spec(None, text=text) == load_spec(None)
 
+
+def test_a_recipe_key_on_a_user_job_is_a_warning_naming_it(capsys):
+    load_spec(None, [USER_JOB, "train.lr=0.1", "data.seq_len=128"])
+    err = capsys.readouterr().err
+    assert "warning" in err and "sets data.seq_len, train.lr," in err and "does not apply them to your job" in err
+
+
+@pytest.mark.parametrize("sets", [[USER_JOB], [USER_JOB, "train.grad_clip=0.5", "train.lr=0.003"], ["train.lr=0.1"]],
+                         ids=["user-job-defaults", "user-job-engine-key-and-recipe-default", "built-in-recipe"])
+def test_no_warning_without_a_recipe_key_changed_on_a_user_job(capsys, sets):
+    load_spec(None, sets)
+    assert capsys.readouterr().err == ""
