@@ -1,12 +1,15 @@
-"""One embedded local Ray per test module (ray.init takes seconds; every test of a module shares it)."""
+"""One embedded local Ray per test module (ray.init takes seconds; every test of a module shares it), or
+one multi-node local cluster (ray.cluster_utils.Cluster) for the tests that lose nodes."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import ray
+from ray.cluster_utils import Cluster
 
 
 @contextmanager
@@ -19,6 +22,22 @@ def local_ray(num_cpus: int = 3, env: dict[str, str] | None = None):
         yield
     finally:
         ray.shutdown()
+
+
+@contextmanager
+def local_cluster(workers: int) -> Iterator[Cluster]:
+    """A head that runs no ranks and ``workers`` one-CPU worker nodes (one rank's room each), this
+    process connected to it."""
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(workers):
+        c.add_node(num_cpus=1)
+    ray.init(address=c.address, log_to_driver=False)
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
 
 
 @pytest.fixture(scope="module")

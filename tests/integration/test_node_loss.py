@@ -36,6 +36,7 @@ from spotrun.trainer.bundle import list_bundles, load_bundle
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import make_spec
+from tests.helpers.ray_local import local_cluster
 from tests.helpers.runs import hold, wait_until_held
 
 pytestmark = pytest.mark.slow
@@ -51,14 +52,8 @@ TOLERANCE = 1e-3
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    c.add_node(num_cpus=1)
-    c.add_node(num_cpus=1)
-    ray.init(address=c.address, log_to_driver=False)
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with local_cluster(workers=2) as c:
+        yield c
 
 
 def two_workers(cluster: Cluster) -> None:

@@ -24,6 +24,7 @@ from spotrun.orchestrator.ledger import AttemptStarted, JobFailed, Ledger
 from spotrun.trainer.bundle import list_bundles
 from spotrun.trainer.storage import LocalStorage
 from spotrun.trainer.visibility import probes_prefix
+from tests.helpers.ray_local import local_cluster
 from tests.helpers.runs import run_cmd, run_to_end
 
 pytestmark = pytest.mark.slow
@@ -46,13 +47,8 @@ def unshare_command() -> list[str]:
 @pytest.fixture(scope="module")
 def cluster():
     """A head that runs no ranks and one ordinary worker node (sharing the test's disk)."""
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    c.add_node(num_cpus=1)
-    ray.init(address=c.address, log_to_driver=False)
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with local_cluster(workers=1) as c:
+        yield c
 
 
 @contextmanager
