@@ -79,8 +79,11 @@ class FaultLog:
 class FaultInjector:
     def __init__(self, faults: Iterable[FaultSpec], attempt: int, rank: int, log: FaultLog | None = None) -> None:
         self.attempt, self.rank = attempt, rank
+        # A HOLD holds every rank: one rank held alone leaves its peers in the next collective, where
+        # their bundle writes finish unreported and the bundle a test waits for is never published
         self.armed = {
-            (f.site, f.update, f.microstep): f.signal for f in faults if f.attempt == attempt and f.rank == rank
+            (f.site, f.update, f.microstep): f.signal for f in faults
+            if f.attempt == attempt and (f.rank == rank or f.signal == "HOLD")
         }
         self.log = log
         self._hold: Callable[[], object] | None = None

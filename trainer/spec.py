@@ -321,9 +321,11 @@ class FaultSpec(_Strict):
     """A deliberate fault in the running process at a named site.
 
     Used by the kill tests and ``spotrun verify``: ``SIGKILL`` really kills the
-    process; ``SIGTERM`` is a preemption notice; ``HOLD`` sends nothing: the rank
-    reports the bundle it is writing once written (so every bundle taken before the
-    hold gets published), then waits at the site until the supervisor asks it to
+    process; ``SIGTERM`` is a preemption notice; ``HOLD`` sends nothing and holds
+    every rank, whatever ``rank`` says: each reports the bundle it is writing once
+    written (so every bundle taken before the hold gets published: a rank held alone
+    would leave its peers blocked in the next collective, where they cannot report
+    theirs), then waits at the site until the supervisor asks it to
     checkpoint, stop or abort (for a notice, a drain, a resize, a checkpoint under
     ``every_updates: auto``, or to end the attempt), or until its process dies; a
     checkpoint request the rank already took at an earlier boundary does not count.
@@ -341,14 +343,14 @@ class FaultSpec(_Strict):
                     "created, offsets not committed")
     signal: Literal["SIGKILL", "SIGTERM", "HOLD"] = Field(
         "SIGKILL", description="`SIGKILL` kills the process; `SIGTERM` is a preemption notice; `HOLD` waits at the "
-                               "site until the supervisor asks for a checkpoint, stop or abort")
+                               "site, on every rank, until the supervisor asks for a checkpoint, stop or abort")
     update: int = Field(ge=1, description="the update the fault happens in (1-based)",
                         json_schema_extra={"unit": "updates"})
     microstep: int = Field(0, ge=0, description="the microstep within that update (sites `microstep`, `backward`)",
                            json_schema_extra={"unit": "microsteps"})
     attempt: int = Field(1, ge=1, description="the attempt the fault happens in, so that the resumed job does not "
                                               "hit it again at the same place")
-    rank: int = Field(0, ge=0, description="the rank the fault happens on")
+    rank: int = Field(0, ge=0, description="the rank the fault happens on (a `HOLD` holds every rank)")
 
     @model_validator(mode="after")
     def _check(self) -> FaultSpec:

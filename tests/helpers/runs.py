@@ -33,7 +33,7 @@ def run_cmd(storage: Path, job: str, trace: Path, *sets: str, config: str = "con
 
 
 def hold(update: int, *, rank: int = 0, attempt: int = 1, site: str = "before_update") -> str:
-    """A ``HOLD`` fault for a ``faults=[...]`` override: the rank waits at ``site`` of ``update`` until
+    """A ``HOLD`` fault for a ``faults=[...]`` override: every rank waits at ``site`` of ``update`` until
     the supervisor asks it to checkpoint, stop or abort, so the job cannot finish before a test's
     outside event (a notice, a node removed, a kill) has taken effect."""
     return f"{{site: {site}, signal: HOLD, update: {update}, rank: {rank}, attempt: {attempt}}}"
