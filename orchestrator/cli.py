@@ -176,7 +176,7 @@ def cmd_history(a: argparse.Namespace) -> int:
                                         "world_size_before", "world_size_after", "lost_updates",
                                         "downtime_seconds", "time_lost_seconds"])
     b, run = doc["budgets"], doc["budgets"]["this_run"]
-    _table("losses and restart budgets (README: Preemptions and failures)", [
+    _table("restart budgets (losses by class)", [
         {"class": "preemption", "losses": b["preemptions"], "this_run": run["preemptions"],
          "budget": "no limit" if run["failures"] is not None and run["max_preemptions"] is None
          else run["max_preemptions"], "left": run["preemptions_left"]},
