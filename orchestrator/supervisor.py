@@ -324,8 +324,8 @@ class Supervisor:
                            st.waited_s + max(self.clock() - t0, CAPACITY_POLL_S), below=size - 1)
         except ValueError as e:  # bad input refused in this process (JobError, DeviceError, ...)
             return Failed(str(e), e)
-        except RankFailed as e:  # a rank could not be built: bad input fails now, anything else may pass
-            return Failed(str(e), e) if e.refusal else self._start_lost(st, RankLost(e.rank, "start-failed", str(e)), e)
+        except RankFailed as e:  # a rank could not be built
+            return self._start_failed(st, e)
         except RankLost as e:
             return self._start_lost(st, e)
         self._noticed = set()
@@ -336,7 +336,7 @@ class Supervisor:
             return Failed(str(e), e)
         except RankFailed as e:  # the job's load_state_dict raised
             group.teardown()
-            return Failed(str(e), e) if e.refusal else self._start_lost(st, RankLost(e.rank, "start-failed", str(e)), e)
+            return self._start_failed(st, e)
         except RankLost as e:
             return Recovering(group, self.attempts, size, st.last_update or 0, e)
         if st.world_before is not None and st.world_before != size:
@@ -345,6 +345,11 @@ class Supervisor:
                                                accum_steps_after=self.spec.accum_steps_for(size)))
         group.start()
         return Running(group, self.attempts, size, restored)
+
+    def _start_failed(self, st: Placing, e: RankFailed) -> State:
+        """A rank raised before the attempt trained: bad input fails the job now, anything else is a
+        failure placed again within the budgets (:meth:`_start_lost`)."""
+        return Failed(str(e), e) if e.refusal else self._start_lost(st, RankLost(e.rank, "start-failed", str(e)), e)
 
     def _start_lost(self, st: Placing, lost: RankLost, error: RankFailed | None = None) -> State:
         """A rank was lost, or could not start, before the attempt trained: nothing ran, so the attempt
