@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
+from spotrun.orchestrator.ledger import RecoveryPath
 from spotrun.orchestrator.notices import Notice
 from spotrun.trainer.collective import LocalCollective
 from spotrun.trainer.data.planner import RestoreMode
@@ -58,6 +60,21 @@ def refuses(error: BaseException) -> bool:
 
 class CapacityUnavailable(RuntimeError):
     """The placement group could not be placed in time."""
+
+
+@dataclass
+class Reformed:
+    """A warm restart done (:meth:`RayGroup.reform`)."""
+
+    path: RecoveryPath  # warm-spare | warm-shrink
+    world_size: int
+    label: str  # the recovery label the ranks were given
+    restore_seconds: float  # the slowest rank's restore from memory, restore oracle included
+    mismatches: list[str]  # the restore oracle's ("rank r: category")
+
+
+class WarmUnavailable(RuntimeError):
+    """A warm restart cannot be done here; the message says why (the restart goes cold)."""
 
 
 class WorkerGroup(Protocol):

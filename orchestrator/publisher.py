@@ -48,6 +48,9 @@ class Publisher:
         self._attempt: int | None = None
         self._world_size = 0
         self._reports: dict[str, list[BundleReport]] = defaultdict(list)
+        # The newest bundle this publisher published, and the files its ranks sent with their reports:
+        # what a warm restart restores from the driver's memory (trainer/warm.py).
+        self.newest: tuple[str, Manifest, dict[str, bytes]] | None = None
 
     def begin_attempt(self, attempt: int, world_size: int) -> None:
         """From now on collect the reports of ``attempt`` (``world_size`` ranks). Whatever an earlier
@@ -84,6 +87,7 @@ class Publisher:
             overlap = next((p.overlap_seconds for p in parts if p.rank == 0), None)
             if self.publish(manifest, key, overlap):
                 done.append(manifest)
+                self.newest = (key, manifest, {path: blob for p in parts for path, blob in p.shipped.items()})
         return done
 
     def _merge(self, key: str, parts: list[BundleReport]) -> Manifest:

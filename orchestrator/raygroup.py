@@ -14,12 +14,14 @@ job restarts), a collective that timed out with every peer answering is a
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
 import threading
 import time
-from collections.abc import Set
+from collections.abc import Callable, Set
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -28,26 +30,30 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, refuses
+from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, Reformed, WarmUnavailable, refuses
+from spotrun.orchestrator.ledger import RecoveryPath
 from spotrun.orchestrator.notices import ImdsWatcher, Notice, install_signal_notices
 from spotrun.orchestrator.priority import run_at_normal_priority
 from spotrun.trainer.bundle import BundleError
 from spotrun.trainer.collective import Collective, LocalCollective, TorchCollective
 from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.device import rank_device
-from spotrun.trainer.manifest import ManifestError
+from spotrun.trainer.manifest import Manifest, ManifestError
 from spotrun.trainer.rank import RankRunner, Report
+from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import JobSpec
-from spotrun.trainer.storage import Storage
+from spotrun.trainer.storage import Storage, open_storage
 from spotrun.trainer.visibility import (
     Node,
     Probe,
     RankProbe,
     StorageNotShared,
+    answer_probe,
     check_answers,
     post_driver_probe,
     remove_probes,
 )
+from spotrun.trainer.warm import Kept, ineligible
 
 # What a survivor's collective raises when a peer died or hung (gloo, NCCL, c10d).
 COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|c10d|Connection (closed|reset) by peer|[Tt]imed out")
@@ -61,6 +67,10 @@ POLL_TIMEOUT_S = 10.0  # a poll or request answers at once (threaded actor): lon
 # takes seconds, and many more on a loaded machine; a dead actor is reported at once anyway, so this
 # only bounds a hung start.
 STARTUP_TIMEOUT_S = 300.0
+# How long a survivor's run may take to stop after a loss: it ends at its next boundary or as soon as
+# a collective with the lost rank fails; one still running after this is stuck (it is lost as well).
+LEAVE_TIMEOUT_S = 10.0
+log = logging.getLogger("spotrun.raygroup")
 
 
 class RankActor:
@@ -75,6 +85,10 @@ class RankActor:
         self._notices: list[Notice] = []
         self._lock = threading.Lock()
         self._imds: ImdsWatcher | None = None
+        self.session: TrainSession | None = None  # a spare's, built before it has a place (prepare)
+        self.device = "cpu"
+        self._run_ended = threading.Event()  # clear while run() trains: leave() waits for it
+        self._run_ended.set()
         # __init__ runs on the actor's main thread, the only one that may install signal handlers:
         # a SIGTERM to this process becomes a notice instead of an exit. _on_notice runs on the
         # notices' own thread, never in the handler, so its lock and the runner's wake are safe.
@@ -110,17 +124,9 @@ class RankActor:
         self.rank, self.grace_s = rank, spec.preemption.grace_s
         assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
         device = rank_device(spec.world.num_gpus_per_rank, assigned, self.node_id)  # DeviceError: exit 2
-        if spec.preemption.imds_url:
-            self._imds = ImdsWatcher(spec.preemption.imds_url, spec.preemption.imds_poll_s, self.node_id, rank,
-                                     self._on_notice).start()
-        collective: Collective
-        if world_size > 1:
-            backend = "gloo" if device == "cpu" else "nccl"
-            collective = TorchCollective(init_method, rank, world_size, backend, spec.world.collective_timeout_s,
-                                         device)
-        else:
-            collective = LocalCollective()
-        self.collective = collective
+        self.device = device
+        self._watch(spec, rank)
+        collective = self._join(spec, init_method, rank, world_size)
         t1 = time.perf_counter()
         self.runner = RankRunner(spec, rank=rank, world_size=world_size, attempt=attempt, lineage_id=lineage_id,
                                  recovery_label=recovery_label, collective=collective,
@@ -128,6 +134,83 @@ class RankActor:
                                  device=device, probe=RankProbe.model_validate_json(probe_json))
         return {"process_group_seconds": t1 - t0, "rank_setup_seconds": time.perf_counter() - t1,
                 "device": device, "runtime": self.runner.session.desc.runtime, "probe": self.runner.probe}
+
+    def _watch(self, spec: JobSpec, rank: int) -> None:
+        """Watch the instance metadata for a notice to this rank (a warm restart may renumber it)."""
+        if self._imds is not None and rank != self.rank:
+            self._imds.stop()
+            self._imds = None
+        self.rank = rank
+        if spec.preemption.imds_url and self._imds is None:
+            self._imds = ImdsWatcher(spec.preemption.imds_url, spec.preemption.imds_poll_s, self.node_id, rank,
+                                     self._on_notice).start()
+
+    def _join(self, spec: JobSpec, init_method: str, rank: int, world_size: int) -> Collective:
+        """Form the attempt's process group (gloo on CPU, nccl with GPUs) as ``rank`` of ``world_size``."""
+        collective: Collective
+        if world_size > 1:
+            backend = "gloo" if self.device == "cpu" else "nccl"
+            collective = TorchCollective(init_method, rank, world_size, backend, spec.world.collective_timeout_s,
+                                         self.device)
+        else:
+            collective = LocalCollective()
+        self.collective = collective
+        return collective
+
+    def prepare(self, spec_json: str, world_size: int, restore_mode: RestoreMode | None, drop: tuple[str, ...],
+                trace: bool, probe_json: str, number: int) -> dict[str, Any]:
+        """A spare: pick the device, answer the driver's storage probe (``probe_json``; as rank
+        ``number``, past the world's), build the job and its state (as rank 0 of ``world_size``;
+        :meth:`rejoin` gives it its place) and wait."""
+        run_at_normal_priority()
+        spec = JobSpec.model_validate_json(spec_json)
+        assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+        self.device = rank_device(spec.world.num_gpus_per_rank, assigned, self.node_id)
+        probe = RankProbe(driver=Probe.model_validate_json(probe_json), rank=number, node=this_node())
+        answer = answer_probe(open_storage(spec.storage, spec.storage_endpoint_url), probe)
+        self.session = TrainSession(spec, rank=0, world_size=world_size, attempt=0, restore_mode=restore_mode,
+                                    drop=drop, digests=trace, device=self.device)
+        return {"probe": answer, **self.where()}
+
+    def leave(self, timeout: float) -> str | None:
+        """Give up the attempt and keep the process: ask the run to stop at the next boundary (a
+        collective with a lost peer ends it sooner), wait up to ``timeout`` for it to end and close
+        its process group. Returns the bundle this rank holds in host memory (None: none, or the
+        run did not end in time)."""
+        if self.runner is None:
+            return None
+        self.runner.abort()
+        if not self._run_ended.wait(timeout):
+            return None
+        return self.runner.kept.bundle_key if self.runner.kept is not None else None
+
+    def replica(self, bundle_key: str) -> Kept | None:
+        """The replicated model and optimizer of ``bundle_key`` in this rank's memory, for a spare."""
+        return self.runner.replica(bundle_key) if self.runner is not None else None
+
+    def rejoin(self, spec_json: str, rank: int, world_size: int, init_method: str, attempt: int, lineage_id: str,
+               recovery_label: str, record_ids: bool, trace: bool, bundle_key: str, manifest_json: str,
+               shipped_files: dict[str, bytes], replica: Kept | None) -> dict[str, Any]:
+        """Serve attempt ``attempt`` as ``rank`` of ``world_size`` in this process (a survivor, or a
+        spare): form the new process group, keep the built job, and restore bundle ``bundle_key``
+        from memory (trainer/warm.py; ``NotInMemory`` when a file is held nowhere)."""
+        t0 = time.perf_counter()
+        spec = JobSpec.model_validate_json(spec_json)
+        session = self.runner.session if self.runner is not None else self.session
+        if session is None:
+            raise RuntimeError("rejoin: this process has no built job (neither a rank nor a prepared spare)")
+        kept = self.runner.kept if self.runner is not None else None
+        self._watch(spec, rank)
+        collective = self._join(spec, init_method, rank, world_size)
+        t1 = time.perf_counter()
+        runner = RankRunner(spec, rank=rank, world_size=world_size, attempt=attempt, lineage_id=lineage_id,
+                            recovery_label=recovery_label, collective=collective, record_ids=record_ids, trace=trace,
+                            device=self.device, session=session, kept=kept)
+        seconds, mismatches = runner.restore_from_memory(bundle_key, Manifest.model_validate_json(manifest_json),
+                                                         shipped_files, replica)
+        self.runner, self.session = runner, None
+        return {"process_group_seconds": t1 - t0, "rank_setup_seconds": time.perf_counter() - t1 - seconds,
+                "restore_seconds": seconds, "mismatches": mismatches, "runtime": runner.session.desc.runtime}
 
     def _runner(self) -> RankRunner:
         if self.runner is None:
@@ -140,13 +223,13 @@ class RankActor:
     def run(self) -> str:
         runner = self._runner()
         run_at_normal_priority()  # this thread of the actor's pool too; the loader workers fork from it
+        self._run_ended.clear()
         try:
             return runner.run()
         finally:
-            if self._imds is not None:
-                self._imds.stop()
             if self.collective is not None:  # set with the runner
                 self.collective.close()
+            self._run_ended.set()
 
     def poll(self) -> tuple[Report, list[Notice]]:
         report = self._runner().poll()  # first: it clears the news, and a notice after this wakes again
@@ -159,6 +242,11 @@ class RankActor:
 
     def wait_for_news(self, timeout: float) -> bool:
         return self._runner().wait_for_news(timeout)
+
+
+def _placed(pg: PlacementGroup) -> bool:
+    """Whether every bundle of ``pg`` holds its resources now (none waits for a node)."""
+    return ray.util.placement_group_table(pg).get("state") == "CREATED"
 
 
 def this_node() -> Node:
@@ -223,8 +311,14 @@ class RayGroup:
         opened it: every rank must see it too (:mod:`~spotrun.trainer.visibility`), or
         ``StorageNotShared`` is raised before any rank restores or trains."""
         t0 = time.perf_counter()
+        self.spec = spec
         self.world_size = world_size
         self.storage = storage
+        self.record_ids, self.trace = record_ids, trace
+        self.spares: list[Spare] = []
+        self._spare_pg: PlacementGroup | None = None
+        self._spare_probe: Probe | None = None
+        self._spares_placed = 0
         if trace:
             self.poll_interval_s = min(self.poll_interval_s, self.traced_poll_interval_s)
         w = spec.world
@@ -257,14 +351,13 @@ class RayGroup:
         pg = self.pg
         if pg is None:
             raise RuntimeError("the attempt's placement group was removed before its ranks started")
-        actor_cls = ray.remote(RankActor)
-        self.actors = [
-            actor_cls.options(
-                num_cpus=w.cpus_per_rank, num_gpus=w.num_gpus_per_rank, max_concurrency=5, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
-            ).remote()
-            for r in range(world_size)
-        ]
+        self.actors = [self._new_actor(pg, r) for r in range(world_size)]
+        self.slots = [(pg, r) for r in range(world_size)]  # each rank's bundle of a placement group
+        self._restore_mode, self._drop = restore_mode, drop
+        if w.spares and ineligible(spec) is None:  # they start beside the ranks, and nothing waits for them
+            self._spare_pg = placement_group([rank_bundle(spec)] * w.spares, strategy="SPREAD")
+            for i in range(w.spares):
+                self._add_spare(self._spare_pg, i, attempt)
         self.where = self._call([a.where.remote() for a in self.actors], timeout=STARTUP_TIMEOUT_S)
         self.node_ids = [w_["node_id"] for w_ in self.where]
         placement = time.perf_counter() - t0
@@ -285,6 +378,131 @@ class RayGroup:
         self.timings = {"placement_seconds": round(placement, 4)}
         for k in ("process_group_seconds", "rank_setup_seconds"):
             self.timings[k] = round(max(s[k] for s in setups), 4)
+
+    def _new_actor(self, pg: PlacementGroup, index: int) -> Any:
+        w = self.spec.world
+        return ray.remote(RankActor).options(
+            num_cpus=w.cpus_per_rank, num_gpus=w.num_gpus_per_rank, max_concurrency=5, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+        ).remote()
+
+    def _add_spare(self, pg: PlacementGroup, index: int, attempt: int) -> None:
+        """Place a spare in bundle ``index`` of ``pg`` and have it build the job, in the background: it
+        is ready once its ``prepare`` call returned (the bundle may wait for a node to hold it)."""
+        if self._spare_probe is None:
+            self._spare_probe = post_driver_probe(self.storage, self.spec.job_id, attempt, this_node())
+        actor = self._new_actor(pg, index)
+        self._spares_placed += 1
+        ready = actor.prepare.remote(self.spec.model_dump_json(), self.world_size, self._restore_mode, self._drop,
+                                     self.trace, self._spare_probe.model_dump_json(),
+                                     self.world_size + self._spares_placed - 1)
+        self.spares.append(Spare(actor, ready, (pg, index)))
+
+    def _ready_spares(self, needed: int) -> list[Spare]:
+        """Up to ``needed`` spares that have built the job and see the storage. A spare still starting or
+        building is waited for where its resources are held (it is ready sooner than a new group
+        would be), not where they wait for a node. A spare that failed is dropped."""
+        out: list[Spare] = []
+        for spare in list(self.spares):
+            if len(out) >= needed:
+                break
+            done, _ = ray.wait([spare.ready], timeout=0)
+            if not done and not _placed(spare.slot[0]):
+                continue
+            try:
+                info = ray.get(spare.ready, timeout=STARTUP_TIMEOUT_S)
+                if self._spare_probe is not None:
+                    check_answers(self.storage, self._spare_probe, [info["probe"]])
+            except (RayActorError, RayTaskError, GetTimeoutError, StorageNotShared) as e:
+                log.warning("a spare cannot serve: %s", str(e).splitlines()[0])
+                self.spares.remove(spare)
+                ray.kill(spare.actor, no_restart=True)
+                continue
+            spare.where = info
+            out.append(spare)
+        return out
+
+    def reform(self, lost: Set[int], bundle_key: str, manifest: Manifest, shipped_files: dict[str, bytes],
+               sizes: list[int], attempt: int, lineage_id: str, label_for: Callable[[int], str]) -> Reformed:
+        """Warm recovery (trainer/warm.py): restart from published bundle ``bundle_key`` without new
+        processes, at the first of ``sizes`` (the world sizes the policy allows) it can. The ranks not
+        ``lost`` stop and keep their processes; each lost rank's place goes to a ready spare
+        (``warm-spare``, at the same size) or the survivors alone form the world (``warm-shrink``,
+        ranks renumbered in order; ``label_for(size)`` is the recovery label). Every member forms the new process
+        group and restores the bundle from memory: the driver's ``shipped_files`` and the survivors'
+        kept captures. Raises :class:`WarmUnavailable` (the caller restarts cold: tear this group down)
+        when that cannot be done, or ``RankLost``/``RankFailed`` for a rank lost or failing meanwhile."""
+        t0 = time.perf_counter()
+        lost = set(lost)
+        if not self.actors:
+            raise WarmUnavailable("the group was torn down")
+        # every rank stops (a doomed one that still answers too: its peers wait for it at the boundary)
+        leaves = {r: a.leave.remote(LEAVE_TIMEOUT_S) for r, a in enumerate(self.actors)}
+        held: dict[int, str | None] = {}
+        for r, ref in leaves.items():
+            if r in lost:
+                continue
+            try:
+                held[r] = ray.get(ref, timeout=LEAVE_TIMEOUT_S + POLL_TIMEOUT_S)
+            except (RayActorError, GetTimeoutError, RayTaskError):
+                lost.add(r)
+        for r in lost:
+            ray.kill(self.actors[r], no_restart=True)
+        survivors = [r for r in range(self.world_size) if r not in lost]
+        stale = [r for r in survivors if held.get(r) != bundle_key]
+        if stale:
+            raise WarmUnavailable(f"ranks {stale} hold no copy of {bundle_key} in memory "
+                                  f"(they hold {sorted({str(held.get(r)) for r in stale})})")
+        if not survivors:
+            raise WarmUnavailable("no rank survived")
+        spares = self._ready_spares(len(lost)) if self.world_size in sizes else []
+        if self.world_size in sizes and len(spares) >= len(lost):
+            world_size = self.world_size
+            path: RecoveryPath = "warm-spare"
+            filling = dict(zip(sorted(lost), spares, strict=False))
+            members = [self.actors[r] if r not in lost else filling[r].actor for r in range(world_size)]
+            slots = [self.slots[r] if r not in lost else filling[r].slot for r in range(world_size)]
+            wheres = [self.where[r] if r not in lost else filling[r].where for r in range(world_size)]
+            for spare in filling.values():
+                self.spares.remove(spare)
+        elif len(survivors) in sizes:
+            world_size = len(survivors)
+            path, filling = "warm-shrink", {}
+            members = [self.actors[r] for r in survivors]
+            slots = [self.slots[r] for r in survivors]
+            wheres = [self.where[r] for r in survivors]
+        else:
+            raise WarmUnavailable(f"{len(survivors)} ranks survived and {len(spares)} spares are ready; the "
+                                  f"policy allows {sizes or 'no'} ranks (world.spares places spares)")
+        replica = self.actors[survivors[0]].replica.remote(bundle_key) if filling else None
+        freed = [self.slots[r] for r in sorted(lost)]
+        self.actors, self.slots, self.where = members, slots, wheres
+        self.node_ids = [w_["node_id"] for w_ in wheres]
+        self.world_size = world_size
+        self._runs, self._ended, self._news = [], set(), {}
+        t1 = time.perf_counter()
+        port = self._call([members[0].free_port.remote()])[0]
+        spec_json, manifest_json = self.spec.model_dump_json(), manifest.model_dump_json()
+        newcomers = {id(s.actor) for s in filling.values()}
+        try:
+            results = self._call([a.rejoin.remote(spec_json, r, world_size, f"tcp://{wheres[0]['ip']}:{port}", attempt,
+                                                  lineage_id, label_for(world_size), self.record_ids, self.trace,
+                                                  bundle_key, manifest_json, shipped_files,
+                                                  replica if id(a) in newcomers else None)
+                                  for r, a in enumerate(members)], timeout=STARTUP_TIMEOUT_S)
+        except RankFailed as e:
+            if "NotInMemory" in str(e):
+                raise WarmUnavailable(str(e)) from e
+            raise
+        for pg, index in freed if path == "warm-spare" else []:  # a new spare where the lost rank was
+            self._add_spare(pg, index, attempt)
+        self.runtimes = [r_["runtime"] for r_ in results]
+        self.timings = {"placement_seconds": round(t1 - t0, 4),  # stopping the survivors, choosing spares
+                        "process_group_seconds": round(max(r_["process_group_seconds"] for r_ in results), 4),
+                        "rank_setup_seconds": round(max(r_["rank_setup_seconds"] for r_ in results), 4)}
+        mismatches = [f"rank {r}: {m}" for r, r_ in enumerate(results) for m in r_["mismatches"]]
+        return Reformed(path, world_size, label_for(world_size), max(r_["restore_seconds"] for r_ in results),
+                        mismatches)
 
     def _probe_for(self, driver: Probe, rank: int) -> RankProbe:
         w_ = self.where[rank]
@@ -412,9 +630,23 @@ class RayGroup:
         return [w_["pid"] for w_ in self.where]
 
     def teardown(self) -> None:
-        for a in self.actors:
+        for a in [*self.actors, *(s.actor for s in self.spares)]:
             ray.kill(a, no_restart=True)
-        self.actors = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        self.actors, self.spares = [], []
+        for pg in (self.pg, self._spare_pg):
+            if pg is not None:
+                remove_placement_group(pg)
+        self.pg = self._spare_pg = None
+        if self._spare_probe is not None:
+            remove_probes(self.storage, self._spare_probe)
+            self._spare_probe = None
+
+
+@dataclass
+class Spare:
+    """A rank process built and waiting (``world.spares``): ``ready`` is its ``prepare`` call."""
+
+    actor: Any
+    ready: Any
+    slot: tuple[PlacementGroup, int]
+    where: dict[str, Any] = field(default_factory=dict)  # once ready: its node and pid

@@ -31,7 +31,7 @@ from datetime import UTC, datetime, timedelta
 
 from spotrun.orchestrator import interval, policy
 from spotrun.orchestrator.budgets import RestartBudgets, classify
-from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WorkerGroup
+from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WarmUnavailable, WorkerGroup
 from spotrun.orchestrator.ledger import (
     AttemptStarted,
     BundleRejected,
@@ -44,6 +44,7 @@ from spotrun.orchestrator.ledger import (
     Ledger,
     NoticeHandled,
     NoticeSeen,
+    RecoveryPath,
     Resizing,
     Restored,
     TopologyChanged,
@@ -62,9 +63,13 @@ from spotrun.trainer.manifest import Manifest, UnknownSchemaError, runtime_diffe
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import TraceWriter
+from spotrun.trainer.warm import ineligible
 
 log = logging.getLogger("spotrun.supervisor")
 CAPACITY_POLL_S = 0.25
+# Losses after which the survivors may restart warm: a rank's process or node is gone. After a failure
+# (the job raised, a collective failed or hung) every rank starts anew.
+WARM_CAUSES = ("node-lost", "process-exit", "oom", "notice:")
 
 # make_group(world_size, attempt, lineage_id, recovery_label, restore_mode) -> a started-to-be group
 GroupFactory = Callable[[int, int, str, str, RestoreMode], WorkerGroup]
@@ -99,6 +104,7 @@ class Placing:
     # the largest world to try: one below a size the scheduler just failed to place (resource
     # counts cannot see what other jobs hold); cleared once something is placed or waited for
     below: int | None = None
+    cold_because: str | None = None  # after a loss: why the restart is not warm
 
 
 @dataclass
@@ -297,7 +303,8 @@ class Supervisor:
             log.info("waiting for capacity: %s", decision.reason)
             t0 = self.clock()
             self.sleep(CAPACITY_POLL_S)
-            return Placing(st.cause, st.last_update, st.world_before, st.waited_s + self.clock() - t0)
+            return Placing(st.cause, st.last_update, st.world_before, st.waited_s + self.clock() - t0,
+                           cold_because=st.cold_because)
         size = decision.world_size
         if size is None:  # policy.decide gives a world size with every restart
             raise RuntimeError(f"the placement policy restarts without a world size: {decision}")
@@ -321,7 +328,8 @@ class Supervisor:
             # where the policy allows one (strict allows none: it waits, then fails).
             log.info("placement failed: %s", e)
             return Placing(st.cause, st.last_update, st.world_before,
-                           st.waited_s + max(self.clock() - t0, CAPACITY_POLL_S), below=size - 1)
+                           st.waited_s + max(self.clock() - t0, CAPACITY_POLL_S), below=size - 1,
+                           cold_because=st.cold_because)
         except ValueError as e:  # bad input refused in this process (JobError, DeviceError, ...)
             return Failed(str(e), e)
         except RankFailed as e:  # a rank could not be built
@@ -362,7 +370,7 @@ class Supervisor:
             return Failed(f"{verdict}; the last, while starting attempt {self.attempts}: {lost.detail}",
                           None if error is None else _with_budget(error, verdict))
         self.sleep(self.budgets.backoff())
-        return Placing(st.cause, st.last_update, st.world_before, st.waited_s)
+        return Placing(st.cause, st.last_update, st.world_before, st.waited_s, cold_because=st.cold_because)
 
     def _restore(self, group: WorkerGroup, candidates: list[str], st: Placing, size: int, label: str) -> int:
         """Start the attempt from the newest bundle that verifies; returns its update (0 when fresh).
@@ -370,15 +378,10 @@ class Supervisor:
         The attempt is recorded as started only once its state is loaded: a refused restore
         leaves the job as it was, with the refusal (and any rejected bundle) in the ledger."""
 
-        def started() -> None:
-            self.ledger.append(AttemptStarted(attempt=self.attempts, world_size=size, node_ids=group.node_ids,
-                                              rank_pids=group.pids(), pid=os.getpid(), lineage_id=self.lineage_id,
-                                              budget=self.budgets.record(), **getattr(group, "timings", {})))
-
         if not candidates and self.init_from:
             uri, init_key = self.init_from
             seconds, _ = group.restore(init_key, storage_uri=uri, reset=self.reset)
-            started()
+            self._started(group, size)
             self.ledger.append(InitializedFrom(attempt=self.attempts, bundle=f"{uri}/{init_key}",
                                                reset=list(self.reset)))
             log.info("new lineage %s from %s in %.3fs", self.lineage_id, init_key, seconds)
@@ -389,13 +392,25 @@ class Supervisor:
                                               BundleRejected(attempt=self.attempts, bundle=r.bundle_key,
                                                              reason=r.reason)))
         restore_wall = self.clock() - t0
-        started()
+        self._started(group, size)
         if key is None or result is None:  # result is None only when key is: nothing to restore
             return 0
         seconds, mismatches = result
-        manifest = read_manifest(self.storage, key)
+        return self._restored(group, key, read_manifest(self.storage, key), seconds, mismatches, restore_wall,
+                              label, st.cause, st.last_update, st.world_before, size, "cold", st.cold_because)
+
+    def _started(self, group: WorkerGroup, size: int) -> None:
+        self.ledger.append(AttemptStarted(attempt=self.attempts, world_size=size, node_ids=group.node_ids,
+                                          rank_pids=group.pids(), pid=os.getpid(), lineage_id=self.lineage_id,
+                                          budget=self.budgets.record(), **getattr(group, "timings", {})))
+
+    def _restored(self, group: WorkerGroup, key: str, manifest: Manifest, seconds: float, mismatches: list[str],
+                  wall: float, label: str, cause: str | None, last_update: int | None, world_before: int | None,
+                  size: int, path: RecoveryPath, cold_because: str | None) -> int:
+        """Record the attempt's restore of bundle ``key`` (the ``Restored`` event) and recommit its
+        offsets; returns the bundle's update."""
         update = manifest.counters.attempted_updates
-        lost = None if st.last_update is None else max(0, st.last_update - update)
+        lost = None if last_update is None else max(0, last_update - update)
         if label == "exact" and any(runtime_differences(manifest.versions, r) for r in group.runtimes):
             # elastic on another device model or library build (strict ranks refuse that restore)
             label = "exact-data"
@@ -405,12 +420,12 @@ class Supervisor:
         self.ledger.append(Restored(
             attempt=self.attempts, bundle=key, update=update, recovery_label=label,
             policy=self.spec.world.policy, restore_mode=policy.restore_mode(self.spec),
-            restore_seconds=seconds, lost_updates=lost, cause=st.cause or "resumed", roundtrip_mismatches=mismatches,
+            restore_seconds=seconds, lost_updates=lost, cause=cause or "resumed", roundtrip_mismatches=mismatches,
             repeated_occurrences=(manifest.data.repeats_on_restore
                                   if self.spec.data.recovery == "bounded-repetition" else 0),
-            restore_wall_seconds=round(restore_wall, 4),
-            world_size_before=st.world_before if st.world_before is not None else manifest.world.size,
-            world_size_after=size))
+            restore_wall_seconds=round(wall, 4),
+            world_size_before=world_before if world_before is not None else manifest.world.size,
+            world_size_after=size, recovery_path=path, cold_because=cold_because))
         self.restored_from = self.restored_from or key
         self.publisher.commit_offsets(manifest, key, self.attempts, recommit=True)
         return update
@@ -628,8 +643,8 @@ class Supervisor:
         return self.spec.preemption.safety_factor * (per_update + save) + poll_interval_s
 
     def _drained(self, st: Running, n: Notice) -> State:
-        """The ranks stopped after the bundle ``n`` (the notice being drained for) asked for."""
-        st.group.teardown()
+        """The ranks stopped after the bundle ``n`` (the notice being drained for) asked for. A stop
+        ends the job here; a node's notice is a loss (the restart may keep the other ranks: warm)."""
         last = self.published[-1]
         key = f"{self.spec.job_id}/bundles/{last.bundle_id}"
         seconds = (datetime.now(UTC) - n.received_at).total_seconds()
@@ -637,6 +652,7 @@ class Supervisor:
                                          update=last.counters.attempted_updates,
                                          notice_to_publish_seconds=round(seconds, 3)))
         if n.node_id is None:
+            st.group.teardown()
             return Stopped(f"stopped by {n.source} after publishing {key}; run the same command to resume")
         return Recovering(st.group, st.attempt, st.world_size, st.last_update,
                           RankLost(n.rank, f"notice:{n.source}", f"drained after publishing {key}", n.node_id))
@@ -665,14 +681,18 @@ class Supervisor:
         self.published += new
 
     def _recovering(self, st: Recovering) -> State:
-        t0 = self.clock()
-        st.group.teardown()
-        teardown = self.clock() - t0
         lost = st.lost
         noticed = lost.node_id in self._noticed or lost.rank in self._noticed
         loss = classify(lost.cause, noticed)
         verdict = self.budgets.count(loss)
-        backoff = None if verdict is not None else self.budgets.backoff()
+        cold_because = self._why_cold(st)
+        t0 = self.clock()
+        if cold_because is not None or verdict is not None:
+            st.group.teardown()
+        teardown = self.clock() - t0
+        # warm: the first loss since the last bundle restarts at once (the backoff is for losses in a row)
+        backoff = None if verdict is not None else (
+            0.0 if cold_because is None and self.budgets.losses_in_a_row <= 1 else self.budgets.backoff())
         self.ledger.append(WorkerLost(attempt=st.attempt, rank=lost.rank, node_id=lost.node_id, cause=lost.cause,
                                       detail=lost.detail, last_update=st.last_update, detected_at=st.detected_at,
                                       teardown_seconds=round(teardown, 4), loss=loss, budget=self.budgets.record(),
@@ -684,7 +704,66 @@ class Supervisor:
             return Failed(f"{verdict}; the last: rank {lost.rank} {lost.cause}: {lost.detail}",
                           None if st.error is None else _with_budget(st.error, verdict))
         self.sleep(backoff or 0.0)
-        return Placing(cause=lost.cause, last_update=st.last_update, world_before=st.world_size)
+        if cold_because is None:
+            warm = self._warm(st)
+            if not isinstance(warm, str):
+                return warm
+            cold_because = warm
+            log.info("restarting from storage: %s", warm)
+            st.group.teardown()
+        return Placing(cause=lost.cause, last_update=st.last_update, world_before=st.world_size,
+                       cold_because=cold_because)
+
+    # -- warm recovery ----------------------------------------------------------------------
+
+    def _why_cold(self, st: Recovering) -> str | None:
+        """Why the restart after this loss cannot be warm (trainer/warm.py); None when it may be."""
+        reason = ineligible(self.spec)
+        if reason is not None:
+            return reason
+        if not hasattr(st.group, "reform") or st.world_size < 2:
+            return "one rank: no other process holds its state"
+        if st.lost.rank is None or not st.lost.cause.startswith(WARM_CAUSES):
+            return f"a loss of cause {st.lost.cause}: the job restarts in new processes"
+        if self.publisher.newest is None:
+            return "no bundle published since the driver started: the newest is in storage only"
+        if not self.spec.world.spares and st.world_size - 1 not in self.spec.allowed_world_sizes():
+            return (f"no spare (world.spares=0), and world.policy={self.spec.world.policy} restarts with "
+                    f"{st.world_size} ranks")
+        return None
+
+    def _warm(self, st: Recovering) -> State | str:
+        """Restart from the newest published bundle with the surviving processes (and spares), from
+        memory. Returns the running attempt, or why it could not be done (the restart goes cold)."""
+        assert self.publisher.newest is not None and st.lost.rank is not None  # _why_cold saw to both
+        key, manifest, shipped_files = self.publisher.newest
+        group = st.group
+        sizes = [n for n in (st.world_size, st.world_size - 1) if n in self.spec.allowed_world_sizes()]
+        attempt = self.ledger.next_attempt()
+        t0 = self.clock()
+        try:
+            done = group.reform({st.lost.rank}, key, manifest, shipped_files, sizes, attempt,  # type: ignore[attr-defined]
+                                self.lineage_id,
+                                lambda size: policy.recovery_label(self.spec, st.world_size, size))
+        except WarmUnavailable as e:
+            return str(e)
+        except (RankLost, RankFailed) as e:
+            return f"a rank was lost while restarting warm: {e}"
+        if done.mismatches and self.oracle_acts and self.spec.world.policy == "strict":
+            return f"the restore oracle found {', '.join(done.mismatches)} after restoring {key} from memory"
+        self.attempts, size = attempt, done.world_size
+        self.publisher.begin_attempt(attempt, size)
+        self._faults = FaultInjector(self.spec.faults, attempt, rank=0, log=FaultLog(self.storage, self.spec.job_id))
+        self._noticed = set()
+        self._started(group, size)
+        update = self._restored(group, key, manifest, done.restore_seconds, done.mismatches, self.clock() - t0,
+                                done.label, st.lost.cause, st.last_update, st.world_size, size, done.path, None)
+        if size != st.world_size:
+            self.ledger.append(TopologyChanged(attempt=attempt, world_size_before=st.world_size, world_size_after=size,
+                                               accum_steps_after=self.spec.accum_steps_for(size)))
+        log.info("attempt %d restarted warm (%s) from %s in %.3fs", attempt, done.path, key, self.clock() - t0)
+        group.start()
+        return Running(group, attempt, size, update)
 
     def _capacity_event(self, st: Placing, size: int, outcome: str) -> None:
         self.ledger.append(CapacityWait(attempt=max(self.attempts, 1), needed=size or min(

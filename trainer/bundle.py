@@ -28,7 +28,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -332,6 +332,8 @@ class WriteResult:
     update: int
     files: list[FileEntry]
     write_seconds: float
+    capture: Capture | None = None  # what was written (its buffers hold it until the next capture)
+    shipped: dict[str, bytes] = field(default_factory=dict)  # the files the driver keeps (trainer/warm.py)
 
 
 class BundleWriter:
@@ -340,8 +342,10 @@ class BundleWriter:
     :mod:`spotrun.trainer.digest`) hashes its chunks on every core while the file is written."""
 
     def __init__(self, storage: Storage, faults: FaultInjector, files_in_flight: int = 4,
-                 digest: str = DEFAULT_DIGEST) -> None:
+                 digest: str = DEFAULT_DIGEST, ship: Callable[[Encoded], dict[str, bytes]] | None = None) -> None:
+        """``ship``: which written files (as bytes) go back with the result, for the driver to keep."""
         self.storage = storage
+        self.ship = ship
         self.faults = faults
         self.digest = digest
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundle-writer")
@@ -378,7 +382,8 @@ class BundleWriter:
             entries.append(FileEntry(path=path, bytes=_size(files[path]), sha256=digests[path].result(),
                                      digest=self.digest))
             self.faults.hit("bundle_write", capture.update)  # a file written, the bundle unpublished
-        return WriteResult(bundle_key, capture.update, entries, time.perf_counter() - t0)
+        return WriteResult(bundle_key, capture.update, entries, time.perf_counter() - t0, capture,
+                           self.ship(files) if self.ship is not None else {})
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -44,6 +44,20 @@ class BuildContext:
     total_updates: int  # train.updates: what a schedule runs to
     spec: JobSpec  # the whole validated spec (read-only)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_read", set())
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in ("rank", "world_size"):  # a job built for one of them cannot serve another (read_by_build)
+            object.__getattribute__(self, "_read").add(name)
+        return object.__getattribute__(self, name)
+
+
+def read_by_build(ctx: BuildContext) -> frozenset[str]:
+    """Which of ``rank`` and ``world_size`` the entrypoint read while building from ``ctx``: a process
+    whose job was built without them may serve as any rank of any world size without building again."""
+    return frozenset(object.__getattribute__(ctx, "_read"))
+
 
 @dataclass
 class Job:
@@ -136,8 +150,9 @@ def load_entrypoint(ref: str) -> Callable[[BuildContext], Job]:
     return fn
 
 
-def build_job(spec: JobSpec, *, rank: int, world_size: int, device: str) -> Job:
-    """Call the spec's entrypoint (or the built-in recipe) and check what it returned."""
+def build_job(spec: JobSpec, *, rank: int, world_size: int, device: str, read: set[str] | None = None) -> Job:
+    """Call the spec's entrypoint (or the built-in recipe) and check what it returned. ``read``, when
+    given, gets which of ``rank`` and ``world_size`` the build read (:func:`read_by_build`)."""
     ref = entrypoint_of(spec)
     fn = load_entrypoint(ref)
     ctx = BuildContext(config=dict(spec.job.config) if spec.job else {}, seed=spec.seed, rank=rank,
@@ -146,6 +161,8 @@ def build_job(spec: JobSpec, *, rank: int, world_size: int, device: str) -> Job:
     if not isinstance(job, Job):
         raise JobError(f"job.entrypoint {ref!r} returned a {type(job).__name__}, not a spotrun.Job; "
                        "return spotrun.Job(model=..., data=..., step=..., optimizer=...)")
+    if read is not None:
+        read |= read_by_build(ctx)
     return job
 
 

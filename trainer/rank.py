@@ -25,12 +25,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from spotrun.trainer.bundle import BundleWriter, WriteResult, build_manifest, bundle_dir, load_bundle
+from spotrun.trainer.bundle import (
+    BundleWriter,
+    LoadedBundle,
+    WriteResult,
+    build_manifest,
+    bundle_dir,
+    check_compatible,
+    load_bundle,
+)
 from spotrun.trainer.collective import Collective
 from spotrun.trainer.data.feed import TokenFeed
 from spotrun.trainer.data.growth import GrowthRecords
 from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.faults import FaultLog
+from spotrun.trainer.manifest import Manifest
 from spotrun.trainer.metric_writer import BackgroundWriter
 from spotrun.trainer.metrics import MetricSink, NullSink, metrics_dir, open_sinks, points_of
 from spotrun.trainer.overlap import WriteOverlap
@@ -40,6 +49,7 @@ from spotrun.trainer.state import CopiesDone
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import UpdateRecord, pack_stages, unpack_stages
 from spotrun.trainer.visibility import Probe, RankProbe, answer_probe
+from spotrun.trainer.warm import REPLICATED, Kept, assemble, ineligible, shipped
 
 
 @dataclass
@@ -55,6 +65,7 @@ class BundleReport:
     draft: dict[str, Any] | None = None  # rank 0: the manifest without files
     # what the updates this write overlapped took beyond plain ones (trainer/overlap.py; None: not measured)
     overlap_seconds: float | None = None
+    shipped: dict[str, bytes] = field(default_factory=dict)  # the files the driver keeps (trainer/warm.py)
 
 
 @dataclass
@@ -73,10 +84,14 @@ class RankRunner:
     def __init__(self, spec: JobSpec, *, rank: int, world_size: int, attempt: int, lineage_id: str,
                  recovery_label: str, collective: Collective, restore_mode: RestoreMode | None = None,
                  drop: tuple[str, ...] = (), record_ids: bool = False, trace: bool = True,
-                 device: str = "cpu", probe: RankProbe | None = None) -> None:
+                 device: str = "cpu", probe: RankProbe | None = None, session: TrainSession | None = None,
+                 kept: Kept | None = None) -> None:
         """``probe``: the driver's storage probe (:mod:`~spotrun.trainer.visibility`), read back and
         answered before anything is built; ``StorageNotShared`` when this rank cannot see it. None
-        where the driver shares this process (nothing to prove)."""
+        where the driver shares this process (nothing to prove).
+
+        ``session`` and ``kept``: a warm restart (trainer/warm.py) serves this attempt with the
+        session an earlier attempt of this process built, and the bundle its host memory holds."""
         self.spec = spec
         self.rank = rank
         self.attempt = attempt
@@ -87,18 +102,27 @@ class RankRunner:
         # first: a rank on storage the driver cannot see fails before it builds the job (seconds) or writes to it
         self.probe: Probe | None = answer_probe(self.storage, probe) if probe is not None else None
         self.trace = trace
-        self.session = TrainSession(spec, rank=rank, world_size=world_size, attempt=attempt,
-                                    restore_mode=restore_mode, drop=drop,
-                                    grad_sync=_grad_sync(spec, collective, world_size),
-                                    record_ids=record_ids and rank == 0,
-                                    digests=trace,  # every rank's stage digests reach rank 0's record
-                                    device=device)
+        if session is not None:
+            session.rejoin(rank=rank, world_size=world_size, attempt=attempt,
+                           grad_sync=_grad_sync(spec, collective, world_size), record_ids=record_ids and rank == 0)
+            self.session = session
+        else:
+            self.session = TrainSession(spec, rank=rank, world_size=world_size, attempt=attempt,
+                                        restore_mode=restore_mode, drop=drop,
+                                        grad_sync=_grad_sync(spec, collective, world_size),
+                                        record_ids=record_ids and rank == 0,
+                                        digests=trace,  # every rank's stage digests reach rank 0's record
+                                        device=device)
+        # Warm recovery: every rank holds the newest bundle it wrote (a replicated model and
+        # optimizer on every rank), and sends the driver its own small files with each write.
+        self.warm = ineligible(spec) is None and world_size > 1
+        self.kept = kept
         if isinstance(self.session.feed, TokenFeed):  # a growing source's rescans, agreed across ranks
             self.session.feed.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
         self.session.faults.record_to(FaultLog(self.storage, spec.job_id))  # verify counts what fired
         self._asked = threading.Event()  # set by request() and abort(): ends a HOLD fault's wait
         self.session.faults.hold_with(self._hold)
-        self.writer = BundleWriter(self.storage, self.session.faults)
+        self.writer = BundleWriter(self.storage, self.session.faults, ship=shipped if self.warm else None)
         self.overlap = WriteOverlap()  # the write's cost beyond the stall, for checkpoint.every_updates=auto
         # Rank 0 writes the metric points, off the training thread; each upserts by <job>/<update>/<name>.
         self.metrics: MetricSink = NullSink()
@@ -128,11 +152,42 @@ class RankRunner:
         bundle = load_bundle(storage, bundle_key, self.session.desc, same_job=storage_uri is None,
                              want=self.session.wants)
         seconds = self.session.restore(bundle)
-        mismatches = [] if storage_uri is not None else self.session.roundtrip(bundle)
         if storage_uri is not None:
             self.session.start_new_lineage(reset)
+            mismatches: list[str] = []
+        else:
+            mismatches = self._checked(bundle)
         self._report.last_update = self.session.counters.attempted_updates
         return seconds, mismatches
+
+    def restore_from_memory(self, key: str, manifest: Manifest, shipped_files: dict[str, bytes],
+                            replica: Kept | None = None) -> tuple[float, list[str]]:
+        """Restore published bundle ``key`` (its ``manifest``) from memory (trainer/warm.py): the files
+        the driver kept (``shipped_files``), this rank's own kept capture, a survivor's ``replica``.
+        The same restore and restore oracle as :meth:`restore`; raises ``NotInMemory`` (restart from
+        storage) when a file this rank reads is held nowhere."""
+        t0 = time.perf_counter()
+        check_compatible(manifest, self.session.desc, f"bundle {key}")
+        kept = [k for k in (self.kept, replica) if k is not None]
+        bundle = LoadedBundle(key, manifest, assemble(key, manifest, self.session.wants(manifest),
+                                                      shipped_files, kept))
+        self.session.restore(bundle)
+        mismatches = self._checked(bundle)
+        self._report.last_update = self.session.counters.attempted_updates
+        return time.perf_counter() - t0, mismatches
+
+    def _checked(self, bundle: LoadedBundle) -> list[str]:
+        """The restore oracle on ``bundle`` just restored; where it finds nothing, the capture it took
+        holds the bundle: this rank keeps it (a loss before the next bundle restarts warm from it)."""
+        mismatches, capture = self.session.roundtrip_capture(bundle, keep_replica=self.warm)
+        self.kept = Kept(bundle.key, capture.files()) if not mismatches else None
+        return mismatches
+
+    def replica(self, bundle_key: str) -> Kept | None:
+        """The replicated model and optimizer of ``bundle_key`` this rank holds (for a spare), or None."""
+        if self.kept is None or self.kept.bundle_key != bundle_key:
+            return None
+        return Kept(bundle_key, {p: v for p, v in self.kept.files.items() if p.startswith(REPLICATED)})
 
     def request(self, checkpoint: bool = True, stop: bool = False) -> None:
         """Ask for a checkpoint at the next boundary (and to stop after publishing it)."""
@@ -254,7 +309,8 @@ class RankRunner:
         t1 = time.perf_counter()
         self._collect(self.writer.wait())
         waited = time.perf_counter() - t1
-        capture = s.capture()
+        self.kept = None  # the capture reuses the buffers that hold it
+        capture = s.capture(keep_replica=self.warm)
         draft = None
         if self.rank == 0:
             shards = s.known_shards()
@@ -280,7 +336,10 @@ class RankRunner:
             rank=self.rank, attempt=self.attempt, bundle_key=result.bundle_key, update=result.update,
             files=[f.model_dump() for f in result.files], write_seconds=result.write_seconds, draft=draft,
             overlap_seconds=self.overlap.ended(result.bundle_key, draft["copy_wait_seconds"] if draft else 0.0),
+            shipped=result.shipped,
         )
+        if self.warm and result.capture is not None:
+            self.kept = Kept(result.bundle_key, result.capture.files())
         with self._lock:
             self._report.bundles.append(report)
             self._news.set()

@@ -46,7 +46,8 @@ class TrainSession:
         self.attempt = attempt
         self.accum_steps = spec.accum_steps_for(world_size)
         seed_all(spec.seed)  # whatever the entrypoint draws while building is the same on every attempt
-        self.job = build_job(spec, rank=rank, world_size=world_size, device=device)
+        self.build_read: set[str] = set()  # which of rank and world_size the job's build read (can_rejoin)
+        self.job = build_job(spec, rank=rank, world_size=world_size, device=device, read=self.build_read)
         self.feed = bind(self.job.data, spec)
         self.state = TrainState(spec, self.job, self.feed, rank, world_size,
                                 restore_mode or spec.checkpoint.restore_mode, device)
@@ -64,6 +65,34 @@ class TrainSession:
         self._sampler: PlanSampler | None = None
         self._loop: TrainLoop | None = None
         self._iter: Iterator[Any] | None = None
+
+    def rejoin(self, *, rank: int, world_size: int, attempt: int, grad_sync: GradSync | None,
+               record_ids: bool) -> None:
+        """Serve another attempt in this process as rank ``rank`` of ``world_size``, keeping what was
+        built (the job, model, optimizer, data pipeline, host buffers); :meth:`restore` and
+        :meth:`start` follow. Only where nothing built depends on the old place (:meth:`can_rejoin`)."""
+        reason = self.can_rejoin(rank, world_size)
+        if reason is not None:
+            raise ValueError(f"this process cannot serve as rank {rank} of {world_size}: {reason}")
+        self.close()
+        self.rank, self.world_size, self.attempt = rank, world_size, attempt
+        self.accum_steps = self.spec.accum_steps_for(world_size)
+        self.state.rank, self.state.world_size = rank, world_size
+        self.state.forget_update()
+        self.faults = FaultInjector(self.spec.faults, attempt, rank)
+        self.grad_sync, self.record_ids = grad_sync, record_ids
+        self._sampler = self._loop = None
+
+    def can_rejoin(self, rank: int, world_size: int) -> str | None:
+        """Why this session cannot serve as rank ``rank`` of ``world_size`` (None: it can): the job's
+        build read what changes, or the model is bound to its process group (sharded, DDP)."""
+        changed = {n for n, old, new in (("rank", self.rank, rank), ("world_size", self.world_size, world_size))
+                   if old != new}
+        if changed & self.build_read:
+            return f"the job's build read ctx.{'/'.join(sorted(changed & self.build_read))}, which changes"
+        if self.state.wrapped or self.state.trained is not self.state.model:
+            return "its model is bound to the old process group (FSDP or DDP)"
+        return None
 
     @property
     def counters(self):
@@ -121,6 +150,10 @@ class TrainSession:
         return found or {0}  # a rank that holds no rows at all still needs the unsharded values
 
     def roundtrip(self, bundle: LoadedBundle) -> list[str]:
+        """The restore oracle's findings (:meth:`roundtrip_capture`)."""
+        return self.roundtrip_capture(bundle)[0]
+
+    def roundtrip_capture(self, bundle: LoadedBundle, keep_replica: bool = False) -> tuple[list[str], Capture]:
         """The restore oracle: capture right after :meth:`restore` and name every state category
         that differs from the bundle (empty for a faithful restore).
 
@@ -128,10 +161,13 @@ class TrainSession:
         that the capture lacks is named too (``missing:<file>``). At another world size (elastic) the
         state that is the same at any size is compared: the replicated model, EMA and optimizer,
         counters, scaler, data planner and modes; each rank's random streams and registered state
-        where the bundle has that rank's; not a sharded model's rows (they are laid out anew)."""
-        capture = self.state.capture()
+        where the bundle has that rank's; not a sharded model's rows (they are laid out anew).
+
+        Returns the findings and the capture: with none, it holds the bundle in this rank's host
+        buffers (``keep_replica``: a replicated model and optimizer on every rank, see TrainState.capture)."""
+        capture = self.state.capture(keep_replica)
         capture.wait()
-        restored: dict[str, Any] = {**capture.torch_files, **capture.json_files}
+        restored: dict[str, Any] = capture.files()  # a held replica is compared too
         saved = dict(bundle.payloads)
         if bundle.manifest.world.size != self.world_size and bundle.manifest.world.parallelism == "fsdp":
             for files in (saved, restored):
@@ -146,7 +182,7 @@ class TrainSession:
             found += [f"missing:{path}" for path in sorted(set(saved) - set(restored)) if self._writes(path)]
         if self.state.planner.restore_mode in ("bounded-repetition", "fresh-epoch"):
             found = [c for c in found if c not in DATA_CATEGORIES]  # the data side moves on purpose
-        return found
+        return found, capture
 
     def _writes(self, path: str) -> bool:
         """Whether this rank's capture writes bundle file ``path`` (its own files; rank 0's shared ones)."""
@@ -227,9 +263,9 @@ class TrainSession:
             return 0
         return self._sampler.unclaimed
 
-    def capture(self) -> Capture:
+    def capture(self, keep_replica: bool = False) -> Capture:
         t0 = time.perf_counter()
-        cap = self.state.capture()
+        cap = self.state.capture(keep_replica)
         cap.stall_seconds = time.perf_counter() - t0
         return cap
 

@@ -253,6 +253,11 @@ class WorldSpec(_Strict):
         "SPREAD", description="the Ray placement-group strategy for the ranks")
     collective_timeout_s: float = Field(120, gt=0, description="how long a collective (all-reduce, barrier) may "
                                                                "wait for the other ranks before the attempt fails")
+    warm_recovery: bool = Field(True, description="when a rank is lost, the surviving ranks keep their processes "
+                                                  "and go back to the newest bundle from host memory (a replicated "
+                                                  "model only; off: every restart starts anew from storage)")
+    spares: int = Field(0, ge=0, description="extra rank processes, built and waiting, that take a lost rank's place "
+                                             "at once (with world.warm_recovery)", json_schema_extra={"unit": "ranks"})
 
 
 class CheckpointSpec(_Strict):

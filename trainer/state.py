@@ -29,7 +29,7 @@ import copy
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -173,6 +173,13 @@ class Capture:
     json_files: dict[str, dict[str, Any]]  # relative path -> JSON-able payload
     stall_seconds: float = 0.0
     ready: Any = None  # a CUDA event once the device-to-host copies landed (None: they already have)
+    # files this rank keeps in host memory but does not write: on ranks other than 0, the replicated
+    # model and optimizer (rank 0 writes them), so that any rank can restart warm (trainer/warm.py)
+    held: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def files(self) -> dict[str, Any]:
+        """Every payload of this capture by bundle path: written, and held."""
+        return {**self.held, **self.torch_files, **self.json_files}
 
     def wait(self) -> None:
         """Block until the buffers hold the boundary's values (the writer calls this before reading)."""
@@ -240,6 +247,13 @@ class TrainState:
         self.planner_state: dict[str, Any] = self.planner.state_dict()
         self.check_saveable()
 
+    def forget_update(self) -> None:
+        """Drop what an update left half done (a run stopped inside one): the gradients it accumulated,
+        the grad scaler's per-step record, the copies of a capture in flight. A restore follows."""
+        self.model.zero_grad(set_to_none=True)
+        self.scaler = build_scaler(self.spec.train, self.device.split(":")[0])
+        self.pending_copy = self.pending_user_copy = None
+
     def check_saveable(self) -> None:
         """Refuse, before any update, state a bundle could not hold as data (see check_weights_only)."""
         if self.scheduler is not None:
@@ -252,11 +266,12 @@ class TrainState:
     # -- capture ---------------------------------------------------------------------
 
     @torch.no_grad()
-    def capture(self) -> Capture:
+    def capture(self, keep_replica: bool = False) -> Capture:
         """Copy everything to host memory. The only part of a checkpoint that stalls training.
 
         The tensors land in :attr:`host` buffers that the next capture overwrites: write (or
-        drop) a capture before taking the next one."""
+        drop) a capture before taking the next one. ``keep_replica``: a rank other than 0 of a
+        replicated model copies the model and optimizer too, into :attr:`Capture.held`."""
         files: dict[str, dict[str, Any]] = {}
         json_files: dict[str, dict[str, Any]] = {f"rank-{self.rank}/rng.json": self.rng.state_dict()}
         planner = dict(self.planner_state)
@@ -268,9 +283,13 @@ class TrainState:
                     "objects": {n: self.host.copy_tree(f"user/{n}", o.state_dict()) for n, o in self.user.items()},
                 }
             self.pending_user_copy = self.host.done()
+        held: dict[str, dict[str, Any]] = {}
         if self.rank == 0 or self.sharded:
             with self.host.copies():
-                files.update(self._model_files())
+                files.update(self._model_files(f"rank-{self.rank}"))
+        elif keep_replica:
+            with self.host.copies():
+                held = self._model_files("rank-0")
         if self.rank == 0:
             with self.host.copies():
                 if stream is not None:
@@ -285,9 +304,10 @@ class TrainState:
                 "train_modes": {name: m.training for name, m in self.model.named_modules()},
             })
         self.pending_copy = self.host.done()
-        return Capture(self.counters.value.attempted_updates, self.rank, files, json_files, ready=self.pending_copy)
+        return Capture(self.counters.value.attempted_updates, self.rank, files, json_files, ready=self.pending_copy,
+                       held=held)
 
-    def _model_files(self) -> dict[str, dict[str, Any]]:
+    def _model_files(self, d: str) -> dict[str, dict[str, Any]]:
         """The model, EMA, optimizer and scheduler: the same on every rank, so rank 0 writes them; or,
         sharded, each rank its own rows of them, with their layout (:mod:`~spotrun.trainer.sharding`).
 
@@ -302,7 +322,6 @@ class TrainState:
         if self.sharded:  # unsharded, nothing to look for: the walk cost the stall ~0.3 ms at ~10 MB
             model, ema = self._held("model", model, layout), self._held("ema", ema, layout)
             optimizer = self._held("", optimizer, opt_layout)
-        d = f"rank-{self.rank}"
         return {
             f"{d}/model.pt": {
                 "version": STATE_VERSION,
@@ -330,7 +349,7 @@ class TrainState:
             self.scaler.load_state_dict(state["scaler"])
         planner = dict(state["planner"])
         if "rank-0/stream.pt" in payloads:
-            planner["stream"] = _clone(payloads["rank-0/stream.pt"]["stream"])
+            planner["stream"] = clone(payloads["rank-0/stream.pt"]["stream"])
         self.planner.load_state_dict(planner)
         self.planner_state = self.planner.state_dict()
         restore_modes(self.model, state)
@@ -343,7 +362,7 @@ class TrainState:
                                "registers new state starts a new lineage (--init-from)")
             for name, obj in self.user.items():
                 if name not in skip:
-                    obj.load_state_dict(_clone(user["objects"][name]))
+                    obj.load_state_dict(clone(user["objects"][name]))
         rng_key = f"rank-{self.rank}/rng.json"
         if rng_key in payloads:
             self.rng.load_state_dict(payloads[rng_key])  # last: nothing after this draws
@@ -382,7 +401,7 @@ class TrainState:
             shape = opt_pieces.shape(key, t)
             return held_rows(p) if p is not None and is_sharded(p) and shape == tuple(p.shape) else None
 
-        opt = _clone(opt_pieces.tree("", opt_pieces.template, rows))
+        opt = clone(opt_pieces.tree("", opt_pieces.template, rows))
         for name, state in opt["state"].items():  # moments of a sharded parameter are sharded like it
             p = params.get(name)
             if p is not None and is_sharded(p):
@@ -431,11 +450,12 @@ def restore_modes(model: nn.Module, state: dict[str, Any]) -> None:
         module.training = bool(modes[name])
 
 
-def _clone(obj: Any) -> Any:
+def clone(obj: Any) -> Any:
+    """``obj`` with every tensor in it copied (nothing restored from it shares memory with it)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
+        return {k: clone(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_clone(v) for v in obj]
+        return [clone(v) for v in obj]
     return obj

@@ -6,11 +6,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+from spotrun.orchestrator.launch import run_on_ray
 from spotrun.orchestrator.ledger import BundlePublished, Ledger
 from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.storage import Storage, open_storage
@@ -98,3 +100,47 @@ def assert_exact_coverage(records: dict[int, UpdateRecord], token_counts) -> Non
         epochs[int(epoch)].add(key)
     for e in sorted(epochs)[:-1]:
         assert len(epochs[e]) == token_counts, f"epoch {e} delivered {len(epochs[e])} of {token_counts} records"
+
+
+class Background:
+    """Runs a job on Ray on a thread, while the test acts on it (removes nodes, kills ranks) meanwhile."""
+
+    def __init__(self, spec, trace) -> None:
+        self.spec, self.trace = spec, trace
+        self.ledger = Ledger(open_storage(spec.storage), spec.job_id)  # polled: it parses each event once
+        self.outcome, self.error = None, None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.outcome = run_on_ray(self.spec, trace_path=str(self.trace))
+        except BaseException as e:
+            self.error = e
+
+    def events(self):
+        return self.ledger.read()
+
+    def story(self) -> str:
+        """The job's error and its ledger, one event a line: what a failed assertion shows (a rare failure
+        on a slow host is diagnosed from this alone)."""
+        lines = [f"error: {self.error!r}"]
+        lines += [f"{type(e).__name__} {e.model_dump(mode='json', exclude_none=True)}"[:400] for e in self.events()]
+        return "\n".join(lines)
+
+    def wait_for(self, predicate, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert self.thread.is_alive() or predicate(), f"the job ended early: {self.error}"
+            assert time.monotonic() < deadline, "condition not reached in time"
+            time.sleep(0.02)  # polling a condition
+
+    def wait_until_held(self, attempt: int = 1, published: int | None = None) -> None:
+        """Until the attempt's HOLD fault fired (the job trains no further until the supervisor asks) and,
+        with ``published``, that update's bundle is published."""
+        wait_until_held(open_storage(self.spec.storage), self.spec.job_id, self.thread.is_alive, attempt,
+                        published)
+
+    def join(self) -> None:
+        self.thread.join(timeout=300)
+        assert not self.thread.is_alive()

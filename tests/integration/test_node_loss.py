@@ -8,7 +8,6 @@ world.max_restarts=1: they are preemptions, not failures), or fails clearly when
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -37,7 +36,7 @@ from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import make_spec
 from tests.helpers.ray_local import local_cluster
-from tests.helpers.runs import hold, wait_until_held
+from tests.helpers.runs import Background, hold
 
 pytestmark = pytest.mark.slow
 # Dropout on: the global generators are seeded per micro-batch, which is the same sequences at
@@ -68,50 +67,6 @@ def reference(cluster, tmp_path_factory):
     spec = make_spec(tmp, *SETS, job_id="ref")
     run_on_ray(spec, trace_path=str(tmp / "ref.jsonl"))
     return spec, read_trace(tmp / "ref.jsonl")
-
-
-class Background:
-    """Runs a job on a thread; the test removes and adds nodes meanwhile."""
-
-    def __init__(self, spec, trace) -> None:
-        self.spec, self.trace = spec, trace
-        self.ledger = Ledger(open_storage(spec.storage), spec.job_id)  # polled: it parses each event once
-        self.outcome, self.error = None, None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.outcome = run_on_ray(self.spec, trace_path=str(self.trace))
-        except BaseException as e:
-            self.error = e
-
-    def events(self):
-        return self.ledger.read()
-
-    def story(self) -> str:
-        """The job's error and its ledger, one event a line: what a failed assertion shows (a rare failure
-        on a slow host is diagnosed from this alone)."""
-        lines = [f"error: {self.error!r}"]
-        lines += [f"{type(e).__name__} {e.model_dump(mode='json', exclude_none=True)}"[:400] for e in self.events()]
-        return "\n".join(lines)
-
-    def wait_for(self, predicate, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            assert self.thread.is_alive() or predicate(), f"the job ended early: {self.error}"
-            assert time.monotonic() < deadline, "condition not reached in time"
-            time.sleep(0.02)  # polling a condition
-
-    def wait_until_held(self, attempt: int = 1, published: int | None = None) -> None:
-        """Until the attempt's HOLD fault fired (the job trains no further until the supervisor asks) and,
-        with ``published``, that update's bundle is published."""
-        wait_until_held(open_storage(self.spec.storage), self.spec.job_id, self.thread.is_alive, attempt,
-                        published)
-
-    def join(self) -> None:
-        self.thread.join(timeout=300)
-        assert not self.thread.is_alive()
 
 
 def shrink_then_grow(cluster: Cluster, job: Background, published: int) -> None:

@@ -100,12 +100,12 @@ def test_every_capture_finds_the_points_of_every_update_up_to_its_bundle_in_the_
     seen: list[tuple[int, list[int]]] = []
     capture = TrainSession.capture
 
-    def checked(session: TrainSession):
+    def checked(session: TrainSession, **kw):
         reader = SqliteSink(tmp_path / "mw" / "metrics.sqlite")
         seen.append((session.counters.attempted_updates,
                      sorted(p.update for p in reader.read("mw") if p.name == "loss")))
         reader.close()
-        return capture(session)
+        return capture(session, **kw)
 
     class SlowWriter(BackgroundWriter):  # the thread only writes once asked to flush: a writer far behind
         def __init__(self, sink):

@@ -1,0 +1,83 @@
+"""Warm recovery on a real local Ray: when a rank's process is SIGKILLed, the surviving rank keeps its
+process and puts the newest bundle back from memory, a spare (or, elastic, a smaller world) takes the
+lost rank's place, and the run stays bitwise the uninterrupted one."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from spotrun.orchestrator.launch import run_on_ray
+from spotrun.orchestrator.ledger import AttemptStarted, Restored, TopologyChanged
+from spotrun.trainer.bundle import list_bundles
+from spotrun.trainer.storage import open_storage
+from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
+from tests.conftest import make_spec
+from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
+from tests.helpers.runs import Background, hold
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
+SETS = ("world.size=2", "train.updates=24", "checkpoint.every_updates=5", "data.workers=1", "model.dropout=0.1")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("warmref")
+    spec = make_spec(tmp, *SETS, job_id="ref")
+    outcome = run_on_ray(spec, trace_path=str(tmp / "ref.jsonl"))
+    assert outcome.state == "finished" and outcome.restarts == 0
+    return read_trace(tmp / "ref.jsonl")
+
+
+def hide_bundle_files(root: Path, job: str) -> list[Path]:
+    """Move every data file of the job's published bundles aside (their manifests stay): a restore that
+    reads a bundle from storage now fails, so a restart that succeeds got it from memory."""
+    storage = open_storage(f"file://{root}")
+    hidden = []
+    for ref in list_bundles(storage, job):
+        for f in (root / ref.key).rglob("*"):
+            if f.is_file() and f.name != "manifest.json":
+                f.rename(f.with_name(f.name + ".hidden"))
+                hidden.append(f)
+    return hidden
+
+
+def kill_rank_once_held(job: Background, rank: int, published: int) -> int:
+    """Once every rank holds with bundle ``published`` published, hide the bundles' files and SIGKILL
+    rank ``rank``'s process; returns the killed pid."""
+    job.wait_until_held(published=published)
+    hide_bundle_files(Path(job.spec.storage.removeprefix("file://")), job.spec.job_id)
+    pid = [e for e in job.events() if isinstance(e, AttemptStarted)][-1].rank_pids[rank]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+@pytest.mark.parametrize(("sets", "path", "world_after"), [
+    (("world.spares=1",), "warm-spare", 2),
+    (("world.policy=elastic",), "warm-shrink", 1),
+])
+def test_a_killed_rank_is_replaced_from_memory_and_the_run_stays_bitwise(reference, tmp_path, sets, path,
+                                                                          world_after):
+    spec = make_spec(tmp_path, *SETS, *sets, f"faults=[{hold(12)}]", job_id="warm")
+    job = Background(spec, tmp_path / "t.jsonl")
+    killed = kill_rank_once_held(job, rank=1, published=10)
+    job.join()
+    assert job.error is None and job.outcome.restarts == 1, job.story()
+    events = job.events()
+    restored = [e for e in events if isinstance(e, Restored)]
+    started = [e for e in events if isinstance(e, AttemptStarted)]
+    assert [r.recovery_path for r in restored] == [path], job.story()
+    assert restored[0].bundle.endswith("u0000000010-a1") and restored[0].roundtrip_mismatches == []
+    # the survivor is the same process; the killed one is gone (a spare's process took its place)
+    assert started[1].rank_pids[0] == started[0].rank_pids[0]
+    assert killed not in started[1].rank_pids and len(started[1].rank_pids) == world_after
+    final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
+    assert sorted(final) == list(range(1, 25))
+    if world_after == 2:  # the same world: every update bitwise the uninterrupted run's
+        assert first_divergence(reference, list(final.values())) is None
+    else:  # a smaller world: the same occurrences, in the same order
+        assert [r.occurrences_sha256 for r in final.values()] == [r.occurrences_sha256 for r in reference]
+        assert [e.world_size_after for e in events if isinstance(e, TopologyChanged)] == [1]
