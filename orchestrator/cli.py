@@ -173,7 +173,7 @@ def cmd_history(a: argparse.Namespace) -> int:
     _table(f"{a.job_id}: attempts ({doc['state']})", doc["attempts"],
            ["attempt", "started_at", "world_size", "published", "last_update", "ended"])
     _table("restarts", doc["restarts"], ["attempt", "cause", "loss", "detected_at", "restored_from", "recovery_label",
-                                        "world_size_before", "world_size_after", "lost_updates",
+                                        "recovery_path", "world_size_before", "world_size_after", "lost_updates",
                                         "downtime_seconds", "time_lost_seconds"])
     b, run = doc["budgets"], doc["budgets"]["this_run"]
     _table("restart budgets (losses by class)", [

@@ -172,17 +172,18 @@ class RankActor:
                                     drop=drop, digests=trace, device=self.device)
         return {"probe": answer, **self.where()}
 
-    def leave(self, timeout: float) -> str | None:
+    def leave(self, timeout: float) -> list[str] | None:
         """Give up the attempt and keep the process: ask the run to stop at the next boundary (a
         collective with a lost peer ends it sooner), wait up to ``timeout`` for it to end and close
-        its process group. Returns the bundle this rank holds in host memory (None: none, or the
-        run did not end in time)."""
+        its process group. Returns the bundles this rank holds in host memory (None: the run did
+        not end in time)."""
         if self.runner is None:
-            return None
+            return []
         self.runner.abort()
         if not self._run_ended.wait(timeout):
             return None
-        return self.runner.kept.bundle_key if self.runner.kept is not None else None
+        return self.runner.held.keys()
+
 
     def replica(self, bundle_key: str) -> Kept | None:
         """The replicated model and optimizer of ``bundle_key`` in this rank's memory, for a spare."""
@@ -199,13 +200,13 @@ class RankActor:
         session = self.runner.session if self.runner is not None else self.session
         if session is None:
             raise RuntimeError("rejoin: this process has no built job (neither a rank nor a prepared spare)")
-        kept = self.runner.kept if self.runner is not None else None
+        held = self.runner.held if self.runner is not None else None
         self._watch(spec, rank)
         collective = self._join(spec, init_method, rank, world_size)
         t1 = time.perf_counter()
         runner = RankRunner(spec, rank=rank, world_size=world_size, attempt=attempt, lineage_id=lineage_id,
                             recovery_label=recovery_label, collective=collective, record_ids=record_ids, trace=trace,
-                            device=self.device, session=session, kept=kept)
+                            device=self.device, session=session, held=held)
         seconds, mismatches = runner.restore_from_memory(bundle_key, Manifest.model_validate_json(manifest_json),
                                                          shipped_files, replica)
         self.runner, self.session = runner, None
@@ -438,7 +439,7 @@ class RayGroup:
             raise WarmUnavailable("the group was torn down")
         # every rank stops (a doomed one that still answers too: its peers wait for it at the boundary)
         leaves = {r: a.leave.remote(LEAVE_TIMEOUT_S) for r, a in enumerate(self.actors)}
-        held: dict[int, str | None] = {}
+        held: dict[int, list[str] | None] = {}
         for r, ref in leaves.items():
             if r in lost:
                 continue
@@ -449,7 +450,7 @@ class RayGroup:
         for r in lost:
             ray.kill(self.actors[r], no_restart=True)
         survivors = [r for r in range(self.world_size) if r not in lost]
-        stale = [r for r in survivors if held.get(r) != bundle_key]
+        stale = [r for r in survivors if bundle_key not in (held.get(r) or [])]
         if stale:
             raise WarmUnavailable(f"ranks {stale} hold no copy of {bundle_key} in memory "
                                   f"(they hold {sorted({str(held.get(r)) for r in stale})})")

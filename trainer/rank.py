@@ -49,7 +49,7 @@ from spotrun.trainer.state import CopiesDone
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import UpdateRecord, pack_stages, unpack_stages
 from spotrun.trainer.visibility import Probe, RankProbe, answer_probe
-from spotrun.trainer.warm import REPLICATED, Kept, assemble, ineligible, shipped
+from spotrun.trainer.warm import REPLICATED, Held, Kept, assemble, ineligible, shipped
 
 
 @dataclass
@@ -85,13 +85,13 @@ class RankRunner:
                  recovery_label: str, collective: Collective, restore_mode: RestoreMode | None = None,
                  drop: tuple[str, ...] = (), record_ids: bool = False, trace: bool = True,
                  device: str = "cpu", probe: RankProbe | None = None, session: TrainSession | None = None,
-                 kept: Kept | None = None) -> None:
+                 held: Held | None = None) -> None:
         """``probe``: the driver's storage probe (:mod:`~spotrun.trainer.visibility`), read back and
         answered before anything is built; ``StorageNotShared`` when this rank cannot see it. None
         where the driver shares this process (nothing to prove).
 
-        ``session`` and ``kept``: a warm restart (trainer/warm.py) serves this attempt with the
-        session an earlier attempt of this process built, and the bundle its host memory holds."""
+        ``session`` and ``held``: a warm restart (trainer/warm.py) serves this attempt with the
+        session an earlier attempt of this process built, and the captures its host memory holds."""
         self.spec = spec
         self.rank = rank
         self.attempt = attempt
@@ -116,7 +116,7 @@ class RankRunner:
         # Warm recovery: every rank holds the newest bundle it wrote (a replicated model and
         # optimizer on every rank), and sends the driver its own small files with each write.
         self.warm = ineligible(spec) is None and world_size > 1
-        self.kept = kept
+        self.held = held or Held()
         if isinstance(self.session.feed, TokenFeed):  # a growing source's rescans, agreed across ranks
             self.session.feed.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
         self.session.faults.record_to(FaultLog(self.storage, spec.job_id))  # verify counts what fired
@@ -168,7 +168,7 @@ class RankRunner:
         storage) when a file this rank reads is held nowhere."""
         t0 = time.perf_counter()
         check_compatible(manifest, self.session.desc, f"bundle {key}")
-        kept = [k for k in (self.kept, replica) if k is not None]
+        kept = [*self.held.by_generation.values(), *([replica] if replica is not None else [])]
         bundle = LoadedBundle(key, manifest, assemble(key, manifest, self.session.wants(manifest),
                                                       shipped_files, kept))
         self.session.restore(bundle)
@@ -179,15 +179,19 @@ class RankRunner:
     def _checked(self, bundle: LoadedBundle) -> list[str]:
         """The restore oracle on ``bundle`` just restored; where it finds nothing, the capture it took
         holds the bundle: this rank keeps it (a loss before the next bundle restarts warm from it)."""
-        mismatches, capture = self.session.roundtrip_capture(bundle, keep_replica=self.warm)
-        self.kept = Kept(bundle.key, capture.files()) if not mismatches else None
+        generation = self.held.next_generation(avoid=bundle.key)  # the restore may have read those buffers
+        mismatches, capture = self.session.roundtrip_capture(bundle, keep_replica=self.warm, generation=generation)
+        if not mismatches:
+            self.held.add(generation, Kept(bundle.key, capture.files()))
         return mismatches
 
     def replica(self, bundle_key: str) -> Kept | None:
         """The replicated model and optimizer of ``bundle_key`` this rank holds (for a spare), or None."""
-        if self.kept is None or self.kept.bundle_key != bundle_key:
+        kept = self.held.get(bundle_key)
+        if kept is None:
             return None
-        return Kept(bundle_key, {p: v for p, v in self.kept.files.items() if p.startswith(REPLICATED)})
+        return Kept(bundle_key, {p: v for p, v in kept.files.items() if p.startswith(REPLICATED)})
+
 
     def request(self, checkpoint: bool = True, stop: bool = False) -> None:
         """Ask for a checkpoint at the next boundary (and to stop after publishing it)."""
@@ -309,8 +313,7 @@ class RankRunner:
         t1 = time.perf_counter()
         self._collect(self.writer.wait())
         waited = time.perf_counter() - t1
-        self.kept = None  # the capture reuses the buffers that hold it
-        capture = s.capture(keep_replica=self.warm)
+        capture = s.capture(keep_replica=self.warm, generation=self.held.next_generation() if self.warm else 0)
         draft = None
         if self.rank == 0:
             shards = s.known_shards()
@@ -339,7 +342,7 @@ class RankRunner:
             shipped=result.shipped,
         )
         if self.warm and result.capture is not None:
-            self.kept = Kept(result.bundle_key, result.capture.files())
+            self.held.add(result.capture.generation, Kept(result.bundle_key, result.capture.files()))
         with self._lock:
             self._report.bundles.append(report)
             self._news.set()

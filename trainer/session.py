@@ -153,7 +153,8 @@ class TrainSession:
         """The restore oracle's findings (:meth:`roundtrip_capture`)."""
         return self.roundtrip_capture(bundle)[0]
 
-    def roundtrip_capture(self, bundle: LoadedBundle, keep_replica: bool = False) -> tuple[list[str], Capture]:
+    def roundtrip_capture(self, bundle: LoadedBundle, keep_replica: bool = False,
+                          generation: int = 0) -> tuple[list[str], Capture]:
         """The restore oracle: capture right after :meth:`restore` and name every state category
         that differs from the bundle (empty for a faithful restore).
 
@@ -165,7 +166,7 @@ class TrainSession:
 
         Returns the findings and the capture: with none, it holds the bundle in this rank's host
         buffers (``keep_replica``: a replicated model and optimizer on every rank, see TrainState.capture)."""
-        capture = self.state.capture(keep_replica)
+        capture = self.state.capture(keep_replica, generation)  # never the buffers ``bundle`` may be in
         capture.wait()
         restored: dict[str, Any] = capture.files()  # a held replica is compared too
         saved = dict(bundle.payloads)
@@ -263,9 +264,9 @@ class TrainSession:
             return 0
         return self._sampler.unclaimed
 
-    def capture(self, keep_replica: bool = False) -> Capture:
+    def capture(self, keep_replica: bool = False, generation: int = 0) -> Capture:
         t0 = time.perf_counter()
-        cap = self.state.capture(keep_replica)
+        cap = self.state.capture(keep_replica, generation)
         cap.stall_seconds = time.perf_counter() - t0
         return cap
 

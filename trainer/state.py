@@ -104,6 +104,9 @@ class HostBuffers:
 
     def __init__(self, device: str = "cpu") -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        # Which of two sets of buffers the copies go to: a rank that may restart warm keeps the capture
+        # of the newest published bundle in one while the next capture fills the other (trainer/warm.py).
+        self.generation = 0
         self._stream = torch.cuda.Stream(device) if device.startswith("cuda") else None
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._thread: ThreadPoolExecutor | None = None
@@ -135,6 +138,7 @@ class HostBuffers:
         """Copy ``t`` into the buffer kept under ``key`` (now, or deferred). Call under ``torch.no_grad()``
         (the capture is): the copies must not be recorded by autograd, and a ``detach`` per tensor cost
         more than the mode."""
+        key = f"{self.generation}/{key}" if self.generation else key
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             # from a GPU, pinned memory (the copies are asynchronous); on the CPU, aligned: the
@@ -173,6 +177,7 @@ class Capture:
     json_files: dict[str, dict[str, Any]]  # relative path -> JSON-able payload
     stall_seconds: float = 0.0
     ready: Any = None  # a CUDA event once the device-to-host copies landed (None: they already have)
+    generation: int = 0  # the set of host buffers it fills (HostBuffers.generation)
     # files this rank keeps in host memory but does not write: on ranks other than 0, the replicated
     # model and optimizer (rank 0 writes them), so that any rank can restart warm (trainer/warm.py)
     held: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -266,12 +271,14 @@ class TrainState:
     # -- capture ---------------------------------------------------------------------
 
     @torch.no_grad()
-    def capture(self, keep_replica: bool = False) -> Capture:
+    def capture(self, keep_replica: bool = False, generation: int = 0) -> Capture:
         """Copy everything to host memory. The only part of a checkpoint that stalls training.
 
-        The tensors land in :attr:`host` buffers that the next capture overwrites: write (or
-        drop) a capture before taking the next one. ``keep_replica``: a rank other than 0 of a
-        replicated model copies the model and optimizer too, into :attr:`Capture.held`."""
+        The tensors land in :attr:`host` buffers (set ``generation``, 0 or 1) that the next capture
+        of that generation overwrites: write (or drop) a capture before taking the next one.
+        ``keep_replica``: a rank other than 0 of a replicated model copies the model and optimizer
+        too, into :attr:`Capture.held`."""
+        self.host.generation = generation
         files: dict[str, dict[str, Any]] = {}
         json_files: dict[str, dict[str, Any]] = {f"rank-{self.rank}/rng.json": self.rng.state_dict()}
         planner = dict(self.planner_state)
@@ -305,7 +312,7 @@ class TrainState:
             })
         self.pending_copy = self.host.done()
         return Capture(self.counters.value.attempted_updates, self.rank, files, json_files, ready=self.pending_copy,
-                       held=held)
+                       held=held, generation=generation)
 
     def _model_files(self, d: str) -> dict[str, dict[str, Any]]:
         """The model, EMA, optimizer and scheduler: the same on every rank, so rank 0 writes them; or,

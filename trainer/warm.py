@@ -48,6 +48,34 @@ class Kept:
     files: dict[str, Any]
 
 
+class Held:
+    """The captures one rank keeps, one per set of host buffers (``HostBuffers.generation``): each capture
+    fills the set the one before it does not, so the newest write and the one before it are both
+    held. The newest published bundle is one of them unless publication falls two checkpoints behind
+    the ranks (a warm restart then finds it held nowhere and restarts cold)."""
+
+    def __init__(self) -> None:
+        self.by_generation: dict[int, Kept] = {}
+        self._last = 1
+
+    def next_generation(self, avoid: str | None = None) -> int:
+        """The set the next capture fills (what it held is dropped): not the newest capture's or, with
+        ``avoid``, not the one holding that bundle (a restore from it reads those buffers)."""
+        keep = next((g for g, k in self.by_generation.items() if k.bundle_key == avoid), None) if avoid else None
+        self._last = 1 - keep if keep is not None else 1 - self._last
+        self.by_generation.pop(self._last, None)
+        return self._last
+
+    def add(self, generation: int, kept: Kept) -> None:
+        self.by_generation[generation] = kept
+
+    def get(self, bundle_key: str) -> Kept | None:
+        return next((k for k in self.by_generation.values() if k.bundle_key == bundle_key), None)
+
+    def keys(self) -> list[str]:
+        return sorted(k.bundle_key for k in self.by_generation.values())
+
+
 def ineligible(spec: JobSpec) -> str | None:
     """Why this job always restarts cold, or None when it may restart warm."""
     if not spec.world.warm_recovery:

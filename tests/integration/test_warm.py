@@ -9,9 +9,12 @@ import signal
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
+from spotrun.orchestrator.dashboard import create_app
+from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import run_on_ray
-from spotrun.orchestrator.ledger import AttemptStarted, Restored, TopologyChanged
+from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored, TopologyChanged
 from spotrun.trainer.bundle import list_bundles
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
@@ -74,6 +77,11 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_stays_bitwise(referen
     # the survivor is the same process; the killed one is gone (a spare's process took its place)
     assert started[1].rank_pids[0] == started[0].rank_pids[0]
     assert killed not in started[1].rank_pids and len(started[1].rank_pids) == world_after
+    # history and the dashboard's restart rows name the path and its time
+    row = history(open_storage(spec.storage), "warm")["restarts"][0]
+    assert row["recovery_path"] == path and row["cold_because"] is None and row["downtime_seconds"] > 0
+    page = TestClient(create_app(spec.storage), base_url="http://127.0.0.1").get("/jobs/warm").text
+    assert f'data-field="recovery_path">{path}<' in page, page
     final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
     assert sorted(final) == list(range(1, 25))
     if world_after == 2:  # the same world: every update bitwise the uninterrupted run's
@@ -81,3 +89,16 @@ def test_a_killed_rank_is_replaced_from_memory_and_the_run_stays_bitwise(referen
     else:  # a smaller world: the same occurrences, in the same order
         assert [r.occurrences_sha256 for r in final.values()] == [r.occurrences_sha256 for r in reference]
         assert [e.world_size_after for e in events if isinstance(e, TopologyChanged)] == [1]
+
+
+def test_a_rank_killed_while_writing_a_bundle_restarts_warm_from_the_one_before(reference, tmp_path):
+    """Rank 1 dies writing bundle 15 (rank 0 captured it; it is never published): rank 0 still holds
+    bundle 10, the newest published, in its other set of host buffers, and the spare restarts from it."""
+    spec = make_spec(tmp_path, *SETS, "world.spares=1", "faults=[{site: bundle_write, update: 15, rank: 1}]",
+                     job_id="torn")
+    outcome = run_on_ray(spec, trace_path=str(tmp_path / "t.jsonl"))
+    assert outcome.state == "finished" and outcome.restarts == 1
+    restored = [e for e in Ledger(open_storage(spec.storage), "torn").read() if isinstance(e, Restored)]
+    assert [(r.recovery_path, r.bundle.rsplit("/", 1)[-1]) for r in restored] == [("warm-spare", "u0000000010-a1")]
+    final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
+    assert sorted(final) == list(range(1, 25)) and first_divergence(reference, list(final.values())) is None

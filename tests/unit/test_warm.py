@@ -72,3 +72,16 @@ def test_a_build_that_reads_its_rank_cannot_serve_another(tmp_path):
     assert "ctx.rank" in (session.can_rejoin(3, 4) or "") and session.can_rejoin(0, 4) is None
     with pytest.raises(ValueError, match="cannot serve as rank 3 of 4"):
         session.rejoin(rank=3, world_size=4, attempt=2, grad_sync=None, record_ids=False)
+
+
+def test_each_capture_fills_the_set_the_one_before_it_does_not():
+    held = warm.Held()
+    for key in ("b1", "b2", "b3"):
+        held.add(held.next_generation(), Kept(key, {}))
+    assert held.keys() == ["b2", "b3"]  # b3 went where b1 was: the newest write and the one before it
+    # restoring b2 (say, b3 was never published), the restore oracle's capture goes where b3 is, never where
+    # the buffers it restored from are
+    g = held.next_generation(avoid="b2")
+    assert held.keys() == ["b2"] and held.get("b2") is not None
+    held.add(g, Kept("b2", {}))
+    assert held.keys() == ["b2", "b2"]
