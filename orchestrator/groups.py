@@ -69,7 +69,8 @@ class Reformed:
     path: RecoveryPath  # warm-spare | warm-shrink
     world_size: int
     label: str  # the recovery label the ranks were given
-    restore_seconds: float  # the slowest rank's restore from memory, restore oracle included
+    restore_seconds: float  # the slowest rank's state load (as a cold restore's: the bundle's assembly and the
+    # restore oracle are the rest of the restart's restore_wall_seconds)
     mismatches: list[str]  # the restore oracle's ("rank r: category")
 
 

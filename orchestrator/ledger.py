@@ -254,6 +254,15 @@ class JobFinished(_Event):
     storage_retries: int = 0
 
 
+class SparesReady(_Event):
+    """The spares (``world.spares``) built and waiting changed in number: a lost rank's place can be
+    taken at once by as many ranks as are ready."""
+
+    kind: Literal["spares_ready"] = "spares_ready"
+    ready: int
+    wanted: int  # world.spares
+
+
 class JobFailed(_Event):
     kind: Literal["job_failed"] = "job_failed"
     reason: str
@@ -262,7 +271,7 @@ class JobFailed(_Event):
 Event = Annotated[
     AttemptStarted | Restored | InitializedFrom | BundleRejected | BundlePublished | WorkerLost | CapacityWait
     | TopologyChanged | Resizing | OffsetsCommitted | NoticeSeen | NoticeHandled | JobFinished | JobFailed
-    | IntervalChosen,
+    | IntervalChosen | SparesReady,
     Field(discriminator="kind"),
 ]
 _EVENT = TypeAdapter(Event)

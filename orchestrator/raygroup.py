@@ -207,11 +207,12 @@ class RankActor:
         runner = RankRunner(spec, rank=rank, world_size=world_size, attempt=attempt, lineage_id=lineage_id,
                             recovery_label=recovery_label, collective=collective, record_ids=record_ids, trace=trace,
                             device=self.device, session=session, held=held)
+        t2 = time.perf_counter()
         seconds, mismatches = runner.restore_from_memory(bundle_key, Manifest.model_validate_json(manifest_json),
                                                          shipped_files, replica)
         self.runner, self.session = runner, None
-        return {"process_group_seconds": t1 - t0, "rank_setup_seconds": time.perf_counter() - t1 - seconds,
-                "restore_seconds": seconds, "mismatches": mismatches, "runtime": runner.session.desc.runtime}
+        return {"process_group_seconds": t1 - t0, "rank_setup_seconds": t2 - t1, "restore_seconds": seconds,
+                "mismatches": mismatches, "runtime": runner.session.desc.runtime}
 
     def _runner(self) -> RankRunner:
         if self.runner is None:
@@ -422,6 +423,18 @@ class RayGroup:
             spare.where = info
             out.append(spare)
         return out
+
+    def spares_ready(self) -> int:
+        """How many spares have built the job and wait (a quick look: nothing is waited for)."""
+        done, _ = ray.wait([s.ready for s in self.spares], num_returns=len(self.spares), timeout=0)
+        ok = 0
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+                ok += 1
+            except (RayActorError, RayTaskError, GetTimeoutError):
+                continue
+        return ok
 
     def reform(self, lost: Set[int], bundle_key: str, manifest: Manifest, shipped_files: dict[str, bytes],
                sizes: list[int], attempt: int, lineage_id: str, label_for: Callable[[int], str]) -> Reformed:

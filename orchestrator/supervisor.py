@@ -47,6 +47,7 @@ from spotrun.orchestrator.ledger import (
     RecoveryPath,
     Resizing,
     Restored,
+    SparesReady,
     TopologyChanged,
     WorkerLost,
 )
@@ -216,6 +217,7 @@ class Supervisor:
         self.sec_per_update: float | None = None  # measured, to judge whether a deadline leaves time
         self._rank_retries: dict[tuple[int, int], int] = {}  # (attempt, rank) -> storage retries
         self._auto = CheckpointClock()
+        self._spares_ready = 0  # as the ledger last recorded it
         source = None
         if spec.data.order == "sequential":  # a streaming reader: its offsets also go under the source
             source = OffsetsStore(open_source(spec.data.shards, spec.storage_endpoint_url), spec.job_id,
@@ -483,6 +485,7 @@ class Supervisor:
             return Placing(cause="scale-up", last_update=st.last_update, world_before=st.world_size)
         self._consider_growing(st)
         self._checkpoint_clock(st)
+        self._count_spares(st)
         st.group.wait(self._until_next_look(st), self._woken)
         return st
 
@@ -715,6 +718,15 @@ class Supervisor:
                        cold_because=cold_because)
 
     # -- warm recovery ----------------------------------------------------------------------
+
+    def _count_spares(self, st: Running) -> None:
+        """Record in the ledger each change in how many spares are ready."""
+        if not self.spec.world.spares or not hasattr(st.group, "spares_ready"):
+            return
+        ready = st.group.spares_ready()
+        if ready != self._spares_ready:
+            self._spares_ready = ready
+            self.ledger.append(SparesReady(attempt=st.attempt, ready=ready, wanted=self.spec.world.spares))
 
     def _why_cold(self, st: Recovering) -> str | None:
         """Why the restart after this loss cannot be warm (trainer/warm.py); None when it may be."""

@@ -164,17 +164,17 @@ class RankRunner:
                             replica: Kept | None = None) -> tuple[float, list[str]]:
         """Restore published bundle ``key`` (its ``manifest``) from memory (trainer/warm.py): the files
         the driver kept (``shipped_files``), this rank's own kept capture, a survivor's ``replica``.
-        The same restore and restore oracle as :meth:`restore`; raises ``NotInMemory`` (restart from
-        storage) when a file this rank reads is held nowhere."""
-        t0 = time.perf_counter()
+        The same restore and restore oracle as :meth:`restore` (and, as there, the seconds returned are
+        the state load's); raises ``NotInMemory`` (restart from storage) when a file this rank reads is
+        held nowhere."""
         check_compatible(manifest, self.session.desc, f"bundle {key}")
         kept = [*self.held.by_generation.values(), *([replica] if replica is not None else [])]
         bundle = LoadedBundle(key, manifest, assemble(key, manifest, self.session.wants(manifest),
                                                       shipped_files, kept))
-        self.session.restore(bundle)
+        seconds = self.session.restore(bundle)
         mismatches = self._checked(bundle)
         self._report.last_update = self.session.counters.attempted_updates
-        return time.perf_counter() - t0, mismatches
+        return seconds, mismatches
 
     def _checked(self, bundle: LoadedBundle) -> list[str]:
         """The restore oracle on ``bundle`` just restored; where it finds nothing, the capture it took
