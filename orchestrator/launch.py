@@ -74,8 +74,9 @@ def in_process_supervisor(spec: JobSpec, *, trace_path: str | None = None, recor
 
 
 def embedded_cpus(spec: JobSpec) -> int:
-    """The CPUs a local Ray for this job declares: the largest world's ranks, whatever the machine has."""
-    return int(max(1, max(spec.max_world, spec.world.size) * spec.world.cpus_per_rank))
+    """The CPUs a local Ray for this job declares: the largest world's ranks and the spares, whatever the
+    machine has."""
+    return int(max(1, (max(spec.max_world, spec.world.size) + spec.world.spares) * spec.world.cpus_per_rank))
 
 
 def ensure_ray(spec: JobSpec, address: str | None) -> None:

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,7 @@ class Report:
     faults_not_delivered: list[dict[str, Any]]
     restarts: int
     restores_from_bundle: int  # restarts that restored a bundle (the others started from nothing)
+    recovery_paths: dict[str, int]  # restores by path: cold, warm-spare, warm-shrink
     reference_updates: int
     chaos_last_update: int
     occurrence_gaps: int
@@ -379,6 +381,7 @@ class Verifier:
                 NODE_SITE: "the job runs on a single node; run verify --nodes N to exercise it"},
             faults_not_delivered=delivery.not_delivered,
             restarts=len(rows), restores_from_bundle=restores,
+            recovery_paths=dict(Counter(r["recovery_path"] for r in rows if r["restored_from"] is not None)),
             reference_updates=len(ref), chaos_last_update=max(chaos, default=0),
             occurrence_gaps=gaps, occurrence_duplicates=dups,
             updates_compared=len(set(ref) & set(chaos)), params_bitwise_equal=bitwise, params_max_abs_diff=max_diff,
@@ -541,6 +544,8 @@ def render(report: Report, console) -> None:
         ("fault sites hit (recorded as they fired)", ", ".join(report.fault_sites_hit) or "none"),
         ("kills / notices delivered", f"{report.kills_injected} / {report.notices_injected}"),
         ("restarts / of which from a bundle", f"{report.restarts} / {report.restores_from_bundle}"),
+        ("restores by path (warm: the survivors' memory)",
+         ", ".join(f"{p} {n}" for p, n in sorted(report.recovery_paths.items())) or "none"),
         ("updates: reference / reached", f"{report.reference_updates} / {report.chaos_last_update}"),
         ("occurrence gaps / duplicates", f"{report.occurrence_gaps} / {report.occurrence_duplicates}"),
         ("parameters bitwise equal", str(report.params_bitwise_equal)),

@@ -167,6 +167,7 @@ class RankRunner:
         The same restore and restore oracle as :meth:`restore` (and, as there, the seconds returned are
         the state load's); raises ``NotInMemory`` (restart from storage) when a file this rank reads is
         held nowhere."""
+        self.session.faults.hit("rejoin", manifest.counters.attempted_updates + 1)
         check_compatible(manifest, self.session.desc, f"bundle {key}")
         kept = [*self.held.by_generation.values(), *([replica] if replica is not None else [])]
         bundle = LoadedBundle(key, manifest, assemble(key, manifest, self.session.wants(manifest),

@@ -318,7 +318,7 @@ class CheckpointSpec(_Strict):
 
 
 # Where a fault can happen (FaultSpec.site says what each means).
-FaultSite = Literal["microstep", "backward", "before_update", "bundle_write", "after_publish"]
+FaultSite = Literal["microstep", "backward", "before_update", "bundle_write", "after_publish", "rejoin"]
 HOLD_SITES: tuple[FaultSite, ...] = ("microstep", "backward", "before_update")  # on the training thread
 
 
@@ -345,7 +345,9 @@ class FaultSpec(_Strict):
         description="where: `microstep` before micro-batch `microstep` (> 0: mid-accumulation); `backward` inside "
                     "that microstep, after its forward pass; `before_update` all microsteps done, optimizer not "
                     "stepped; `bundle_write` after a rank's first bundle file is written; `after_publish` manifest "
-                    "created, offsets not committed")
+                    "created, offsets not committed; `rejoin` a rank of a warm restart (a survivor or a spare) in "
+                    "the new process group, before it puts the bundle back from memory (`update`: the first one "
+                    "the restart runs)")
     signal: Literal["SIGKILL", "SIGTERM", "HOLD"] = Field(
         "SIGKILL", description="`SIGKILL` kills the process; `SIGTERM` is a preemption notice; `HOLD` waits at the "
                                "site, on every rank, until the supervisor asks for a checkpoint, stop or abort")
@@ -360,8 +362,9 @@ class FaultSpec(_Strict):
     @model_validator(mode="after")
     def _check(self) -> FaultSpec:
         if self.signal == "HOLD" and self.site not in HOLD_SITES:
-            raise ValueError(f"a HOLD fault at site {self.site!r} would hold the supervisor (after_publish) or the "
-                             f"background writer (bundle_write), not the training loop it is meant to hold; put "
+            raise ValueError(f"a HOLD fault at site {self.site!r} would hold the supervisor (after_publish), the "
+                             f"background writer (bundle_write) or a restart (rejoin), not the training loop it is "
+                             f"meant to hold; put "
                              f"it at one of {', '.join(HOLD_SITES)}")
         return self
 

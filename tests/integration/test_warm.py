@@ -14,8 +14,9 @@ from fastapi.testclient import TestClient
 from spotrun.orchestrator.dashboard import create_app
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import run_on_ray
-from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored, TopologyChanged
+from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored, SparesReady, TopologyChanged
 from spotrun.trainer.bundle import list_bundles
+from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import make_spec
@@ -100,5 +101,28 @@ def test_a_rank_killed_while_writing_a_bundle_restarts_warm_from_the_one_before(
     assert outcome.state == "finished" and outcome.restarts == 1
     restored = [e for e in Ledger(open_storage(spec.storage), "torn").read() if isinstance(e, Restored)]
     assert [(r.recovery_path, r.bundle.rsplit("/", 1)[-1]) for r in restored] == [("warm-spare", "u0000000010-a1")]
+    final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
+    assert sorted(final) == list(range(1, 25)) and first_divergence(reference, list(final.values())) is None
+
+
+@pytest.mark.parametrize("rank", [1, 0], ids=["the-spare-stepping-in", "the-survivor-holding-the-copy"])
+def test_a_rank_killed_during_the_warm_restart_falls_back_to_storage_and_stays_bitwise(reference, tmp_path, rank):
+    """Rank ``rank`` of the warm restart (1: the spare taking the lost rank's place; 0: the survivor whose
+    memory holds the model the spare receives) is SIGKILLed as it rejoins: the restart goes cold, from
+    the same bundle in storage, and the run is still bitwise the uninterrupted one."""
+    faults = f"faults=[{hold(12)}, {{site: rejoin, update: 11, attempt: 2, rank: {rank}}}]"
+    spec = make_spec(tmp_path, *SETS, "world.spares=1", faults, job_id="again")
+    job = Background(spec, tmp_path / "t.jsonl")
+    job.wait_until_held(published=10)
+    job.wait_for(lambda: any(isinstance(e, SparesReady) and e.ready for e in job.events()))
+    os.kill([e for e in job.events() if isinstance(e, AttemptStarted)][-1].rank_pids[1], signal.SIGKILL)
+    job.join()
+    assert job.error is None, job.story()
+    restored = [e for e in job.events() if isinstance(e, Restored)]
+    assert [(r.attempt, r.recovery_path, r.bundle.rsplit("/", 1)[-1]) for r in restored] == [
+        (2, "cold", "u0000000010-a1")], job.story()
+    assert "lost while restarting warm" in (restored[0].cold_because or ""), job.story()
+    fired = [f for f in FaultLog(open_storage(spec.storage), "again").read() if f.site == "rejoin"]
+    assert [(f.attempt, f.rank) for f in fired] == [(2, rank)]
     final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
     assert sorted(final) == list(range(1, 25)) and first_divergence(reference, list(final.values())) is None
