@@ -750,7 +750,14 @@ class Supervisor:
         assert self.publisher.newest is not None and st.lost.rank is not None  # _why_cold saw to both
         key, manifest, shipped_files = self.publisher.newest
         group = st.group
-        sizes = [n for n in (st.world_size, st.world_size - 1) if n in self.spec.allowed_world_sizes()]
+        # The policy chooses the world as for any restart (the largest the capacity holds); warm is how,
+        # never what: a spare keeps the size, the survivors alone are the world only when that is it.
+        decision = policy.decide(self.spec, self.capacity(), 0.0)
+        if decision.action != "restart" or decision.world_size not in (st.world_size, st.world_size - 1):
+            return f"the policy restarts with {decision.world_size or 'no'} ranks: {decision.reason}"
+        if decision.world_size == st.world_size and not self.spec.world.spares:
+            return f"no spare (world.spares=0) to keep {st.world_size} ranks, and the capacity holds them"
+        sizes = [decision.world_size]
         attempt = self.ledger.next_attempt()
         t0 = self.clock()
         try:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from spotrun.orchestrator.launch import run_on_ray
 from spotrun.orchestrator.ledger import BundlePublished, Ledger
+from spotrun.trainer.bundle import list_bundles
 from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.storage import Storage, open_storage
 from spotrun.trainer.trace import UpdateRecord
@@ -144,3 +145,16 @@ class Background:
     def join(self) -> None:
         self.thread.join(timeout=300)
         assert not self.thread.is_alive()
+
+
+def hide_bundle_files(root: Path, job: str) -> list[Path]:
+    """Move every data file of the job's published bundles aside (their manifests stay): a restore that
+    reads a bundle from storage now fails, so a restart that succeeds got it from memory."""
+    storage = open_storage(f"file://{root}")
+    hidden = []
+    for ref in list_bundles(storage, job):
+        for f in (root / ref.key).rglob("*"):
+            if f.is_file() and f.name != "manifest.json":
+                f.rename(f.with_name(f.name + ".hidden"))
+                hidden.append(f)
+    return hidden

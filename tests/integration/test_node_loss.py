@@ -9,6 +9,7 @@ world.max_restarts=1: they are preemptions, not failures), or fails clearly when
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -36,7 +37,7 @@ from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import make_spec
 from tests.helpers.ray_local import local_cluster
-from tests.helpers.runs import Background, hold
+from tests.helpers.runs import Background, hide_bundle_files, hold
 
 pytestmark = pytest.mark.slow
 # Dropout on: the global generators are seeded per micro-batch, which is the same sequences at
@@ -98,6 +99,7 @@ def test_elastic_restarts_smaller_with_same_occurrences(cluster, reference, tmp_
     spec = make_spec(tmp_path, *SETS, "world.policy=elastic", f"faults=[{hold(12)}]", job_id="elastic")
     job = Background(spec, tmp_path / "t.jsonl")
     job.wait_until_held(published=10)
+    hide_bundle_files(Path(spec.storage.removeprefix("file://")), spec.job_id)  # a storage read would fail
     remove_rank_node(cluster, job, rank=1)
     job.join()
     assert job.error is None and job.outcome.restarts == 1, job.story()
@@ -106,6 +108,10 @@ def test_elastic_restarts_smaller_with_same_occurrences(cluster, reference, tmp_
     assert lost.cause == "node-lost" and lost.rank == 1
     restored = next(e for e in events if isinstance(e, Restored))
     assert restored.recovery_label == "exact-data" and restored.update == 10
+    # warm-shrink: rank 0 kept its process and put bundle 10 back from memory
+    assert restored.recovery_path == "warm-shrink", job.story()
+    started = [e for e in events if isinstance(e, AttemptStarted)]
+    assert started[1].rank_pids == started[0].rank_pids[:1]
     assert (restored.world_size_before, restored.world_size_after) == (2, 1)
     change = next(e for e in events if isinstance(e, TopologyChanged))
     assert (change.world_size_after, change.accum_steps_after) == (1, 4)
