@@ -452,6 +452,13 @@ class JobSpec(_Strict):
                 "or world.policy=elastic (close parameters)")
         if w.max_size is not None and w.max_size < w.min_size:
             raise ValueError(f"world.max_size={w.max_size} is below world.min_size={w.min_size}")
+        if w.spares:
+            why = ("world.warm_recovery is off" if not w.warm_recovery else "train.parallelism=fsdp (a lost rank's "
+                   "shard is held nowhere else)" if self.train.parallelism == "fsdp" else "train.grad_sync=ddp "
+                   "(torch's DDP is bound to its process group)" if self.train.grad_sync == "ddp" else None)
+            if why:
+                raise ValueError(f"world.spares={w.spares} take a lost rank's place in a warm restart, which this job "
+                                 f"never makes: {why}. Set world.spares=0, or change what stops warm recovery")
         if w.policy == "elastic":
             bad = [n for n in self.allowed_world_sizes() if self.global_sequences % (n * self.train.micro_batch)]
             if bad:

@@ -85,3 +85,16 @@ def test_each_capture_fills_the_set_the_one_before_it_does_not():
     assert held.keys() == ["b2"] and held.get("b2") is not None
     held.add(g, Kept("b2", {}))
     assert held.keys() == ["b2", "b2"]
+
+
+@pytest.mark.parametrize(("sets", "why"), [
+    (("world.warm_recovery=false",), "world.warm_recovery is off"),
+    (("train.parallelism=fsdp",), "train.parallelism=fsdp"),
+    (("train.grad_sync=ddp",), "train.grad_sync=ddp"),
+])
+def test_spares_a_job_never_restarting_warm_could_use_are_refused_naming_why(tmp_path, sets, why):
+    from spotrun.orchestrator.specfile import SpecError
+
+    with pytest.raises(SpecError, match=f"world.spares=1 take a lost rank's place.*{why}"):
+        make_spec(tmp_path, "world.size=2", "world.spares=1", *sets)
+    assert make_spec(tmp_path, "world.size=2", "world.spares=1").world.spares == 1
