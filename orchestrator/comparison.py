@@ -25,6 +25,7 @@ from spotrun.trainer.spec import FaultSpec
 from spotrun.trainer.trace import UpdateRecord
 
 NODE_SITE = "node-removed"  # only on a multi-node cluster (verify --nodes N)
+WARM_SITE = "warm-rejoin"  # only where a restart can be warm (verify.restarts_warm)
 SHOWN = 5  # problems named in a report; the counts cover all of them
 
 
@@ -34,7 +35,7 @@ def site_name(site: str, signal: str, microstep: int) -> str:
         return "notice"
     return {"microstep": "mid-accumulation" if microstep else "microstep-start", "backward": "mid-microstep",
             "bundle_write": "bundle-write", "after_publish": "publish-to-offsets",
-            "before_update": "before-update"}[site]
+            "before_update": "before-update", "rejoin": WARM_SITE}[site]
 
 
 # -- progress ------------------------------------------------------------------------------------

@@ -463,6 +463,11 @@ class RayGroup:
         for r in lost:
             ray.kill(self.actors[r], no_restart=True)
         survivors = [r for r in range(self.world_size) if r not in lost]
+        for r in survivors if self._runs else []:  # their runs ended with the lost peer's collective error:
+            try:  # read it here, where it is expected, or Ray prints it as an unhandled error with its traceback
+                ray.get(self._runs[r], timeout=0)
+            except (RayActorError, RayTaskError, GetTimeoutError):
+                pass
         stale = [r for r in survivors if bundle_key not in (held.get(r) or [])]
         if stale:
             raise WarmUnavailable(f"ranks {stale} hold no copy of {bundle_key} in memory "

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from spotrun.orchestrator.comparison import (
     NODE_SITE,
+    WARM_SITE,
     MetricComparison,
     compare_metrics,
     fault_delivery,
@@ -67,6 +68,7 @@ from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_si
 from spotrun.trainer.spec import FaultSpec, JobSpec
 from spotrun.trainer.storage import Storage, open_storage
 from spotrun.trainer.trace import UpdateRecord, last_update, latest_per_update, read_trace
+from spotrun.trainer.warm import ineligible
 
 if TYPE_CHECKING:
     from ray.cluster_utils import Cluster
@@ -74,6 +76,13 @@ if TYPE_CHECKING:
 CONTRACTS = ("exact", "exact-data", "fresh-epoch")  # strongest first
 DECLARED = {"strict": "exact", "elastic": "exact-data", "fresh-epoch": "fresh-epoch"}
 SITES = ("mid-accumulation", "mid-microstep", "bundle-write", "publish-to-offsets", "notice")
+
+
+def restarts_warm(spec: JobSpec) -> bool:
+    """Whether a rank killed on Ray restarts warm (trainer/warm.py): a spare takes its place, or the
+    policy allows the survivors alone."""
+    return (ineligible(spec) is None and spec.world.size >= 2
+            and (spec.world.spares > 0 or spec.world.size - 1 in spec.allowed_world_sizes()))
 PARAM_TOLERANCE = 1e-3  # exact-data: max |param difference| after the run, and relative metric difference
 # the tolerance on metric values each contract promises (None: values are not promised equal)
 METRIC_TOLERANCE = {"exact": 0.0, "exact-data": PARAM_TOLERANCE, "fresh-epoch": None}
@@ -151,10 +160,11 @@ def fixed_interval(spec: JobSpec) -> int:
     return every
 
 
-def plan_faults(spec: JobSpec, kills: int, seed: int,
-                nodes: bool = False) -> tuple[list[FaultSpec], list[NodeRemoval]]:
+def plan_faults(spec: JobSpec, kills: int, seed: int, nodes: bool = False,
+                warm: bool = False) -> tuple[list[FaultSpec], list[NodeRemoval]]:
     """``kills`` faults at increasing updates, one per attempt, cycling through the fault sites
-    (with node removals among them when the job runs on several nodes), as many as fit before
+    (with node removals among them when the job runs on several nodes, and a kill as a warm restart
+    re-forms the group when ``warm``: on Ray, where :func:`restarts_warm`), as many as fit before
     ``train.updates``.
 
     The plan starts after the second checkpoint boundary, so that the first bundle is published
@@ -163,6 +173,8 @@ def plan_faults(spec: JobSpec, kills: int, seed: int,
     which the next attempt is sure to restore. With ``checkpoint.every_updates >= train.updates``
     no bundle comes before the end and nothing is planned (:func:`proof_failures` says so)."""
     sites = (*SITES, NODE_SITE) if nodes else SITES
+    if warm and restarts_warm(spec):  # after the second kill: its restart is from a bundle this driver published
+        sites = (*sites[:2], WARM_SITE, *sites[2:])
     every, last = fixed_interval(spec), spec.train.updates
     # From one interval after the first bundle on: it is written in the background and published by
     # the supervisor's next poll, and a fault an update after its boundary often came first (under
@@ -183,16 +195,22 @@ def _plan(spec: JobSpec, kills: int, rng: random.Random, sites: Sequence[str],
     accum = spec.train.accum_steps
     faults: list[FaultSpec] = []
     removals: list[NodeRemoval] = []
-    update = start
+    update, attempt = start, 0
     for i in range(kills):
         site = sites[i % len(sites)]
+        if site == WARM_SITE:
+            # the restart after the previous fault re-forms the group warm (attempt + 1), resuming at or
+            # before that fault's update: a kill there sends it cold, within the same attempt
+            faults.append(FaultSpec(site="rejoin", update=update, attempt=attempt + 1,
+                                    rank=rng.randrange(spec.world.size) if spec.world.spares else 0))
+            continue
         if site in ("bundle-write", "publish-to-offsets"):
             u = (update // every + 1) * every  # the next checkpoint boundary
         else:
             u = update + 1 + rng.randrange(2)
         if u >= last:
             break
-        attempt, rank = i + 1, rng.randrange(spec.world.size)
+        attempt, rank = attempt + 1, rng.randrange(spec.world.size)
         if site == NODE_SITE:
             removals.append(NodeRemoval(attempt, u, rank))
             # the removal is triggered from the trace, which lags the ranks: they may publish the
@@ -301,7 +319,8 @@ class Verifier:
         ref_job, chaos_job = f"{self.spec.job_id}.verify-ref", f"{self.spec.job_id}.verify-chaos"
         ref_trace, chaos_trace = self.workdir / f"{ref_job}.jsonl", self.workdir / f"{chaos_job}.jsonl"
         if faults is None:
-            faults, removals = plan_faults(self.spec, self.kills, self.seed, nodes=self.nodes > 0)
+            faults, removals = plan_faults(self.spec, self.kills, self.seed, nodes=self.nodes > 0,
+                                           warm=not self.no_ray)
         else:
             removals = []
         fault_set = "faults=[" + ", ".join(f.model_dump_json() for f in faults) + "]"
@@ -377,8 +396,7 @@ class Verifier:
             faults_planned=delivery.planned, faults_delivered=delivery.delivered, kills_injected=delivery.kills,
             notices_injected=delivery.notices, fault_sites_planned=delivery.sites_planned,
             fault_sites_hit=delivery.sites_hit,
-            fault_sites_not_applicable={} if removals else {
-                NODE_SITE: "the job runs on a single node; run verify --nodes N to exercise it"},
+            fault_sites_not_applicable=self._not_applicable(faults, removals),
             faults_not_delivered=delivery.not_delivered,
             restarts=len(rows), restores_from_bundle=restores,
             recovery_paths=dict(Counter(r["recovery_path"] for r in rows if r["restored_from"] is not None)),
@@ -401,6 +419,17 @@ class Verifier:
             # caught: it failed, and not only because nothing was exercised (that proves nothing either way)
             mutation_caught=bool(failures) and not unproven if self.mutate else None,
         )
+
+    def _not_applicable(self, faults: Sequence[FaultSpec], removals: Sequence[NodeRemoval]) -> dict[str, str]:
+        """The sites the plan left out, each with why and how to exercise it."""
+        out = {} if removals else {NODE_SITE: "the job runs on a single node; run verify --nodes N to exercise it"}
+        if not any(f.site == "rejoin" for f in faults):
+            why = ("without Ray every restart starts new processes" if self.no_ray
+                   else ineligible(self.spec) or (f"no restart is warm: no spare (world.spares=0) and world.policy="
+                                                  f"{self.spec.world.policy} keeps {self.spec.world.size} ranks; "
+                                                  "set world.spares=1 to exercise it"))
+            out[WARM_SITE] = why
+        return out
 
     def _first_divergence(self, ref: dict[int, UpdateRecord], chaos: dict[int, UpdateRecord], storage,
                           ref_job: str, chaos_job: str, declared: str, events: list,

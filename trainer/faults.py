@@ -42,8 +42,10 @@ class FaultFired(BaseModel):
     at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
     def matches(self, f: FaultSpec) -> bool:
-        return (self.site, self.signal, self.update, self.microstep, self.attempt, self.rank) == (
-            f.site, f.signal, f.update, f.microstep, f.attempt, f.rank)
+        # a rejoin fault is planned before the bundle its restart resumes from is known: at or before
+        update_ok = self.update <= f.update if f.site == "rejoin" else self.update == f.update
+        return update_ok and (self.site, self.signal, self.microstep, self.attempt, self.rank) == (
+            f.site, f.signal, f.microstep, f.attempt, f.rank)
 
 
 def faults_prefix(job_id: str) -> str:
@@ -98,7 +100,11 @@ class FaultInjector:
         self._hold = wait
 
     def hit(self, site: FaultSite, update: int, microstep: int = 0) -> None:
-        sig = self.armed.pop((site, update, microstep), None)
+        armed_at = update
+        if site == "rejoin":  # armed at the last update the restart may resume at (FaultSpec.site)
+            armed_at = min((u for s, u, m in self.armed if s == site and m == microstep and u >= update),
+                           default=update)
+        sig = self.armed.pop((site, armed_at, microstep), None)
         if sig is None:
             return
         if self.log is not None:  # first: a test acts on this record while the rank holds

@@ -346,8 +346,8 @@ class FaultSpec(_Strict):
                     "that microstep, after its forward pass; `before_update` all microsteps done, optimizer not "
                     "stepped; `bundle_write` after a rank's first bundle file is written; `after_publish` manifest "
                     "created, offsets not committed; `rejoin` a rank of a warm restart (a survivor or a spare) in "
-                    "the new process group, before it puts the bundle back from memory (`update`: the first one "
-                    "the restart runs)")
+                    "the new process group, before it puts the bundle back from memory (`update`: the restart "
+                    "fires it when it resumes at this update or before, whichever bundle it restores)")
     signal: Literal["SIGKILL", "SIGTERM", "HOLD"] = Field(
         "SIGKILL", description="`SIGKILL` kills the process; `SIGTERM` is a preemption notice; `HOLD` waits at the "
                                "site, on every rank, until the supervisor asks for a checkpoint, stop or abort")

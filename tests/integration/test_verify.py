@@ -24,19 +24,22 @@ def verify(tmp_path, *sets: str, kills: int, where: tuple[str, ...] = ("--no-ray
 
 
 def test_chaos_suite_twenty_faults_every_site_strict_exact(tmp_path):
-    """Two ranks on a local two-node cluster: at least 20 faults cycling through every site, node
-    removal included. 24 are planned: removing a node takes long enough for the ranks to train past
-    the next planned fault at times (2 runs in 8 injected 18 of 20), and only faults really
-    injected count."""
+    """Two ranks and a spare on a local three-node cluster: at least 20 faults cycling through every
+    site, node removal and a kill as a warm restart re-forms the group included, restarted warm (the
+    spare steps in) and cold. 24 are planned: removing a node takes long enough for the ranks to
+    train past the next planned fault at times (2 runs in 8 injected 18 of 20), and only faults
+    really injected count."""
     code, report, err = verify(tmp_path, "train.updates=80", "checkpoint.every_updates=3", "world.size=2",
-                               "world.restart_backoff_s=0.1", kills=24, where=("--nodes", "2"))
+                               "world.spares=1", "world.restart_backoff_s=0.1", kills=24, where=("--nodes", "3"))
     assert code == 0, err
     assert report["verdict"] == "pass" and report["declared_contract"] == "exact"
     assert report["observed_contract"] == "exact"
     assert report["faults_delivered"] >= 20 and report["faults_planned"] == 24
     assert set(report["fault_sites_hit"]) == set(report["fault_sites_planned"]) == {
-        "mid-accumulation", "mid-microstep", "bundle-write", "publish-to-offsets", "notice", "node-removed"}
+        "mid-accumulation", "mid-microstep", "warm-rejoin", "bundle-write", "publish-to-offsets", "notice",
+        "node-removed"}
     assert report["fault_sites_not_applicable"] == {}
+    assert report["recovery_paths"].get("warm-spare", 0) > 0 and report["recovery_paths"].get("cold", 0) > 0
     assert report["occurrence_gaps"] == 0 and report["occurrence_duplicates"] == 0
     assert report["params_bitwise_equal"] is True and report["params_max_abs_diff"] == 0.0
     assert report["metric_duplicates"] == report["metric_mismatches"] == report["metric_missing"] == 0

@@ -77,3 +77,52 @@ def test_the_verdict_gate_fails_a_run_that_tested_no_restore(tmp_path):
     short = make_spec(tmp_path, "train.updates=12", "checkpoint.every_updates=3")
     [cut] = proof_failures(short, kills=2, seed=0, nodes=False, planned=2, delivered=2, restores=0)
     assert f"and train.updates to >= {sure.update + 1} (now 12)" in cut
+
+
+def test_a_job_that_restarts_warm_is_also_killed_as_a_warm_restart_re_forms_its_group(tmp_path):
+    """With a spare (or a policy that allows the survivors alone), verify on Ray plans a kill at the
+    warm restart after each second fault of a cycle: same attempt as that restart, at or before the
+    update the fault it follows was planned at (the restart resumes from an older bundle), and it
+    uses up no attempt of its own (the cold restart it causes keeps the attempt's number)."""
+    spec = make_spec(tmp_path, "train.updates=60", "checkpoint.every_updates=3", "world.size=2", "world.spares=1")
+    faults, _ = plan_faults(spec, 12, seed=3, warm=True)
+    rejoins = [f for f in faults if f.site == "rejoin"]
+    assert len(rejoins) == 2 and len(faults) == 12
+    for r in rejoins:
+        before = faults[faults.index(r) - 1]
+        assert (r.attempt, r.update) == (before.attempt + 1, before.update)
+        assert faults[faults.index(r) + 1].attempt == r.attempt  # the next fault is in that same attempt
+    attempts = [f.attempt for f in faults if f.site != "rejoin"]
+    assert attempts == list(range(1, 11))
+    assert not any(f.site == "rejoin" for f in plan_faults(spec, 12, seed=3)[0])  # without Ray: never warm
+    strict = make_spec(tmp_path, "train.updates=60", "checkpoint.every_updates=3", "world.size=2")
+    assert not any(f.site == "rejoin" for f in plan_faults(strict, 12, seed=3, warm=True)[0])  # no spare
+
+
+def test_a_rejoin_fault_fires_at_the_warm_restart_resuming_at_or_before_its_update(tmp_path):
+    """Planned before the bundle its restart resumes from is known: it fires at the first rejoin of its
+    attempt that resumes at or before its update, and is recorded with the update really resumed at."""
+    import os
+    import signal
+
+    from spotrun.trainer.faults import FaultInjector, FaultLog
+    from spotrun.trainer.spec import FaultSpec
+    from spotrun.trainer.storage import open_storage
+
+    planned = FaultSpec(site="rejoin", update=11, attempt=2, rank=1)
+    log = FaultLog(open_storage(f"file://{tmp_path}"), "job")
+    injector = FaultInjector([planned], attempt=2, rank=1, log=log)
+    injector.armed = {k: "SIGUSR1" for k in injector.armed}  # a signal this test survives, not SIGKILL
+    received: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda signum, _: received.append(signum))
+    try:
+        injector.hit("rejoin", 12)  # resuming past it: another restart's
+        assert not received and injector.armed
+        injector.hit("rejoin", 7)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert received == [signal.SIGUSR1] and not injector.armed
+    [fired] = log.read()
+    assert (fired.update, fired.pid) == (7, os.getpid())
+    assert fired.model_copy(update={"signal": "SIGKILL"}).matches(planned)
+    assert not fired.model_copy(update={"signal": "SIGKILL", "update": 12}).matches(planned)
