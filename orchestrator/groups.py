@@ -66,7 +66,7 @@ class CapacityUnavailable(RuntimeError):
 class Reformed:
     """A warm restart done (:meth:`RayGroup.reform`)."""
 
-    path: RecoveryPath  # warm-spare | warm-shrink
+    path: RecoveryPath  # warm-spare | warm-replace | warm-shrink
     world_size: int
     label: str  # the recovery label the ranks were given
     restore_seconds: float  # the slowest rank's state load (as a cold restore's: the bundle's assembly and the

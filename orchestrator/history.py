@@ -185,8 +185,8 @@ def _restart(attempt: int, loss: WorkerLost | None, previous: dict[str, Any], st
         "restored_from": restored.bundle if restored else None,
         "restored_update": restored.update if restored else 0,
         "recovery_label": restored.recovery_label if restored else "fresh",
-        # cold: new processes read the bundle from storage; warm-spare/warm-shrink: the survivors kept
-        # theirs and put it back from memory (a spare in the lost rank's place, or a smaller world)
+        # cold: new processes read the bundle from storage; warm-*: the survivors kept theirs and put it
+        # back from memory (a spare in the lost rank's place, a new process there, or a smaller world)
         "recovery_path": restored.recovery_path if restored else "cold",
         "cold_because": restored.cold_because if restored else None,
         "policy": restored.policy if restored else None,

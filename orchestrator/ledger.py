@@ -80,7 +80,7 @@ class AttemptStarted(_Event):
     budget: Budget | None = None  # the budgets as this attempt starts (None: written before budgets were recorded)
 
 
-RecoveryPath = Literal["cold", "warm-spare", "warm-shrink"]
+RecoveryPath = Literal["cold", "warm-spare", "warm-replace", "warm-shrink"]
 
 
 class Restored(_Event):
@@ -102,8 +102,9 @@ class Restored(_Event):
     roundtrip_mismatches: list[str] = []
     repeated_occurrences: int = 0  # bounded-repetition: occurrences this restore delivers again (<= max_repeat)
     # How the ranks got the bundle back: ``cold`` a new group of processes read it from storage;
-    # ``warm-spare``/``warm-shrink`` the surviving processes put it back from host memory, with a spare
-    # in each lost rank's place or in a smaller world (orchestrator/raygroup.py, trainer/warm.py).
+    # ``warm-spare``/``warm-replace``/``warm-shrink`` the surviving processes put it back from host memory,
+    # with a spare in each lost rank's place, a new process placed there, or in a smaller world
+    # (orchestrator/raygroup.py, trainer/warm.py).
     recovery_path: RecoveryPath = "cold"
     cold_because: str | None = None  # a restart after a loss that went cold: why not warm
 

@@ -400,12 +400,13 @@ class RayGroup:
                                      self.world_size + self._spares_placed - 1)
         self.spares.append(Spare(actor, ready, (pg, index)))
 
-    def _ready_spares(self, needed: int) -> list[Spare]:
-        """Up to ``needed`` spares that have built the job and see the storage. A spare still starting or
-        building is waited for where its resources are held (it is ready sooner than a new group
-        would be), not where they wait for a node. A spare that failed is dropped."""
+    def _ready_spares(self, needed: int, among: list[Spare] | None = None) -> list[Spare]:
+        """Up to ``needed`` spares (of ``among``; by default all) that have built the job and see the
+        storage. A spare still starting or building is waited for where its resources are held (it is
+        ready sooner than a new group would be), not where they wait for a node. A spare that failed is
+        dropped."""
         out: list[Spare] = []
-        for spare in list(self.spares):
+        for spare in list(self.spares if among is None else among):
             if len(out) >= needed:
                 break
             done, _ = ray.wait([spare.ready], timeout=0)
@@ -438,14 +439,16 @@ class RayGroup:
 
     def reform(self, lost: Set[int], bundle_key: str, manifest: Manifest, shipped_files: dict[str, bytes],
                sizes: list[int], attempt: int, lineage_id: str, label_for: Callable[[int], str]) -> Reformed:
-        """Warm recovery (trainer/warm.py): restart from published bundle ``bundle_key`` without new
-        processes, at the first of ``sizes`` (the world sizes the policy allows) it can. The ranks not
-        ``lost`` stop and keep their processes; each lost rank's place goes to a ready spare
-        (``warm-spare``, at the same size) or the survivors alone form the world (``warm-shrink``,
-        ranks renumbered in order; ``label_for(size)`` is the recovery label). Every member forms the new process
-        group and restores the bundle from memory: the driver's ``shipped_files`` and the survivors'
-        kept captures. Raises :class:`WarmUnavailable` (the caller restarts cold: tear this group down)
-        when that cannot be done, or ``RankLost``/``RankFailed`` for a rank lost or failing meanwhile."""
+        """Warm recovery (trainer/warm.py): restart from published bundle ``bundle_key`` keeping the
+        surviving processes, at the first of ``sizes`` (the world sizes the policy allows) it can. The
+        ranks not ``lost`` stop and keep their processes; at the same size each lost rank's place goes
+        to a ready spare (``warm-spare``) or, with none, to a new process placed in the lost rank's slot
+        where that is still held (``warm-replace``); otherwise the survivors alone form the world
+        (``warm-shrink``, ranks renumbered in order; ``label_for(size)`` is the recovery label). Every
+        member forms the new process group and restores the bundle from memory: the driver's
+        ``shipped_files`` and the survivors' kept captures. Raises :class:`WarmUnavailable` (the caller
+        restarts cold: tear this group down) when that cannot be done, or ``RankLost``/``RankFailed``
+        for a rank lost or failing meanwhile."""
         t0 = time.perf_counter()
         lost = set(lost)
         if not self.actors:
@@ -475,9 +478,17 @@ class RayGroup:
         if not survivors:
             raise WarmUnavailable("no rank survived")
         spares = self._ready_spares(len(lost)) if self.world_size in sizes else []
+        replacing = sorted(lost)[len(spares):] if self.world_size in sizes else []
+        if replacing and all(_placed(self.slots[r][0]) for r in replacing):
+            # no spare for them: new processes where the lost ranks were (the slot is still held: a process
+            # that died on a live node, or a node already replaced), built while nothing else runs
+            first_new = len(self.spares)
+            for r in replacing:
+                self._add_spare(*self.slots[r], attempt)
+            spares += self._ready_spares(len(replacing), among=self.spares[first_new:])
         if self.world_size in sizes and len(spares) >= len(lost):
             world_size = self.world_size
-            path: RecoveryPath = "warm-spare"
+            path: RecoveryPath = "warm-replace" if replacing else "warm-spare"
             filling = dict(zip(sorted(lost), spares, strict=False))
             members = [self.actors[r] if r not in lost else filling[r].actor for r in range(world_size)]
             slots = [self.slots[r] if r not in lost else filling[r].slot for r in range(world_size)]
@@ -494,7 +505,7 @@ class RayGroup:
             raise WarmUnavailable(f"{len(survivors)} ranks survived and {len(spares)} spares are ready; the "
                                   f"policy allows {sizes or 'no'} ranks (world.spares places spares)")
         replica = self.actors[survivors[0]].replica.remote(bundle_key) if filling else None
-        freed = [self.slots[r] for r in sorted(lost)]
+        freed = {r: self.slots[r] for r in lost}
         self.actors, self.slots, self.where = members, slots, wheres
         self.node_ids = [w_["node_id"] for w_ in wheres]
         self.world_size = world_size
@@ -513,10 +524,10 @@ class RayGroup:
             if "NotInMemory" in str(e):
                 raise WarmUnavailable(str(e)) from e
             raise
-        for pg, index in freed if path == "warm-spare" else []:  # a new spare where the lost rank was
-            self._add_spare(pg, index, attempt)
+        for r in sorted(set(filling) - set(replacing)):  # a new spare where a lost rank was, for the one it took
+            self._add_spare(*freed[r], attempt)
         self.runtimes = [r_["runtime"] for r_ in results]
-        self.timings = {"placement_seconds": round(t1 - t0, 4),  # stopping the survivors, choosing spares
+        self.timings = {"placement_seconds": round(t1 - t0, 4),  # stopping the survivors, choosing (or placing) spares
                         "process_group_seconds": round(max(r_["process_group_seconds"] for r_ in results), 4),
                         "rank_setup_seconds": round(max(r_["rank_setup_seconds"] for r_ in results), 4)}
         mismatches = [f"rank {r}: {m}" for r, r_ in enumerate(results) for m in r_["mismatches"]]

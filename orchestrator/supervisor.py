@@ -739,9 +739,6 @@ class Supervisor:
             return f"a loss of cause {st.lost.cause}: the job restarts in new processes"
         if self.publisher.newest is None:
             return "no bundle published since the driver started: the newest is in storage only"
-        if not self.spec.world.spares and st.world_size - 1 not in self.spec.allowed_world_sizes():
-            return (f"no spare (world.spares=0), and world.policy={self.spec.world.policy} restarts with "
-                    f"{st.world_size} ranks")
         return None
 
     def _warm(self, st: Recovering) -> State | str:
@@ -751,12 +748,11 @@ class Supervisor:
         key, manifest, shipped_files = self.publisher.newest
         group = st.group
         # The policy chooses the world as for any restart (the largest the capacity holds); warm is how,
-        # never what: a spare keeps the size, the survivors alone are the world only when that is it.
+        # never what: a spare (or a new process) keeps the size, the survivors alone are the world only
+        # when that is it.
         decision = policy.decide(self.spec, self.capacity(), 0.0)
         if decision.action != "restart" or decision.world_size not in (st.world_size, st.world_size - 1):
             return f"the policy restarts with {decision.world_size or 'no'} ranks: {decision.reason}"
-        if decision.world_size == st.world_size and not self.spec.world.spares:
-            return f"no spare (world.spares=0) to keep {st.world_size} ranks, and the capacity holds them"
         sizes = [decision.world_size]
         attempt = self.ledger.next_attempt()
         t0 = self.clock()

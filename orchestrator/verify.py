@@ -79,10 +79,9 @@ SITES = ("mid-accumulation", "mid-microstep", "bundle-write", "publish-to-offset
 
 
 def restarts_warm(spec: JobSpec) -> bool:
-    """Whether a rank killed on Ray restarts warm (trainer/warm.py): a spare takes its place, or the
-    policy allows the survivors alone."""
-    return (ineligible(spec) is None and spec.world.size >= 2
-            and (spec.world.spares > 0 or spec.world.size - 1 in spec.allowed_world_sizes()))
+    """Whether a rank killed on Ray restarts warm (trainer/warm.py): the survivors keep their processes
+    (a spare or a new process takes its place, or the policy goes on without it)."""
+    return ineligible(spec) is None and spec.world.size >= 2
 PARAM_TOLERANCE = 1e-3  # exact-data: max |param difference| after the run, and relative metric difference
 # the tolerance on metric values each contract promises (None: values are not promised equal)
 METRIC_TOLERANCE = {"exact": 0.0, "exact-data": PARAM_TOLERANCE, "fresh-epoch": None}
@@ -104,7 +103,7 @@ class Report:
     faults_not_delivered: list[dict[str, Any]]
     restarts: int
     restores_from_bundle: int  # restarts that restored a bundle (the others started from nothing)
-    recovery_paths: dict[str, int]  # restores by path: cold, warm-spare, warm-shrink
+    recovery_paths: dict[str, int]  # restores by path: cold, warm-spare, warm-replace, warm-shrink
     reference_updates: int
     chaos_last_update: int
     occurrence_gaps: int
@@ -425,9 +424,7 @@ class Verifier:
         out = {} if removals else {NODE_SITE: "the job runs on a single node; run verify --nodes N to exercise it"}
         if not any(f.site == "rejoin" for f in faults):
             why = ("without Ray every restart starts new processes" if self.no_ray
-                   else ineligible(self.spec) or (f"no restart is warm: no spare (world.spares=0) and world.policy="
-                                                  f"{self.spec.world.policy} keeps {self.spec.world.size} ranks; "
-                                                  "set world.spares=1 to exercise it"))
+                   else ineligible(self.spec) or "one rank: no process survives its loss")
             out[WARM_SITE] = why
         return out
 

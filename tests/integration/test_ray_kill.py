@@ -55,7 +55,8 @@ def test_two_ranks_are_deterministic(reference, tmp_path):
 
 def test_rank_sigkilled_mid_accumulation_resumes_bitwise(reference, tmp_path):
     """Rank 1's process is SIGKILLed inside update k (seeded random): one restart, the ledger counts
-    the updates lost since the last bundle, and every update equals the uninterrupted run's."""
+    the updates lost since the last bundle, and every update equals the uninterrupted run's. With no
+    spare, the restart is warm-replace: rank 0 keeps its process, a new one takes rank 1's slot."""
     k = random.Random(7).randint(8, 27)
     spec = make_spec(tmp_path, *SETS, f"faults=[{{site: microstep, update: {k}, microstep: 1, rank: 1}}]",
                      job_id="killed")
@@ -76,8 +77,10 @@ def test_rank_sigkilled_mid_accumulation_resumes_bitwise(reference, tmp_path):
     assert bundle_update % 5 == 0 and k - 1 - bundle_update < 10
     assert len(restored) == 1 and restored[0].update == bundle_update
     assert restored[0].lost_updates == k - 1 - bundle_update
-    assert restored[0].recovery_label == "exact"
+    assert restored[0].recovery_label == "exact" and restored[0].recovery_path == "warm-replace"
     assert (restored[0].world_size_before, restored[0].world_size_after) == (2, 2)
+    started = [e for e in events if isinstance(e, AttemptStarted)]
+    assert started[1].rank_pids[0] == started[0].rank_pids[0] and started[1].rank_pids[1] != started[0].rank_pids[1]
     row = history(open_storage(spec.storage), "killed")["restarts"][0]  # what `history --json` prints
     assert {k: row[k] for k in ("attempt", "cause", "lost_updates", "world_size_before", "world_size_after",
                                 "recovery_label")} == {

@@ -117,7 +117,15 @@ def test_side_by_side_figures_count_gaps_duplicates_and_lost_updates():
 
 
 def test_side_by_side_tables_give_spread_ratios_and_where_ray_train_is_ahead():
-    from bench.ray_train_side_by_side import CHECKPOINT_ROWS, PEER, RESTART_ROWS, SPOTRUN, VARIANTS, tables
+    from bench.ray_train_side_by_side import (
+        CHECKPOINT_ROWS,
+        PEER,
+        RESTART_ROWS,
+        SPOTRUN,
+        SPOTRUN_SPARE,
+        VARIANTS,
+        tables,
+    )
 
     def figures(next_s: float, step_s: float) -> dict:
         return {"kill_to_next_update_s": next_s, "kill_to_killed_update_s": next_s + 0.1, "resumed_from": 10,
@@ -129,8 +137,10 @@ def test_side_by_side_tables_give_spread_ratios_and_where_ray_train_is_ahead():
     peer = [figures(t, 0.0115) for t in (7.0, 8.0, 7.5)]
     results = {"shape": {"updates": 100, "kill_at": 77, "reps": 3}, "fast_poll_s": 0.2,
                "fair": {"10": {SPOTRUN.label: spot, PEER.label: peer}},
-               "variants": {PEER.label: peer, **{v.label: peer for v in VARIANTS}}}
-    (main, settings), verdicts = tables(results)
+               "variants": {PEER.label: peer, **{v.label: peer for v in VARIANTS}},
+               "warm": {SPOTRUN.label: spot, SPOTRUN_SPARE.label: [figures(t, 0.019) for t in (0.5, 0.3, 0.4)],
+                        PEER.label: peer}}
+    (main, settings, spare), verdicts = tables(results)
     rows = {r[0]: r[1:] for r in main.rows}
     assert len(main.rows) == len(RESTART_ROWS) + len(CHECKPOINT_ROWS) and len(settings.rows) == len(RESTART_ROWS)
     assert rows["kill → next completed update (s)"] == ["4.00 (3.50–5.00)", "7.50 (7.00–8.00)", "0.533×"]
@@ -140,6 +150,9 @@ def test_side_by_side_tables_give_spread_ratios_and_where_ray_train_is_ahead():
     # Ray Train's uninterrupted updates are faster here: the verdicts say so
     assert "median update (s), every 10: 0.0115 vs spotrun 0.0190" in verdicts[2]
     assert "kill → next update" not in verdicts[2]
+    # with a spare: its own table and verdict, against the same Ray Train runs
+    assert [r[1:] for r in spare.rows][0] == ["4.00 (3.50–5.00)", "0.400 (0.300–0.500)", "7.50 (7.00–8.00)"]
+    assert "spotrun 0.400 s, Ray Train 7.50 s (18.8× as long), 3 killed runs with 0 gaps" in verdicts[3]
 
 
 SECTION = """<!-- section: {name} -->

@@ -80,8 +80,8 @@ def test_the_verdict_gate_fails_a_run_that_tested_no_restore(tmp_path):
 
 
 def test_a_job_that_restarts_warm_is_also_killed_as_a_warm_restart_re_forms_its_group(tmp_path):
-    """With a spare (or a policy that allows the survivors alone), verify on Ray plans a kill at the
-    warm restart after each second fault of a cycle: same attempt as that restart, at or before the
+    """Where the survivors restart warm, verify on Ray plans a kill at the warm restart after each
+    second fault of a cycle: same attempt as that restart, at or before the
     update the fault it follows was planned at (the restart resumes from an older bundle), and it
     uses up no attempt of its own (the cold restart it causes keeps the attempt's number)."""
     spec = make_spec(tmp_path, "train.updates=60", "checkpoint.every_updates=3", "world.size=2", "world.spares=1")
@@ -95,8 +95,9 @@ def test_a_job_that_restarts_warm_is_also_killed_as_a_warm_restart_re_forms_its_
     attempts = [f.attempt for f in faults if f.site != "rejoin"]
     assert attempts == list(range(1, 11))
     assert not any(f.site == "rejoin" for f in plan_faults(spec, 12, seed=3)[0])  # without Ray: never warm
-    strict = make_spec(tmp_path, "train.updates=60", "checkpoint.every_updates=3", "world.size=2")
-    assert not any(f.site == "rejoin" for f in plan_faults(strict, 12, seed=3, warm=True)[0])  # no spare
+    for cold in ("world.size=1", "world.warm_recovery=false"):  # no process survives; warm recovery off
+        spec = make_spec(tmp_path, "train.updates=60", "checkpoint.every_updates=3", cold)
+        assert not any(f.site == "rejoin" for f in plan_faults(spec, 12, seed=3, warm=True)[0])
 
 
 def test_a_rejoin_fault_fires_at_the_warm_restart_resuming_at_or_before_its_update(tmp_path):
