@@ -48,23 +48,26 @@ class System:
     label: str
     poll_s: float | None = None  # Ray Train's controller poll; None: its default, 2 s
     loader_fix: bool = True  # Ray Train: PR_SET_PDEATHSIG in the DataLoader's worker_init_fn
+    spares: int = 0  # spotrun: world.spares (a spare steps in warm for the killed rank)
 
 
 SPOTRUN = System("spotrun")
+SPOTRUN_SPARE = System("spotrun, a spare (world.spares=1)", spares=1)
 PEER = System("Ray Train", poll_s=FAST_POLL_S)
 VARIANTS = (System("Ray Train, loader without the fix", poll_s=FAST_POLL_S, loader_fix=False),
             System("Ray Train, default poll (2 s)"))
 
 
-def spotrun_job(root: Path, job_id: str, shape: Shape, every: int, kill: bool) -> Run:
-    """spotrun with its defaults (restart backoff included); the JSONL sink keeps the timed write log."""
+def spotrun_job(root: Path, job_id: str, shape: Shape, every: int, kill: bool, spares: int = 0) -> Run:
+    """spotrun with its defaults (restart backoff included) and ``spares`` spares; the JSONL sink keeps the
+    timed write log."""
     from spotrun.orchestrator.launch import run_on_ray
     from spotrun.orchestrator.specfile import load_spec
     from spotrun.trainer.storage import open_storage
 
     sets = [f"storage=file://{root}", f"data.shards={ROOT / 'configs/data/tiny'}", f"world.size={WORLD}",
             f"train.updates={shape.updates}", f"checkpoint.every_updates={every}", "data.workers=1",
-            "metrics.sinks=[sqlite, jsonl]"]
+            "metrics.sinks=[sqlite, jsonl]", f"world.spares={spares}"]
     if kill:
         sets.append(f"faults=[{{site: microstep, update: {shape.kill_at}, microstep: 0, rank: 1}}]")
     spec = load_spec(ROOT / "configs/tiny.yaml", sets, job_id)
@@ -109,8 +112,8 @@ def peer_job(root: Path, name: str, shape: Shape, every: int, kill: bool, system
 
 def one_run(system: System, scratch: Path, name: str, shape: Shape, every: int, kill: bool) -> Run:
     clock = Stopwatch()
-    if system is SPOTRUN:
-        run = spotrun_job(scratch / name, "job", shape, every, kill)
+    if system in (SPOTRUN, SPOTRUN_SPARE):
+        run = spotrun_job(scratch / name, "job", shape, every, kill, system.spares)
     else:
         run = peer_job(scratch, name, shape, every, kill, system)
     print(f"{name} ({system.label}): {clock.seconds:.1f} s", flush=True)  # progress: ~30 runs in all
@@ -123,6 +126,7 @@ def run(shape: Shape, scratch: Path) -> dict:
 
     fair: dict[str, dict[str, list[dict]]] = {str(k): {SPOTRUN.label: [], PEER.label: []} for k in shape.intervals}
     variants: dict[str, list[dict]] = {PEER.label: [], **{v.label: [] for v in VARIANTS}}
+    warm: dict[str, list[dict]] = {SPOTRUN.label: [], SPOTRUN_SPARE.label: [], PEER.label: []}
     # spotrun's ranks undo Ray's worker niceness 15 (orchestrator/priority.py); Ray Train's workers
     # get niceness 0 too, as a user can give them, so that neither side yields the CPU to the other.
     os.environ["RAY_worker_niceness"] = "0"
@@ -144,10 +148,15 @@ def run(shape: Shape, scratch: Path) -> dict:
             for i, system in enumerate(VARIANTS):  # against this repetition's uninterrupted Ray Train run
                 killed = one_run(system, scratch, f"variant{i}-{rep}", shape, first, True)
                 variants[system.label].append(restart_figures(killed, refs[(PEER.label, first)], shape.kill_at))
+            # the spare's run against this repetition's uninterrupted spotrun run (a spare changes no update)
+            killed = one_run(SPOTRUN_SPARE, scratch, f"spare-{rep}", shape, first, True)
+            warm[SPOTRUN_SPARE.label].append(restart_figures(killed, refs[(SPOTRUN.label, first)], shape.kill_at))
+            warm[SPOTRUN.label].append(fair[str(first)][SPOTRUN.label][-1])
+            warm[PEER.label].append(fair[str(first)][PEER.label][-1])
     finally:
         ray.shutdown()
         os.environ.pop("RAY_worker_niceness", None)
-    return {"shape": shape.__dict__, "fast_poll_s": FAST_POLL_S, "fair": fair, "variants": variants}
+    return {"shape": shape.__dict__, "fast_poll_s": FAST_POLL_S, "fair": fair, "variants": variants, "warm": warm}
 
 
 RESTART_ROWS = (
@@ -215,7 +224,16 @@ def tables(results: dict) -> tuple[list[Table], list[str]]:
                           "loader fix, as in the table above; then the loader without the fix (its killed rank's "
                           "forked worker holds the rank's sockets open until PyTorch's 5 s watchdog fires), then "
                           "the default 2 s poll. Gaps and duplicates against the uninterrupted Ray Train run")
-    return [main, settings], verdicts(results)
+    warm = results["warm"]
+    spare = Table(f"spotrun with a spare, the same kill, checkpoint every {first} updates: median (min–max) of "
+                  f"{shape['reps']} runs each", ["", *warm])
+    for key, label in RESTART_ROWS:
+        spare.add(label, *(spread([r.get(key) for r in runs]) for runs in warm.values()))
+    spare.notes.append("world.spares=1: a third rank process builds the job and waits; the killed rank's place goes "
+                       "to it, and rank 0 keeps its process and restores the bundle from its own memory (warm-spare). "
+                       "spotrun without a spare and Ray Train are the runs of the first table. Gaps and duplicates "
+                       "against the uninterrupted spotrun run")
+    return [main, settings, spare], verdicts(results)
 
 
 NOTES = [
@@ -265,7 +283,20 @@ def verdicts(results: dict) -> list[str]:
         f"{sum(r['duplicates'] for r in peer_runs)} duplicate occurrences, "
         f"{sum(r['metric_duplicates_read'] for r in peer_runs)} duplicate metric points reported)",
         "where Ray Train is ahead (lower median): " + ("; ".join(wins) if wins else "nowhere in this run"),
+        *_spare_verdict(results),
     ]
+
+
+def _spare_verdict(results: dict) -> list[str]:
+    warm = results.get("warm")
+    if not warm:
+        return []
+    s, p = _med(warm[SPOTRUN_SPARE.label], "kill_to_next_update_s"), _med(warm[PEER.label], "kill_to_next_update_s")
+    runs = warm[SPOTRUN_SPARE.label]
+    clean = all(r["gaps"] == 0 and r["duplicates"] == 0 and r["metric_duplicates_read"] == 0 for r in runs)
+    return [f"with a spare (warm-spare), kill → next update: spotrun {fmt(s)} s, Ray Train {fmt(p)} s "
+            f"({fmt(p / s) if s and p else '—'}× as long), {len(runs)} killed runs with "
+            f"{'0 gaps and 0 duplicates' if clean else 'GAPS OR DUPLICATES'}"]
 
 
 def intro(shape: Shape) -> str:
