@@ -246,6 +246,18 @@ class RankActor:
         return self._runner().wait_for_news(timeout)
 
 
+def _settle(refs: list[Any], timeout: float = 0.0) -> None:
+    """Read the results of ``refs`` that are in within ``timeout``, failed or not: an error nobody reads
+    is printed by Ray, traceback and all, when its reference goes (after the one error that counts was
+    already reported)."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+    for ref in done:
+        try:
+            ray.get(ref, timeout=0)
+        except (RayActorError, RayTaskError, GetTimeoutError):
+            pass
+
+
 def _placed(pg: PlacementGroup) -> bool:
     """Whether every bundle of ``pg`` holds its resources now (none waits for a node)."""
     return ray.util.placement_group_table(pg).get("state") == "CREATED"
@@ -466,11 +478,8 @@ class RayGroup:
         for r in lost:
             ray.kill(self.actors[r], no_restart=True)
         survivors = [r for r in range(self.world_size) if r not in lost]
-        for r in survivors if self._runs else []:  # their runs ended with the lost peer's collective error:
-            try:  # read it here, where it is expected, or Ray prints it as an unhandled error with its traceback
-                ray.get(self._runs[r], timeout=0)
-            except (RayActorError, RayTaskError, GetTimeoutError):
-                pass
+        # their runs ended (leave saw to it) with the lost peer's collective error: read it, expected here
+        _settle([self._runs[r] for r in survivors] if self._runs else [], timeout=LEAVE_TIMEOUT_S)
         stale = [r for r in survivors if bundle_key not in (held.get(r) or [])]
         if stale:
             raise WarmUnavailable(f"ranks {stale} hold no copy of {bundle_key} in memory "
@@ -541,7 +550,14 @@ class RayGroup:
     def _call(self, refs: list[Any], timeout: float | None = POLL_TIMEOUT_S) -> list[Any]:
         """``ray.get`` each rank's ref (``refs[r]`` belongs to rank r), turning a lost actor into
         :class:`RankLost` and an error raised by training code into :class:`RankFailed`."""
-        return [self._get(rank, ref, timeout) for rank, ref in enumerate(refs)]
+        out = []
+        for rank, ref in enumerate(refs):
+            try:
+                out.append(self._get(rank, ref, timeout))
+            except BaseException:
+                _settle(refs[rank + 1:])
+                raise
+        return out
 
     def _get(self, rank: int, ref: Any, timeout: float | None = POLL_TIMEOUT_S) -> Any:
         try:
