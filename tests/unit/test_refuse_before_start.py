@@ -184,6 +184,8 @@ def refingerprint(runs: Path, fingerprint: str) -> None:
 
 
 def test_a_changed_code_fingerprint_is_refused_before_ray_with_the_real_address(runs, nothing_starts, capsys):
+    """The newest bundle says the entrypoint's module had another source (as after an edit of the job's
+    code): refused before anything starts, and the hint's --init-from address is one the command takes."""
     refingerprint(runs, "0123456789abcdef")
     message = refused(runs, capsys)
     assert "fingerprint 0123456789abcdef" in message and "the entrypoint's module changed" in message
