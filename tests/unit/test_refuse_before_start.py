@@ -116,6 +116,8 @@ def test_a_finished_job_run_again_says_so_exits_0_and_stays_finished(runs, nothi
     assert (refusal.check, refusal.bundle, refusal.attempt) == ("finished", NEWEST, 2)
     assert " ".join(refusal.reason.split()) == message.removeprefix("spotrun run: ")
     assert history(LocalStorage(runs), JOB)["refusals"][0]["check"] == "finished"
+    page = TestClient(create_app(f"file://{runs}"), base_url="http://127.0.0.1").get(f"/jobs/{JOB}").text
+    assert "Runs refused" in page and f"job {JOB} is finished" in page
 
 
 class Started(Exception):
@@ -255,3 +257,14 @@ def test_on_s3_storage_the_same_answers_name_s3_addresses(runs, moto, bucket, no
     doc = history(s3, JOB, metrics_local_dir=str(tmp_path / "metrics"))
     assert doc["state"] == "finished" and len(doc["attempts"]) == 1
     assert [r["check"] for r in doc["refusals"]] == ["finished", "incompatible"]
+
+
+def test_a_manifest_of_an_unknown_schema_is_refused_before_ray(runs, nothing_starts, capsys):
+    path = runs / NEWEST / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "schema_version": 99}))
+    before = record(runs)
+    assert main(run(runs)) == 2
+    message = one_paragraph(capsys.readouterr().err)
+    assert NEWEST in message and "schema_version 99" in message
+    assert record(runs) == before
+    assert [(e.check, e.bundle) for e in refusals(runs)] == [("unreadable", NEWEST)]
