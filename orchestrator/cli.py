@@ -1,10 +1,10 @@
 """``spotrun``: the command line (``spotrun --help``; scripts and tests rely on its commands and flags).
 
-Exit status 0 means success; a refused contract (bad spec, incompatible or corrupt bundle, ...)
-exits 2 with one paragraph on stderr; a driver told to stop exits 143 after its emergency
-bundle; ``verify`` exits 1 when the contract did not hold or nothing was tested (with
-``--mutate``: 1 when the broken build went unnoticed). ``--json`` prints one JSON document on
-stdout and nothing else there.
+Exit status 0 means success (a finished job run again says so and starts nothing); a refused
+contract (bad spec, incompatible or corrupt bundle, ...) exits 2 with one paragraph on stderr; a
+driver told to stop exits 143 after its emergency bundle; ``verify`` exits 1 when the contract did
+not hold or nothing was tested (with ``--mutate``: 1 when the broken build went unnoticed).
+``--json`` prints one JSON document on stdout and nothing else there.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _out(doc: Any) -> None:
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
-    if isinstance(value, str) and "/bundles/" in value:
+    if isinstance(value, str) and "/bundles/" in value and " " not in value:  # an address, not a sentence
         return value.rsplit("/", 1)[-1]  # the bundle's own name; the job is in the title
     if isinstance(value, str) and len(value) > 19 and value[10:11] == "T":
         return value[11:19]  # an ISO timestamp: the time of day is what a reader scans for
@@ -55,7 +55,11 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from spotrun.orchestrator.launch import run_in_process, run_on_ray
+    """Run the job to its end (0), or stop it on SIGTERM (143). What its storage and code already show
+    is settled before anything starts (:mod:`~spotrun.orchestrator.preflight`): a finished job says
+    so (0), a newest bundle that cannot take this spec refuses the run (2); neither starts Ray."""
+    from spotrun.orchestrator.launch import check_entrypoint, run_in_process, run_on_ray
+    from spotrun.orchestrator.preflight import preflight
     from spotrun.orchestrator.progress import for_terminal
 
     if (a.config is None) == (a.spec_json is None):
@@ -65,6 +69,11 @@ def cmd_run(a: argparse.Namespace) -> int:
     reset = tuple(r for r in (a.reset or "").split(",") if r)
     if reset and not init_from:
         raise SpecError("--reset applies to --init-from BUNDLE_URI only")
+    check_entrypoint(spec)  # the code fingerprint is its module's source
+    finished = preflight(spec)
+    if finished is not None:
+        err.print(f"spotrun run: {escape(finished)}", highlight=False, soft_wrap=True)
+        return 0
     kw = dict(trace_path=a.trace, record_ids=a.trace_ids, init_from=init_from, reset=reset,
               drop=getattr(a, "drop", ()),  # set only by spotrun.orchestrator.mutant (verify --mutate)
               progress=for_terminal(spec.train.updates, spec.global_sequences, sys.stdout, quiet=a.quiet))
@@ -185,6 +194,9 @@ def cmd_history(a: argparse.Namespace) -> int:
     ], ["class", "losses", "this_run", "budget", "left"])
     if doc["notices"]:
         _table("preemption notices", doc["notices"], ["attempt", "at", "source", "node_id", "action", "reason"])
+    if doc["refusals"]:
+        _table("refused runs (none trained; the state above stands)", doc["refusals"],
+               ["at", "check", "bundle", "reason"])
     if doc["checkpoint_intervals"]:
         _table(f"checkpoint interval (auto; {len(doc['checkpoint_intervals'])} decisions in --json)",
                doc["checkpoint_intervals"][-1:], ["at", "reason", "interval_s", "interval_updates", "bound",

@@ -24,8 +24,10 @@ from spotrun.orchestrator.ledger import (
     NoticeSeen,
     Resizing,
     Restored,
+    RunRefused,
     TopologyChanged,
     WorkerLost,
+    _Event,
 )
 from spotrun.trainer.bundle import BundleCorrupt, list_bundles, read_manifest
 from spotrun.trainer.manifest import ManifestError
@@ -57,7 +59,11 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
 
     ``budgets``: the losses of each class over the whole ledger, and what the newest run of the
     driver has used and has left of each budget (``world.max_restarts`` for failures,
-    ``world.max_preemptions`` for preemptions; None: no limit or not recorded)."""
+    ``world.max_preemptions`` for preemptions; None: no limit or not recorded).
+
+    ``refusals``: the runs that trained nothing (``run_refused``, oldest first: when, which check, the
+    bundle it read, the paragraph printed). They are not attempts and leave ``state`` as it was: a
+    finished job run again stays finished."""
     events = (ledger or Ledger(storage, job_id, fold=None)).read()
     attempts: dict[int, dict[str, Any]] = {}
     restarts: list[dict[str, Any]] = []
@@ -66,13 +72,15 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     started: dict[int, AttemptStarted] = {}
     published_at: dict[str, datetime] = {}
     resumed: set[int] = set()  # attempts that restored a bundle or began a new lineage
-    corrupt, topology, rejected, notices, intervals = [], [], [], [], []
+    corrupt, topology, rejected, notices, intervals, refusals = [], [], [], [], [], []
     classes = {"preemption": 0, "failure": 0, "unclassified": 0}
     budget: Budget | None = None  # the newest record of the budgets
-    state = "unknown"
     for e in events:
         if isinstance(e, CorruptEvent):
             corrupt.append(e.model_dump())
+            continue
+        if isinstance(e, RunRefused):  # no attempt began, so no attempt row, and the job's state stands
+            refusals.append(e.model_dump(mode="json", include={"at", "check", "bundle", "reason"}))
             continue
         a = attempts.setdefault(e.attempt, {"attempt": e.attempt, "started_at": None, "ended_at": None,
                                             "world_size": None, "node_ids": [], "published": 0,
@@ -84,7 +92,6 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
             started[e.attempt] = e
             a.update(started_at=e.at.isoformat(), world_size=e.world_size, node_ids=e.node_ids,
                      lineage_id=e.lineage_id)
-            state = "running"
         elif isinstance(e, BundlePublished):
             published_at[e.bundle] = e.at
             a["published"] += 1
@@ -117,10 +124,8 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
         elif isinstance(e, JobFinished):
             a["ended"] = "finished"
             a["last_update"] = e.counters.attempted_updates
-            state = "finished"
         elif isinstance(e, JobFailed):
             a["ended"] = f"failed: {e.reason}"
-            state = "failed"
     for n in sorted(set(started) - resumed - {min(started, default=0)}):  # restarts from nothing
         restarts.append(_restart(n, losses.get(n - 1), attempts.get(n - 1, {}), started, handled, None, None))
     restarts.sort(key=lambda r: r["attempt"])
@@ -129,10 +134,30 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
         from spotrun.orchestrator.dashboard.points import LogCache, read_points
 
         points = read_points(storage, job_id, metrics_local_dir, LogCache())
-    return {"job_id": job_id, "state": state, "attempts": list(attempts.values()), "restarts": restarts,
+    return {"job_id": job_id, "state": state_of(events), "attempts": list(attempts.values()),
+            "restarts": restarts,
             "topology_changes": topology, "rejected_bundles": rejected, "corrupt_events": corrupt,
-            "notices": notices, "budgets": _budgets(classes, budget), "checkpoint_intervals": intervals,
+            "notices": notices, "refusals": refusals, "budgets": _budgets(classes, budget),
+            "checkpoint_intervals": intervals,
             "goodput": goodput(events, points.final, points.log, _rate(storage, job_id))}
+
+
+def state_of(events: list[_Event | CorruptEvent]) -> str:
+    """The job's recorded state, as history, the dashboard and ``spotrun run`` read it: ``running`` from
+    an attempt's start, then ``finished`` or ``failed`` as the newest of those events says. A refused
+    run (``run_refused``) is none of them and never changes the state; a job with nothing but refusals
+    is ``refused`` (``unknown``: no event at all)."""
+    state = "unknown"
+    for e in events:
+        if isinstance(e, AttemptStarted):
+            state = "running"
+        elif isinstance(e, JobFinished):
+            state = "finished"
+        elif isinstance(e, JobFailed):
+            state = "failed"
+        elif isinstance(e, RunRefused) and state == "unknown":
+            state = "refused"
+    return state
 
 
 def _budgets(classes: dict[str, int], budget: Budget | None) -> dict[str, Any]:

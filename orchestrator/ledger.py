@@ -269,10 +269,31 @@ class JobFailed(_Event):
     reason: str
 
 
+# Before anything started (spotrun run): finished, the newest bundle already reached train.updates and
+# there is nothing to run (exit 0); incompatible, the newest bundle cannot take this spec or code (exit 2);
+# unreadable, the newest manifest's schema is unknown to this spotrun (exit 2). While the run's first
+# attempt started: start, a rank or the driver refused bad input (a job that cannot be built, a bundle
+# whose data, tokenizer, parameters or runtime differ, storage the ranks do not share; exit 2).
+RefusalCheck = Literal["finished", "incompatible", "unreadable", "start"]
+
+
+class RunRefused(_Event):
+    """A run of the job that trained nothing: refused before anything started, from storage and the
+    driver's own copy of the job's code (:mod:`spotrun.orchestrator.preflight`), or while its first
+    attempt started. An event of its own, never a ``job_failed``: a refused run does not change what
+    the job's record says it is (a finished job stays finished). ``attempt``: the number of the run's
+    first attempt (refused before it started, it is the next run's number too)."""
+
+    kind: Literal["run_refused"] = "run_refused"
+    check: RefusalCheck
+    bundle: str | None = None  # the bundle the check read (None: not known to the driver)
+    reason: str  # the paragraph the command printed
+
+
 Event = Annotated[
     AttemptStarted | Restored | InitializedFrom | BundleRejected | BundlePublished | WorkerLost | CapacityWait
     | TopologyChanged | Resizing | OffsetsCommitted | NoticeSeen | NoticeHandled | JobFinished | JobFailed
-    | IntervalChosen | SparesReady,
+    | IntervalChosen | SparesReady | RunRefused,
     Field(discriminator="kind"),
 ]
 _EVENT = TypeAdapter(Event)

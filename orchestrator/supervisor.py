@@ -47,6 +47,7 @@ from spotrun.orchestrator.ledger import (
     RecoveryPath,
     Resizing,
     Restored,
+    RunRefused,
     SparesReady,
     TopologyChanged,
     WorkerLost,
@@ -146,6 +147,10 @@ class Stopped:
 class Failed:
     reason: str
     error: BaseException | None = None  # re-raised by run() after the ledger records the failure
+    # bad input a rank or the driver refused while starting an attempt (a job that cannot be built, a
+    # bundle it cannot take, storage the ranks cannot share): before this run trained, run() records a
+    # run_refused, never a job_failed, so the job's recorded state stays what it was
+    refused: bool = False
 
 
 State = Pending | Placing | Running | Recovering | Finished | Stopped | Failed
@@ -199,6 +204,7 @@ class Supervisor:
         self.budgets = RestartBudgets(spec.world)
         self._noticed: set[str | int] = set()  # node ids and ranks of this attempt a notice was seen for
         self.attempts = 0
+        self._began = False  # an attempt of this run has started (its state loaded): a refusal now is a failure
         self.lineage_id: str | None = None
         self.published: list[Manifest] = []
         self.restored_from: str | None = None
@@ -251,7 +257,10 @@ class Supervisor:
             return Outcome("stopped", self.published[-1].counters if self.published else None, self.attempts,
                            self.restarts, state.reason, self._keys(), self.restored_from)
         if isinstance(state, Failed):
-            self.ledger.append(JobFailed(attempt=max(self.attempts, 1), reason=state.reason))
+            if state.refused and not self._began:
+                self.ledger.append(RunRefused(attempt=max(self.attempts, 1), check="start", reason=state.reason))
+            else:
+                self.ledger.append(JobFailed(attempt=max(self.attempts, 1), reason=state.reason))
             raise state.error if state.error is not None else JobFailedError(state.reason)
         self.ledger.append(JobFinished(attempt=self.attempts, counters=state.counters,
                                        storage_retries=self.publisher.storage_retries))
@@ -333,7 +342,7 @@ class Supervisor:
                            st.waited_s + max(self.clock() - t0, CAPACITY_POLL_S), below=size - 1,
                            cold_because=st.cold_because)
         except ValueError as e:  # bad input refused in this process (JobError, DeviceError, ...)
-            return Failed(str(e), e)
+            return Failed(str(e), e, refused=True)
         except RankFailed as e:  # a rank could not be built
             return self._start_failed(st, e)
         except RankLost as e:
@@ -343,7 +352,7 @@ class Supervisor:
             restored = self._restore(group, candidates, st, size, label)
         except (BundleIncompatible, UnknownSchemaError, BundleCorrupt, ValueError) as e:
             group.teardown()
-            return Failed(str(e), e)
+            return Failed(str(e), e, refused=True)
         except RankFailed as e:  # the job's load_state_dict raised
             group.teardown()
             return self._start_failed(st, e)
@@ -359,7 +368,9 @@ class Supervisor:
     def _start_failed(self, st: Placing, e: RankFailed) -> State:
         """A rank raised before the attempt trained: bad input fails the job now, anything else is a
         failure placed again within the budgets (:meth:`_start_lost`)."""
-        return Failed(str(e), e) if e.refusal else self._start_lost(st, RankLost(e.rank, "start-failed", str(e)), e)
+        if e.refusal:
+            return Failed(str(e), e, refused=True)
+        return self._start_lost(st, RankLost(e.rank, "start-failed", str(e)), e)
 
     def _start_lost(self, st: Placing, lost: RankLost, error: RankFailed | None = None) -> State:
         """A rank was lost, or could not start, before the attempt trained: nothing ran, so the attempt
@@ -402,6 +413,7 @@ class Supervisor:
                               label, st.cause, st.last_update, st.world_before, size, "cold", st.cold_because)
 
     def _started(self, group: WorkerGroup, size: int) -> None:
+        self._began = True
         self.ledger.append(AttemptStarted(attempt=self.attempts, world_size=size, node_ids=group.node_ids,
                                           rank_pids=group.pids(), pid=os.getpid(), lineage_id=self.lineage_id,
                                           budget=self.budgets.record(), **getattr(group, "timings", {})))

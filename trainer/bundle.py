@@ -136,6 +136,7 @@ class Description:
     shards: tuple[ShardInfo, ...]  # token data: the source as listed when the job started
     policy: str  # world.policy: strict restores only on the runtime that wrote the bundle
     runtime: Versions  # this rank's device model and library versions (what its manifests record)
+    world_size: int  # the spec's world.size (fixed for the job's life), not this attempt's
 
 
 def describe(state: TrainState) -> Description:
@@ -161,6 +162,7 @@ def describe(state: TrainState) -> Description:
         shards=tuple(feed.listing.infos()) if isinstance(feed, TokenFeed) else (),
         policy=spec.world.policy,
         runtime=versions(state.device),
+        world_size=spec.world.size,
     )
 
 
@@ -212,19 +214,15 @@ def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lin
     )
 
 
-def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_job: bool = True) -> None:
-    """Raise :class:`BundleIncompatible` naming both sides of the first difference."""
-    problems = []
-    new_lineage = (f"to train on with this job as it is now, start a new lineage from the bundle: spotrun run "
-                   f"CONFIG --job-id NEW_ID --init-from <storage>/{where.removeprefix('bundle ')} (add --reset "
-                   "optimizer,scheduler to start those afresh)")
-    if same_job and manifest.job_id != desc.job_id:
-        problems.append(f"it belongs to job {manifest.job_id!r}, this job is {desc.job_id!r}")
-    if same_job and manifest.code != desc.code:  # a new lineage (--init-from) is how code moves on
-        problems.append(
-            f"job code: bundle {manifest.code.entrypoint} (fingerprint {manifest.code.fingerprint}), job "
-            f"{desc.code.entrypoint} (fingerprint {desc.code.fingerprint}): the entrypoint's module changed since "
-            f"the bundle was written, and other code may not take the same next updates; {new_lineage}")
+def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_job: bool = True,
+                     root: str | None = None) -> None:
+    """Raise :class:`BundleIncompatible` naming both sides of every difference: first those the spec
+    alone decides (:func:`spec_problems`, which the driver also checks before it starts anything),
+    then those only a built job knows (runtime, data, tokenizer, parameters). ``root``: the storage
+    URI the bundle lies under, so that a hint names the bundle's real address."""
+    problems = spec_problems(manifest, job_id=desc.job_id, code=desc.code, spec_compat=desc.spec_compat,
+                             model_config_hash=desc.model.config_hash, world_size=desc.world_size, where=where,
+                             root=root, same_job=same_job)
     differences = runtime_differences(manifest.versions, desc.runtime) if desc.policy == "strict" else []
     if differences:
         problems.append(
@@ -244,9 +242,6 @@ def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_
         problems.append(f"tokenizer: bundle {manifest.data.tokenizer_version}, job {desc.tokenizer_version} "
                         "(another vocabulary or tokenizer file; restore with the tokenizer the bundle was trained "
                         "with)")
-    if manifest.model.config_hash != desc.model.config_hash:
-        problems.append(f"model config: bundle {manifest.spec_compat.get('model')}, "
-                        f"job {desc.spec_compat.get('model')}")
     saved = {p.name: p for p in manifest.model.params}
     ours = {p.name: p for p in desc.model.params}
     if saved.keys() != ours.keys():
@@ -256,15 +251,78 @@ def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_
         p, q = saved[name], ours[name]
         if (p.shape, p.dtype) != (q.shape, q.dtype):
             problems.append(f"parameter {name}: bundle {p.shape} {p.dtype}, model {q.shape} {q.dtype}")
-    for key in sorted(set(manifest.spec_compat) | set(desc.spec_compat)):
-        a, b = manifest.spec_compat.get(key), desc.spec_compat.get(key)
-        if key == "train" and not same_job and isinstance(a, dict) and isinstance(b, dict):
+    if problems:
+        raise incompatible(where, problems)
+
+
+def incompatible(where: str, problems: list[str]) -> BundleIncompatible:
+    """The refusal of bundle ``where`` for ``problems``: one paragraph, whoever checked (a rank, the driver)."""
+    return BundleIncompatible(f"{where} cannot be restored into this job: " + "; ".join(problems))
+
+
+def bundle_address(root: str | None, key: str) -> str:
+    """Where bundle ``key`` lies, as ``spotrun run --init-from`` and ``spotrun inspect`` take it: under
+    file storage the plain path, otherwise the storage URI (``s3://...``); ``<storage>/key`` only when the
+    caller does not know the root."""
+    if root is None:
+        return f"<storage>/{key}"
+    return f"{root.removeprefix('file://').rstrip('/')}/{key}"
+
+
+def spec_problems(manifest: Manifest, *, job_id: str, code: CodeInfo, spec_compat: dict[str, Any],
+                  model_config_hash: str, world_size: int, where: str, root: str | None,
+                  same_job: bool = True) -> list[str]:
+    """The differences between ``manifest`` and a job that the job's spec and code alone decide, each
+    naming both sides (empty: none): the job id, the entrypoint's code fingerprint, the world size, the
+    model config and every other key of :meth:`JobSpec.compat_view`.
+
+    This is the one definition of these checks: the ranks make them as part of
+    :func:`check_compatible`, and the driver makes them before it starts anything, from the newest
+    manifest alone. ``world_size``: the spec's ``world.size`` (not the attempt's: an elastic restart
+    runs on another). ``root``: the storage URI of the bundle ``where`` names, for the hint."""
+    problems: list[str] = []
+    key = where.removeprefix("bundle ")
+    new_lineage = (f"to train on with this job as it is now, start a new lineage from the bundle: spotrun run "
+                   f"CONFIG --job-id NEW_ID --init-from {bundle_address(root, key)} (add --reset "
+                   "optimizer,scheduler to start those afresh)")
+    if same_job and manifest.job_id != job_id:
+        problems.append(f"it belongs to job {manifest.job_id!r}, this job is {job_id!r}")
+    if same_job and manifest.code != code:  # a new lineage (--init-from) is how code moves on
+        problems.append(
+            f"job code: bundle {manifest.code.entrypoint} (fingerprint {manifest.code.fingerprint}), job "
+            f"{code.entrypoint} (fingerprint {code.fingerprint}): the entrypoint's module changed since "
+            f"the bundle was written, and other code may not take the same next updates; {new_lineage}")
+    world = world_problem(manifest, world_size) if same_job else None  # a new lineage: the spec keys say it
+    if world is not None:
+        problems.append(world)
+    if manifest.model.config_hash != model_config_hash:
+        problems.append(f"model config: bundle {manifest.spec_compat.get('model')}, job {spec_compat.get('model')}")
+    for name in sorted(set(manifest.spec_compat) | set(spec_compat)):
+        a, b = manifest.spec_compat.get(name), spec_compat.get(name)
+        if name == "train" and not same_job and isinstance(a, dict) and isinstance(b, dict):
             # a new lineage may change how the state is laid out: the rows are put together either way
             a, b = ({k: v for k, v in d.items() if k != "parallelism"} for d in (a, b))
-        if a != b and key != "model" and (same_job or key != "job"):
-            problems.append(f"spec {key}: bundle {_diff(a, b)}" + (f"; {new_lineage}" if key == "job" else ""))
-    if problems:
-        raise BundleIncompatible(f"{where} cannot be restored into this job: " + "; ".join(problems))
+        if name == "global_sequences" and world is not None:
+            continue  # the world size problem above says it in the user's words
+        if a != b and name != "model" and (same_job or name != "job"):
+            problems.append(f"spec {name}: bundle {_diff(a, b)}" + (f"; {new_lineage}" if name == "job" else ""))
+    return problems
+
+
+def world_problem(manifest: Manifest, world_size: int) -> str | None:
+    """Why a job whose spec says ``world.size: world_size`` cannot resume from ``manifest``, or None when
+    it can. A job's global batch (``world.size`` x ``train.accum_steps`` x ``train.micro_batch``
+    sequences) is fixed for its life, so its ``world.size`` is too: a restart on another number of
+    ranks is the policy's to make (``world.policy: elastic``), never a new spec's."""
+    size = manifest.spec.get("world", {}).get("size")
+    if size is None or size == world_size:
+        return None
+    then = manifest.spec_compat.get("global_sequences")
+    return (f"world size: the job was started with world.size={size} (a global batch of {then} sequences, fixed "
+            f"for the job's life) and this run asks world.size={world_size}. Resume it with world.size={size}; "
+            f"to let it run on other numbers of ranks, keep world.size={size} and declare world.policy: elastic "
+            f"with world.min_size/world.max_size (a restore at another size is labelled exact-data); or start a "
+            f"new job with another --job-id")
 
 
 def _diff(a: Any, b: Any) -> str:
@@ -432,7 +490,7 @@ def load_bundle(storage: Storage, bundle_key: str, desc: Description | None, *,
     against the manifest first."""
     manifest = read_manifest(storage, bundle_key)
     if desc is not None:
-        check_compatible(manifest, desc, f"bundle {bundle_key}", same_job=same_job)
+        check_compatible(manifest, desc, f"bundle {bundle_key}", same_job=same_job, root=storage.uri)
     keep = want(manifest) if want is not None else None
     blobs = {}
     for f in manifest.files:

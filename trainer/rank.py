@@ -168,7 +168,7 @@ class RankRunner:
         the state load's); raises ``NotInMemory`` (restart from storage) when a file this rank reads is
         held nowhere."""
         self.session.faults.hit("rejoin", manifest.counters.attempted_updates + 1)
-        check_compatible(manifest, self.session.desc, f"bundle {key}")
+        check_compatible(manifest, self.session.desc, f"bundle {key}", root=self.storage.uri)
         kept = [*self.held.by_generation.values(), *([replica] if replica is not None else [])]
         bundle = LoadedBundle(key, manifest, assemble(key, manifest, self.session.wants(manifest),
                                                       shipped_files, kept))

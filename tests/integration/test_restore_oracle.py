@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.ledger import BundleRejected, JobFailed, Ledger, Restored
+from spotrun.orchestrator.ledger import BundleRejected, JobFailed, Ledger, Restored, RunRefused
 from spotrun.trainer.storage import open_storage
 from tests.helpers.runs import run_cmd, run_to_end
 from tests.integration.test_user_jobs import verify
@@ -30,7 +30,9 @@ def test_strict_refuses_every_bundle_the_oracle_finds_different_and_names_the_ca
     assert [e.bundle.rsplit("/", 1)[-1] for e in rejected] == ["u0000000006-a1", "u0000000003-a1"]
     assert all("state:calls" in e.reason and "restore oracle" in e.reason for e in rejected), rejected
     assert not any(isinstance(e, Restored) for e in events)  # nothing trained on a state unlike its bundle
-    assert any(isinstance(e, JobFailed) for e in events)
+    # the refused rerun is an event of its own: the job is not recorded as failed
+    assert [e.check for e in events if isinstance(e, RunRefused)] == ["start"]
+    assert not any(isinstance(e, JobFailed) for e in events)
     assert "state:calls" in done.stderr and "restore oracle" in done.stderr, done.stderr[-2000:]
 
 

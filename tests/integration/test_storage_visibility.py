@@ -20,7 +20,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from spotrun.orchestrator.ledger import AttemptStarted, JobFailed, Ledger
+from spotrun.orchestrator.ledger import AttemptStarted, JobFailed, Ledger, RunRefused
 from spotrun.trainer.bundle import list_bundles
 from spotrun.trainer.storage import LocalStorage
 from spotrun.trainer.visibility import probes_prefix
@@ -94,8 +94,9 @@ def test_a_node_that_sees_another_disk_at_the_storage_path_is_refused(cluster, t
 
     runs = LocalStorage(storage)
     events = Ledger(runs, "unshared").read()
-    failed = [e for e in events if isinstance(e, JobFailed)]
-    assert len(failed) == 1 and node_id in failed[0].reason and "storage is not shared" in failed[0].reason
+    refused = [e for e in events if isinstance(e, RunRefused)]  # a refusal of its own, not a failure
+    assert len(refused) == 1 and node_id in refused[0].reason and "storage is not shared" in refused[0].reason
+    assert refused[0].check == "start" and not [e for e in events if isinstance(e, JobFailed)]
     assert not [e for e in events if isinstance(e, AttemptStarted)]  # refused before any restore or update
     assert list_bundles(runs, "unshared") == []
     assert not trace.exists() or trace.read_text() == ""
