@@ -8,7 +8,9 @@ secured cluster (Ray 2.60's default) wants from a Jobs client, so spotrun uses:
 - ``ray._private.authentication.authentication_token_setup.maybe_enable_token_auth_if_token_available``:
   ``spotrun submit`` authenticating to a token-secured cluster;
 - ``ray._private.worker._global_node.kill_all_processes``: ending an embedded Ray whose
-  processes block SIGTERM without the futile graceful SIGTERM (:func:`shutdown_without_grace`).
+  processes block SIGTERM without the futile graceful SIGTERM (:func:`shutdown_without_grace`);
+- the control lines a Ray worker prints for its log monitor (``:actor_name:RankActor``, ...),
+  which a rank's own output leaves out (:func:`is_ray_control_line`).
 
 A Ray release may rename or reshape any of them. Each is resolved here when the feature
 starts, so a change surfaces at once as :class:`RayInternalsChanged` naming the API, the
@@ -85,6 +87,17 @@ def drain_reader(gcs_address: str) -> Callable[[], set[str]]:
             raise _changed("the GCS node info reply (state_snapshot.state)", e, DRAIN_FIX) from e
 
     return read
+
+
+# Ray's worker prints these at the start of a line on its stdout and stderr to tell its log monitor which
+# actor, task or job the following lines belong to (ray._private.ray_constants.LOG_PREFIX_*).
+RAY_CONTROL_PREFIXES = (":actor_name:", ":task_name:", ":job_id:")
+
+
+def is_ray_control_line(line: str) -> bool:
+    """Whether ``line`` is one of Ray's own control lines rather than output of the job's code. A Ray
+    that renamed them only makes such a line appear among a rank's output: nothing fails."""
+    return line.startswith(RAY_CONTROL_PREFIXES)
 
 
 def quiet_auth_notice() -> None:
