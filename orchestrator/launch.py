@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from spotrun.orchestrator.groups import InProcessGroup
 from spotrun.orchestrator.notices import ImdsWatcher
 from spotrun.orchestrator.progress import Progress
-from spotrun.orchestrator.ray_internals import quiet_auth_notice, shutdown_without_grace
+from spotrun.orchestrator.ray_internals import quiet_auth_notice, quiet_worker_deaths, shutdown_without_grace
 from spotrun.orchestrator.supervisor import Outcome, Supervisor
 from spotrun.trainer.job import entrypoint_of, load_entrypoint
 from spotrun.trainer.redirect import routed
@@ -90,6 +90,7 @@ def ensure_ray(spec: JobSpec, address: str | None) -> None:
     import ray
 
     quiet_auth_notice()  # token authentication stays on (Ray's secure default)
+    quiet_worker_deaths()  # each lost rank is told in spotrun's words; the ranks' output comes through polls
     if ray.is_initialized():
         return
     if address:
