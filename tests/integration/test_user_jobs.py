@@ -84,7 +84,7 @@ def test_the_readme_job_runs_in_a_project_with_its_own_trainer_and_orchestrator_
     """The README's example, as a user would lay it out, beside their own trainer.py and orchestrator.py
     (which raise if imported): the ranks import from the working directory, spotrun's own modules are
     spotrun.trainer and spotrun.orchestrator, so nothing is shadowed. Run with the console script, whose
-    sys.path[0] is not the project."""
+    sys.path[0] is not the project; `spotrun inspect --explain` there imports the job as run does."""
     project = tmp_path / "project"
     project.mkdir()
     for name in ("trainer", "orchestrator"):
@@ -99,6 +99,13 @@ def test_the_readme_job_runs_in_a_project_with_its_own_trainer_and_orchestrator_
     assert last["update"] == 30 and set(last["metrics"]) == {"acc"}
     user_state = list((project / "runs/myjob/bundles").glob("*/rank-1/user.pt"))
     assert user_state, "each rank's registered state is in the bundle"
+    # inspect --explain imports the entrypoint as run does: from the working directory
+    bundle = sorted((project / "runs/myjob/bundles").glob("*/manifest.json"))[0].parent.relative_to(project)
+    explained = subprocess.run([str(Path(sys.executable).parent / "spotrun"), "inspect", str(bundle), "--explain",
+                                "myjob.yaml", "--json"], cwd=project, capture_output=True, text=True, timeout=120)
+    assert explained.returncode == 0, explained.stderr[-3000:]
+    nxt = json.loads(explained.stdout)["next"]
+    assert nxt["next_update"] == int(bundle.name[1:11]) + 1 and nxt["next_occurrences"]
 
 
 def test_an_entrypoint_that_cannot_be_imported_is_refused_before_placement(tmp_path):
