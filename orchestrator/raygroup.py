@@ -76,6 +76,8 @@ LEAVE_TIMEOUT_S = 10.0
 # Before a teardown kills the actors, each writes its rank log: a rank still training when a peer failed
 # keeps its lines. Bounded, so that an actor on an unreachable node delays a restart by this at most.
 FLUSH_BEFORE_KILL_S = 2.0
+# A poll waits this long at most for the rank's output to be read (a millisecond, unless the process is starved).
+POLL_DRAIN_S = 0.2
 log = logging.getLogger("spotrun.raygroup")
 
 
@@ -278,6 +280,8 @@ class RankActor:
         """What the rank did and printed since the last poll, and the notices it saw. A run that has
         ended is reported so only once this method's run() returned: the driver tears the group down
         when every rank finished, and the rank log is written by then."""
+        if self._redirect is not None:  # the lines written before this poll come with it
+            self._redirect.drain(timeout=POLL_DRAIN_S)
         report = self._runner().poll()  # first: it clears the news, and a notice after this wakes again
         if report.state != "running" and not self._run_ended.is_set():
             report.state = "running"

@@ -36,12 +36,14 @@ _READ_BYTES = 1 << 16
 
 
 # The copier: a process of its own between each of the rank's descriptors and the one it replaced
-# (argv: triples "read original copy"). It passes every byte on to ``original`` and to ``copy``, which
-# this process reads; being another process, it still passes on what the rank wrote just before it
-# died (a C++ abort's message, a fatal Python error), and it ends when every writer has gone.
+# (argv: the drain marker, then triples "read original copy"). It passes every byte on to ``copy``,
+# which this process reads, and every byte but the drain markers on to ``original``; being another
+# process, it still passes on what the rank wrote just before it died (a C++ abort's message, a
+# fatal Python error), and it ends when every writer has gone.
 _COPIER = """
 import os, select, sys
-ends = {int(r): [int(o), int(c)] for r, o, c in (a.split() for a in sys.argv[1:])}
+marker = sys.argv[1].encode() + b"\\n"
+ends = {int(r): [int(o), int(c)] for r, o, c in (a.split() for a in sys.argv[2:])}
 while ends:
     for r in select.select(list(ends), [], [])[0]:
         chunk = os.read(r, 65536)
@@ -49,7 +51,7 @@ while ends:
             del ends[r]
             continue
         for i, fd in enumerate(ends[r]):
-            view = memoryview(chunk)
+            view = memoryview(chunk.replace(marker, b"") if i == 0 else chunk)
             try:
                 while fd >= 0 and view:
                     view = view[os.write(fd, view):]
@@ -71,7 +73,8 @@ class FdRedirect:
 
     def __init__(self, log: RankLog, keep: Callable[[str], bool] = lambda line: True) -> None:
         self.log, self.keep = log, keep
-        # A line no job writes, behind what was written before a drain; it reaches the process's own log
+        # A line no job writes, behind what was written before a drain (kept out of the process's own log;
+        # one a read of over 64 KiB cuts in two would reach it, harmlessly)
         self._marker = f"[spotrun: rank output drained {os.urandom(6).hex()}]".encode()
         self._drained = {1: threading.Event(), 2: threading.Event()}
         self._drain_lock = threading.Lock()
@@ -80,7 +83,7 @@ class FdRedirect:
                 stream.flush()  # what Python buffered before goes where it was meant to
         originals = {fd: os.dup(fd) for fd in (1, 2)}
         into = {fd: os.pipe() for fd in (1, 2)}
-        self.copier, reads = _start_copier(into, originals)
+        self.copier, reads = _start_copier(into, originals, self._marker)
         if self.copier is not None:
             for fd in originals.values():
                 os.close(fd)  # the copier has its own
@@ -114,7 +117,7 @@ class FdRedirect:
         partial = b""
         while chunk := os.read(read, _READ_BYTES):
             if original is not None:
-                _pass_on(original, chunk)
+                _pass_on(original, chunk.replace(self._marker + b"\n", b""))
             *lines, partial = (partial + chunk).split(b"\n")
             for raw in lines:
                 if raw == self._marker:
@@ -125,8 +128,8 @@ class FdRedirect:
                     self.log.add(stream, text)
 
 
-def _start_copier(into: dict[int, tuple[int, int]],
-                  originals: dict[int, int]) -> tuple[subprocess.Popen[bytes] | None, dict[int, int]]:
+def _start_copier(into: dict[int, tuple[int, int]], originals: dict[int, int],
+                  marker: bytes) -> tuple[subprocess.Popen[bytes] | None, dict[int, int]]:
     """Start the copier between ``into`` (each descriptor's new pipe) and ``originals``; returns it and,
     per descriptor, the end this process reads. Without one (it could not start): None, and the
     ``into`` pipes' read ends."""
@@ -134,8 +137,9 @@ def _start_copier(into: dict[int, tuple[int, int]],
     args = [f"{into[fd][0]} {originals[fd]} {copies[fd][1]}" for fd in into]
     keep = [x for fd in into for x in (into[fd][0], originals[fd], copies[fd][1])]
     try:
-        copier = subprocess.Popen([sys.executable, "-I", "-S", "-c", _COPIER, *args], pass_fds=keep,
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        copier = subprocess.Popen([sys.executable, "-I", "-S", "-c", _COPIER, marker.decode(), *args],
+                                  pass_fds=keep, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
     except OSError:
         for r, w in copies.values():
             os.close(r)
