@@ -158,7 +158,7 @@ class RankActor:
                                      device=device, probe=RankProbe.model_validate_json(probe_json))
             self.output.allow_writes()  # the runner answered the probe before it built the job
         except BaseException:
-            self._flush_output()  # what the job printed before it failed stays in the rank log
+            self.flush_output()  # what the job printed before it failed stays in the rank log
             raise
         return {"process_group_seconds": t1 - t0, "rank_setup_seconds": time.perf_counter() - t1,
                 "device": device, "runtime": self.runner.session.desc.runtime, "probe": self.runner.probe}
@@ -263,23 +263,20 @@ class RankActor:
         finally:
             if self.collective is not None:  # set with the runner
                 self.collective.close()
-            self._flush_output()
+            self.flush_output()
             self._run_ended.set()
 
-    def _flush_output(self) -> None:
-        """Every line this process wrote so far into the rank log's queue (the driver's next poll) and storage."""
+    def flush_output(self) -> None:
+        """Every line this process wrote so far into the rank log's queue (the driver's next poll) and
+        storage: when a run ends, and before a teardown kills this process."""
         if self._redirect is not None:
             self._redirect.drain()
         self.output.flush()
 
-    def flush_output(self) -> None:
-        """Write the rank log now (the group is about to be torn down: this process will be killed)."""
-        self._flush_output()
-
     def poll(self) -> tuple[Report, list[Notice]]:
-        """What the rank did and printed since the last poll, and the notices it saw. A run that has
-        ended is reported so only once this method's run() returned: the driver tears the group down
-        when every rank finished, and the rank log is written by then."""
+        """What the rank did and printed since the last poll, and the notices it saw. A rank whose run
+        ended is reported finished (or stopped) only once run() has returned: the driver tears the
+        group down when every rank has finished, and by then the rank log is written."""
         if self._redirect is not None:  # the lines written before this poll come with it
             self._redirect.drain(timeout=POLL_DRAIN_S)
         report = self._runner().poll()  # first: it clears the news, and a notice after this wakes again
