@@ -123,9 +123,12 @@ class FdRedirect:
                 if raw == self._marker:
                     drained.set()
                     continue
-                text = _as_shown(raw.decode(errors="replace"))
-                if self.keep(text):
-                    self.log.add(stream, text)
+                try:
+                    text = _as_shown(raw.decode(errors="replace"))
+                    if self.keep(text):
+                        self.log.add(stream, text)
+                except Exception:  # the line is lost, never the pump: a pump that stopped
+                    continue  # reading would leave the pipe full and every later write of the rank blocked
 
 
 def _start_copier(into: dict[int, tuple[int, int]], originals: dict[int, int],
@@ -146,7 +149,7 @@ def _start_copier(into: dict[int, tuple[int, int]], originals: dict[int, int],
             os.close(w)
         return None, {fd: into[fd][0] for fd in into}
     for fd in into:
-        os.close(into[fd][0])  # the copier reads them now; a writer sees its end only when it ends
+        os.close(into[fd][0])  # the copier's now: it ends when every process writing to them has ended
         os.close(copies[fd][1])
     return copier, {fd: copies[fd][0] for fd in into}
 
