@@ -132,10 +132,12 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def _explain(a: argparse.Namespace, storage: Storage, key: str, job_id: str, world_size: int) -> dict[str, Any]:
+    from spotrun.orchestrator.launch import check_entrypoint
     from spotrun.trainer.explain import explain_next
     from spotrun.trainer.session import TrainSession
 
     spec = load_spec(a.explain, a.set, a.job_id or job_id)
+    check_entrypoint(spec)  # as `spotrun run` imports it: from the working directory first
     session = TrainSession(spec, world_size=world_size)
     # the local job must fit the bundle exactly as a restore requires, or its explanation is not the bundle's
     return explain_next(session, load_bundle(storage, key, session.desc))

@@ -23,7 +23,10 @@ from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.device import rank_device
 from spotrun.trainer.manifest import Versions
 from spotrun.trainer.rank import RankRunner, Report
+from spotrun.trainer.ranklog import RankLog
+from spotrun.trainer.redirect import working_for
 from spotrun.trainer.spec import JobSpec
+from spotrun.trainer.storage import open_storage
 
 
 class RankLost(RuntimeError):
@@ -114,7 +117,11 @@ class WorkerGroup(Protocol):
 
 
 class InProcessGroup:
-    """World size 1, in this process, training on a background thread (``spotrun run --no-ray``)."""
+    """World size 1, in this process, training on a background thread (``spotrun run --no-ray``).
+
+    What the rank's code writes while this group builds, restores and trains it goes to the rank log
+    and back to the driver with each poll, as on Ray, where ``sys.stdout`` and ``sys.stderr`` are
+    routed (:func:`~spotrun.trainer.redirect.routed`, which ``spotrun run --no-ray`` sets up)."""
 
     poll_interval_s = 0.02  # a poll is a lock and a swap: polling often costs nothing
 
@@ -129,25 +136,37 @@ class InProcessGroup:
         else:
             assigned = [g for g in (visible or "").split(",") if g]
         device = rank_device(spec.world.num_gpus_per_rank, assigned, "local")  # DeviceError: exit 2
-        self.runner = RankRunner(spec, rank=0, world_size=1, attempt=attempt, lineage_id=lineage_id,
-                                 recovery_label=recovery_label, collective=LocalCollective(),
-                                 restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace,
-                                 device=device)
+        self.output = RankLog()
+        self.output.begin(open_storage(spec.storage, spec.storage_endpoint_url, check=False), spec.job_id, attempt,
+                          "rank 0")
+        try:
+            with working_for(self.output):  # the job's build prints as the rank
+                self.runner = RankRunner(spec, rank=0, world_size=1, attempt=attempt, lineage_id=lineage_id,
+                                         recovery_label=recovery_label, collective=LocalCollective(),
+                                         restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace,
+                                         device=device)
+        except BaseException:
+            self.output.close()
+            raise
         self.runtimes = [self.runner.session.desc.runtime]
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def restore(self, bundle_key: str, storage_uri: str | None = None,
                 reset: tuple[str, ...] = ()) -> tuple[float, list[str]]:
-        seconds, mismatches = self.runner.restore(bundle_key, storage_uri=storage_uri, reset=reset)
+        with working_for(self.output):  # the job's load_state_dict prints as the rank
+            seconds, mismatches = self.runner.restore(bundle_key, storage_uri=storage_uri, reset=reset)
         return seconds, [f"rank 0: {m}" for m in mismatches]
 
     def start(self) -> None:
         def target() -> None:
             try:
-                self.runner.run()
+                with working_for(self.output):
+                    self.runner.run()
             except BaseException as e:  # carried to the supervisor's thread by poll()
                 self._error = e
+            finally:
+                self.output.flush()
 
         self._thread = threading.Thread(target=target, name="rank-0", daemon=True)
         self._thread.start()
@@ -156,7 +175,9 @@ class InProcessGroup:
         if self._error is not None:
             raise RankFailed(f"rank 0 raised {type(self._error).__name__}: {self._error}",
                              refusal=refuses(self._error)) from self._error
-        return [self.runner.poll()]
+        report = self.runner.poll()
+        report.output = self.output.take()
+        return [report]
 
     def wait(self, seconds: float, wake: threading.Event) -> None:
         # ``wake`` is not watched: the interval is a fiftieth of a second
@@ -169,7 +190,13 @@ class InProcessGroup:
         self.runner.request(checkpoint, stop)
 
     def salvage(self) -> list[Report]:
-        return []  # a lost in-process rank took this whole process with it
+        """Only what the rank printed before it raised (a lost in-process rank took this whole process
+        with it: there is no loss to salvage from)."""
+        lines = self.output.take()
+        if not lines:
+            return []
+        return [Report(rank=0, last_update=0, output=lines,
+                       storage_retries=getattr(self.runner.storage, "retries", 0))]
 
     def take_notices(self) -> list[Notice]:
         return []  # in this process, the supervisor's own watchers see everything
@@ -182,3 +209,4 @@ class InProcessGroup:
         if self._thread is not None:
             self.runner.abort()
             self._thread.join()
+        self.output.close()

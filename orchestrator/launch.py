@@ -24,9 +24,10 @@ from contextlib import contextmanager
 from spotrun.orchestrator.groups import InProcessGroup
 from spotrun.orchestrator.notices import ImdsWatcher
 from spotrun.orchestrator.progress import Progress
-from spotrun.orchestrator.ray_internals import quiet_auth_notice, shutdown_without_grace
+from spotrun.orchestrator.ray_internals import quiet_auth_notice, quiet_worker_deaths, shutdown_without_grace
 from spotrun.orchestrator.supervisor import Outcome, Supervisor
 from spotrun.trainer.job import entrypoint_of, load_entrypoint
+from spotrun.trainer.redirect import routed
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.storage import open_storage
 
@@ -46,16 +47,21 @@ def run_in_process(spec: JobSpec, *, trace_path: str | None = None, record_ids: 
                    init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = (),
                    drop: tuple[str, ...] = (), progress: Progress | None = None) -> Outcome:
     """World size 1 without Ray: the rank trains on a thread of this process. ``preemption.imds_url``
-    is watched here as on a Ray node: a spot notice for this machine drains the job like SIGTERM."""
-    sup = in_process_supervisor(spec, trace_path=trace_path, record_ids=record_ids, init_from=init_from,
-                                reset=reset, drop=drop, progress=progress)
-    p = spec.preemption
-    watcher = ImdsWatcher(p.imds_url, p.imds_poll_s, None, None, sup.notify).start() if p.imds_url else None
-    try:
-        return sup.run()
-    finally:
-        if watcher is not None:
-            watcher.stop()
+    is watched here as on a Ray node: a spot notice for this machine drains the job like SIGTERM.
+
+    ``sys.stdout`` and ``sys.stderr`` are routed from before the entrypoint is imported, so that a
+    library that keeps the stream it finds at import (transformers' logging) keeps the router: what
+    the rank's thread writes is then its output, printed ``[rank 0] ...`` and kept in its rank log."""
+    with routed():
+        sup = in_process_supervisor(spec, trace_path=trace_path, record_ids=record_ids, init_from=init_from,
+                                    reset=reset, drop=drop, progress=progress)
+        p = spec.preemption
+        watcher = ImdsWatcher(p.imds_url, p.imds_poll_s, None, None, sup.notify).start() if p.imds_url else None
+        try:
+            return sup.run()
+        finally:
+            if watcher is not None:
+                watcher.stop()
 
 
 def in_process_supervisor(spec: JobSpec, *, trace_path: str | None = None, record_ids: bool = False,
@@ -84,6 +90,7 @@ def ensure_ray(spec: JobSpec, address: str | None) -> None:
     import ray
 
     quiet_auth_notice()  # token authentication stays on (Ray's secure default)
+    quiet_worker_deaths()  # each lost rank is told in spotrun's words; the ranks' output comes through polls
     if ray.is_initialized():
         return
     if address:

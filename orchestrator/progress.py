@@ -13,11 +13,15 @@ stderr, as before, and adds nothing here: a refused ``spotrun run`` prints nothi
   ``every`` updates and at the last one, and the event lines, nothing redrawn.
 - :class:`NullProgress` (``--quiet``).
 
+The ranks' own output (what the job's code prints, warns and logs) is not progress: every renderer,
+``--quiet`` too, leaves it to :func:`echo_rank_output`, which prints each line prefixed with its rank.
+
 The figures are for reading only: rates come from this process's clock and nothing is recorded.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from typing import IO, Protocol
@@ -40,6 +44,7 @@ from spotrun.orchestrator.ledger import (
     WorkerLost,
     _Event,
 )
+from spotrun.trainer.ranklog import RankLine
 from spotrun.trainer.trace import UpdateRecord
 
 
@@ -232,3 +237,15 @@ def for_terminal(total: int, samples_per_update: int, out: IO[str], quiet: bool 
     if out.isatty():
         return LiveProgress(total, samples_per_update, Console(file=out))
     return PlainProgress(total, samples_per_update, out)
+
+
+def echo_rank_output(lines: Sequence[RankLine]) -> None:
+    """Print the ranks' lines, each prefixed with the rank that wrote it (``[rank 1] ...``; the rank it
+    was at the time: a warm restart may renumber a process), on this process's stream of the same
+    name: a rank's stdout on stdout, its stderr (warnings, logging) on stderr. The streams are looked
+    up at each call, so that a live progress bar, which stands in for them while it is drawn, prints
+    the lines above itself."""
+    for line in lines:
+        (sys.stderr if line.stream == "stderr" else sys.stdout).write(f"[{line.label}] {line.text}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()

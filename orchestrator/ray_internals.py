@@ -8,7 +8,12 @@ secured cluster (Ray 2.60's default) wants from a Jobs client, so spotrun uses:
 - ``ray._private.authentication.authentication_token_setup.maybe_enable_token_auth_if_token_available``:
   ``spotrun submit`` authenticating to a token-secured cluster;
 - ``ray._private.worker._global_node.kill_all_processes``: ending an embedded Ray whose
-  processes block SIGTERM without the futile graceful SIGTERM (:func:`shutdown_without_grace`).
+  processes block SIGTERM without the futile graceful SIGTERM (:func:`shutdown_without_grace`);
+- the control lines a Ray worker prints for its log monitor (``:actor_name:RankActor``, ...),
+  which a rank's own output leaves out (:func:`is_ray_control_line`);
+- ``ray._private.worker.print_to_stdstream``, through which a driver prints the errors Ray
+  publishes: spotrun leaves out the raylet's notice of a worker that died (it reports each
+  lost rank itself, with its cause) (:func:`quiet_worker_deaths`).
 
 A Ray release may rename or reshape any of them. Each is resolved here when the feature
 starts, so a change surfaces at once as :class:`RayInternalsChanged` naming the API, the
@@ -87,6 +92,55 @@ def drain_reader(gcs_address: str) -> Callable[[], set[str]]:
     return read
 
 
+# Ray's worker prints these at the start of a line on its stdout and stderr to tell its log monitor which
+# actor, task or job the following lines belong to (ray._private.ray_constants.LOG_PREFIX_*).
+RAY_CONTROL_PREFIXES = (":actor_name:", ":task_name:", ":job_id:")
+
+
+def is_ray_control_line(line: str) -> bool:
+    """Whether ``line`` is one of Ray's own control lines rather than output of the job's code. A Ray
+    that renamed them only makes such a line appear among a rank's output: nothing fails."""
+    return line.startswith(RAY_CONTROL_PREFIXES)
+
+
+# The raylet's error when a worker process dies (killed, or a spot machine gone): spotrun says it in its own words.
+WORKER_DIED = "A worker died or was killed while executing a task by an unexpected system error"
+
+
+def quiet_worker_deaths() -> None:
+    """Keep the raylet's worker-death notices off this driver's terminal: every lost rank is already
+    told there ("attempt 1: rank 1 lost (process-exit) ..."), with its cause and what the restart did,
+    and the deliberate kills of ``make demo`` or ``spotrun verify`` are no system error. Everything else
+    Ray publishes is printed as before. A Ray without this function prints the notice, as it would
+    anyway (said once in the log)."""
+    try:
+        from ray._private import worker
+    except ImportError as e:  # pragma: no cover - every Ray has it; a changed one only prints more
+        _warn_once(str(_changed("ray._private.worker", e, "Ray's worker-death notices stay on the terminal.")))
+        return
+    printer = getattr(worker, "print_to_stdstream", None)
+    if printer is None:
+        _warn_once(str(_changed("ray._private.worker.print_to_stdstream", AttributeError("missing"),
+                                "Ray's worker-death notices stay on the terminal.")))
+        return
+    if getattr(printer, "spotrun_quiet", False):
+        return
+
+    def without_worker_deaths(data: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        if data.get("pid") == "raylet" and any(str(line).startswith(WORKER_DIED) for line in data.get("lines", [])):
+            return
+        printer(data, *args, **kwargs)
+
+    without_worker_deaths.spotrun_quiet = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = without_worker_deaths  # looked up at each call by Ray's error listener
+
+
+def _warn_once(text: str) -> None:
+    if text not in _warned:
+        _warned.add(text)
+        log.warning(text)
+
+
 def quiet_auth_notice() -> None:
     """Ray's start-up notice that token authentication is on is its secure default, not news."""
     logging.getLogger(AUTH_LOGGER).setLevel(logging.ERROR)
@@ -127,9 +181,6 @@ def shutdown_without_grace() -> None:
 
             node.kill_all_processes = without_grace  # this node object only; Ray's shutdown calls it
     except AttributeError as e:
-        text = str(_changed("ray._private.worker._global_node.kill_all_processes", e,
-                            "Shutting down the ordinary way (a few seconds slower)."))
-        if text not in _warned:
-            _warned.add(text)
-            log.warning(text)
+        _warn_once(str(_changed("ray._private.worker._global_node.kill_all_processes", e,
+                                "Shutting down the ordinary way (a few seconds slower).")))
     ray.shutdown()

@@ -34,12 +34,15 @@ from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLos
 from spotrun.orchestrator.ledger import RecoveryPath
 from spotrun.orchestrator.notices import ImdsWatcher, Notice, install_signal_notices
 from spotrun.orchestrator.priority import run_at_normal_priority
+from spotrun.orchestrator.ray_internals import is_ray_control_line
 from spotrun.trainer.bundle import BundleError
 from spotrun.trainer.collective import Collective, LocalCollective, TorchCollective
 from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.device import rank_device
 from spotrun.trainer.manifest import Manifest, ManifestError
 from spotrun.trainer.rank import RankRunner, Report
+from spotrun.trainer.ranklog import RankLog
+from spotrun.trainer.redirect import FdRedirect
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.storage import Storage, open_storage
@@ -70,6 +73,11 @@ STARTUP_TIMEOUT_S = 300.0
 # How long a survivor's run may take to stop after a loss: it ends at its next boundary or as soon as
 # a collective with the lost rank fails; one still running after this is stuck (it is lost as well).
 LEAVE_TIMEOUT_S = 10.0
+# Before a teardown kills the actors, each writes its rank log: a rank still training when a peer failed
+# keeps its lines. Bounded, so that an actor on an unreachable node delays a restart by this at most.
+FLUSH_BEFORE_KILL_S = 2.0
+# A poll waits this long at most for the rank's output to be read (a millisecond, unless the process is starved).
+POLL_DRAIN_S = 0.2
 log = logging.getLogger("spotrun.raygroup")
 
 
@@ -89,6 +97,10 @@ class RankActor:
         self.device = "cpu"
         self._run_ended = threading.Event()  # clear while run() trains: leave() waits for it
         self._run_ended.set()
+        # What this process writes (the job's prints, warnings and logging, C extensions, loader
+        # workers) goes to the rank log and, with each poll, to the driver (trainer/ranklog.py)
+        self.output = RankLog()
+        self._redirect: FdRedirect | None = None
         # __init__ runs on the actor's main thread, the only one that may install signal handlers:
         # a SIGTERM to this process becomes a notice instead of an exit. _on_notice runs on the
         # notices' own thread, never in the handler, so its lock and the runner's wake are safe.
@@ -102,6 +114,16 @@ class RankActor:
             self._notices.append(notice)
         if self.runner is not None:
             self.runner.wake()  # the supervisor's wait ends: the notice is in its next poll
+
+    def _log_as(self, spec: JobSpec, attempt: int, label: str, *, write: bool = True) -> None:
+        """Label this process's lines ``label`` ("rank 1") from now on, kept in ``attempt``'s rank log
+        (``write=False``: not written to storage before the driver's storage probe is answered)."""
+        if self._redirect is None:
+            self._redirect = FdRedirect(self.output, keep=lambda line: not is_ray_control_line(line))
+        else:
+            self._redirect.drain()  # what the previous attempt wrote keeps its label
+        self.output.begin(open_storage(spec.storage, spec.storage_endpoint_url, check=False), spec.job_id, attempt,
+                          label, write=write)
 
     def where(self) -> dict[str, Any]:
         return {**this_node().model_dump(), "pid": os.getpid()}
@@ -121,17 +143,23 @@ class RankActor:
         t0 = time.perf_counter()
         run_at_normal_priority()  # before the process group's threads start: they inherit it
         spec = JobSpec.model_validate_json(spec_json)
+        self._log_as(spec, attempt, f"rank {rank}", write=False)  # the storage probe comes first
         self.rank, self.grace_s = rank, spec.preemption.grace_s
-        assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-        device = rank_device(spec.world.num_gpus_per_rank, assigned, self.node_id)  # DeviceError: exit 2
-        self.device = device
-        self._watch(spec, rank)
-        collective = self._join(spec, init_method, rank, world_size)
-        t1 = time.perf_counter()
-        self.runner = RankRunner(spec, rank=rank, world_size=world_size, attempt=attempt, lineage_id=lineage_id,
-                                 recovery_label=recovery_label, collective=collective,
-                                 restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace,
-                                 device=device, probe=RankProbe.model_validate_json(probe_json))
+        try:
+            assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+            device = rank_device(spec.world.num_gpus_per_rank, assigned, self.node_id)  # DeviceError: exit 2
+            self.device = device
+            self._watch(spec, rank)
+            collective = self._join(spec, init_method, rank, world_size)
+            t1 = time.perf_counter()
+            self.runner = RankRunner(spec, rank=rank, world_size=world_size, attempt=attempt, lineage_id=lineage_id,
+                                     recovery_label=recovery_label, collective=collective,
+                                     restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace,
+                                     device=device, probe=RankProbe.model_validate_json(probe_json))
+            self.output.allow_writes()  # the runner answered the probe before it built the job
+        except BaseException:
+            self.flush_output()  # what the job printed before it failed stays in the rank log
+            raise
         return {"process_group_seconds": t1 - t0, "rank_setup_seconds": time.perf_counter() - t1,
                 "device": device, "runtime": self.runner.session.desc.runtime, "probe": self.runner.probe}
 
@@ -158,16 +186,19 @@ class RankActor:
         return collective
 
     def prepare(self, spec_json: str, world_size: int, restore_mode: RestoreMode | None, drop: tuple[str, ...],
-                trace: bool, probe_json: str, number: int) -> dict[str, Any]:
-        """A spare: pick the device, answer the driver's storage probe (``probe_json``; as rank
-        ``number``, past the world's), build the job and its state (as rank 0 of ``world_size``;
-        :meth:`rejoin` gives it its place) and wait."""
+                trace: bool, probe_json: str, number: int, attempt: int) -> dict[str, Any]:
+        """A spare placed during ``attempt``: pick the device, answer the driver's storage probe
+        (``probe_json``; as rank ``number``, past the world's), build the job and its state (as rank 0
+        of ``world_size``; :meth:`rejoin` gives it its place) and wait. Its lines until then are
+        ``spare <number>``'s, in that attempt's rank logs."""
         run_at_normal_priority()
         spec = JobSpec.model_validate_json(spec_json)
+        self._log_as(spec, attempt, f"spare {number}", write=False)
         assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
         self.device = rank_device(spec.world.num_gpus_per_rank, assigned, self.node_id)
         probe = RankProbe(driver=Probe.model_validate_json(probe_json), rank=number, node=this_node())
         answer = answer_probe(open_storage(spec.storage, spec.storage_endpoint_url), probe)
+        self.output.allow_writes()
         self.session = TrainSession(spec, rank=0, world_size=world_size, attempt=0, restore_mode=restore_mode,
                                     drop=drop, digests=trace, device=self.device)
         return {"probe": answer, **self.where()}
@@ -197,6 +228,7 @@ class RankActor:
         from memory (trainer/warm.py; ``NotInMemory`` when a file is held nowhere)."""
         t0 = time.perf_counter()
         spec = JobSpec.model_validate_json(spec_json)
+        self._log_as(spec, attempt, f"rank {rank}")  # a warm restart may renumber this process
         session = self.runner.session if self.runner is not None else self.session
         if session is None:
             raise RuntimeError("rejoin: this process has no built job (neither a rank nor a prepared spare)")
@@ -231,10 +263,26 @@ class RankActor:
         finally:
             if self.collective is not None:  # set with the runner
                 self.collective.close()
+            self.flush_output()
             self._run_ended.set()
 
+    def flush_output(self) -> None:
+        """Every line this process wrote so far into the rank log's queue (the driver's next poll) and
+        storage: when a run ends, and before a teardown kills this process."""
+        if self._redirect is not None:
+            self._redirect.drain()
+        self.output.flush()
+
     def poll(self) -> tuple[Report, list[Notice]]:
+        """What the rank did and printed since the last poll, and the notices it saw. A rank whose run
+        ended is reported finished (or stopped) only once run() has returned: the driver tears the
+        group down when every rank has finished, and by then the rank log is written."""
+        if self._redirect is not None:  # the lines written before this poll come with it
+            self._redirect.drain(timeout=POLL_DRAIN_S)
         report = self._runner().poll()  # first: it clears the news, and a notice after this wakes again
+        if report.state != "running" and not self._run_ended.is_set():
+            report.state = "running"
+        report.output = self.output.take()
         with self._lock:
             notices, self._notices = self._notices, []
         return report, notices
@@ -409,7 +457,7 @@ class RayGroup:
         self._spares_placed += 1
         ready = actor.prepare.remote(self.spec.model_dump_json(), self.world_size, self._restore_mode, self._drop,
                                      self.trace, self._spare_probe.model_dump_json(),
-                                     self.world_size + self._spares_placed - 1)
+                                     self.world_size + self._spares_placed - 1, attempt)
         self.spares.append(Spare(actor, ready, (pg, index)))
 
     def _ready_spares(self, needed: int, among: list[Spare] | None = None) -> list[Spare]:
@@ -676,6 +724,10 @@ class RayGroup:
         return [w_["pid"] for w_ in self.where]
 
     def teardown(self) -> None:
+        if self.actors:  # best effort: a dead or unreachable rank's call fails or is not waited for (a spare,
+            # which may still be starting, keeps what its log wrote every few seconds)
+            flushes = [a.flush_output.remote() for a in self.actors]
+            ray.wait(flushes, num_returns=len(flushes), timeout=FLUSH_BEFORE_KILL_S)
         for a in [*self.actors, *(s.actor for s in self.spares)]:
             ray.kill(a, no_restart=True)
         self.actors, self.spares = [], []

@@ -54,7 +54,7 @@ from spotrun.orchestrator.ledger import (
 )
 from spotrun.orchestrator.notices import Notice, install_signal_notices
 from spotrun.orchestrator.offsets import OffsetsStore
-from spotrun.orchestrator.progress import NullProgress, Progress
+from spotrun.orchestrator.progress import NullProgress, Progress, echo_rank_output
 from spotrun.orchestrator.publisher import Publisher, PublishError
 from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, first_that_loads, list_bundles, read_manifest
 from spotrun.trainer.counters import Counters
@@ -62,6 +62,7 @@ from spotrun.trainer.data.listing import open_source
 from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.faults import FaultInjector, FaultLog
 from spotrun.trainer.manifest import Manifest, UnknownSchemaError, runtime_differences
+from spotrun.trainer.ranklog import RankLine
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import TraceWriter
@@ -187,8 +188,10 @@ class Supervisor:
                  request_capacity: Callable[[int], None] = lambda ranks: None,
                  room_for: Callable[[int], bool] = lambda extra: True,
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
-                 progress: Progress | None = None, oracle_acts: bool = True) -> None:
+                 progress: Progress | None = None, oracle_acts: bool = True,
+                 echo: Callable[[list[RankLine]], None] = echo_rank_output) -> None:
         self.spec = spec
+        self.echo = echo  # the lines the ranks' code wrote, each poll's (progress.echo_rank_output prints them)
         self.oracle_acts = oracle_acts  # False only for verify --mutate's deliberately broken build
         self.progress = progress or NullProgress()  # what the terminal shows (spotrun run)
         self.make_group = make_group
@@ -673,7 +676,11 @@ class Supervisor:
                           RankLost(n.rank, f"notice:{n.source}", f"drained after publishing {key}", n.node_id))
 
     def _absorb(self, st: Running, reports: list) -> None:
-        """Progress and trace lines from rank reports; publish every bundle all ranks have written."""
+        """The ranks' output, progress and trace lines from rank reports; publish every bundle all ranks
+        have written."""
+        output = [line for r in reports for line in r.output]
+        if output:
+            self.echo(output)
         progressed = max((r.last_update for r in reports), default=st.last_update)
         now = self.clock()
         if progressed > st.last_update and st.progress_at is not None:

@@ -43,6 +43,7 @@ from spotrun.trainer.manifest import Manifest
 from spotrun.trainer.metric_writer import BackgroundWriter
 from spotrun.trainer.metrics import MetricSink, NullSink, metrics_dir, open_sinks, points_of
 from spotrun.trainer.overlap import WriteOverlap
+from spotrun.trainer.ranklog import RankLine
 from spotrun.trainer.session import TrainSession
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.state import CopiesDone
@@ -78,6 +79,8 @@ class Report:
     bundles: list[BundleReport] = field(default_factory=list)
     state: str = "running"  # running | finished | stopped | aborted
     storage_retries: int = 0  # transient storage errors this rank retried so far (cumulative)
+    # the lines the rank's code wrote since the last poll (its process or thread fills them in: trainer/ranklog.py)
+    output: list[RankLine] = field(default_factory=list)
 
 
 class RankRunner:

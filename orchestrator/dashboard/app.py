@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
@@ -33,6 +33,7 @@ ENDPOINTS = {
     "/api/jobs/{job_id}/bundles?verify=false": "bundles, published or orphaned; verify=true checks every checksum",
     "/api/jobs/{job_id}/metrics?name=": "final metric points (one per update) and the writes a restart replaced",
     "/api/jobs/{job_id}/events": "the ledger, event by event (an unparsable file is an event of kind corrupt)",
+    "/api/jobs/{job_id}/logs": "the rank logs (what each rank's code wrote) per attempt, with each text's address",
     "/metrics": "Prometheus text format: spotrun_* gauges, one sample per job labelled job=<id>",
     "/api/labs/modular?m=8&a=3&steps=0&predict_at=&predict=": "the modular lab's state and whole history",
     "/api/labs/descent?eta=0.5&x0=2&steps=0&predict_at=&predict=": "the optimization instrument's history",
@@ -85,7 +86,12 @@ def create_app(storage: Storage | str, *, token: str | None = None, endpoint_url
                     timeline_svg=Markup(charts.timeline(job["timeline"])),
                     loss_svg=Markup(charts.loss_curve(job["loss"])),
                     goodput_svg=Markup(charts.goodput_bars(job["history"]["goodput"])),
-                    refresh=job["summary"]["state"] == "running")
+                    rank_logs=reader.rank_logs(job_id), refresh=job["summary"]["state"] == "running")
+
+    @app.get("/jobs/{job_id}/logs/{attempt}/{name}", response_class=PlainTextResponse)
+    def rank_log(job_id: str, attempt: int, name: str) -> PlainTextResponse:
+        # plain text, and the guard's nosniff: a line that looks like HTML is shown, never rendered
+        return PlainTextResponse(reader.rank_log(job_id, attempt, name))
 
     @app.get("/labs", response_class=HTMLResponse)
     def labs_page() -> HTMLResponse:
@@ -122,6 +128,10 @@ def create_app(storage: Storage | str, *, token: str | None = None, endpoint_url
     @app.get("/api/jobs/{job_id}/events")
     def api_events(job_id: str) -> list[dict[str, Any]]:
         return reader.events(job_id)
+
+    @app.get("/api/jobs/{job_id}/logs")
+    def api_logs(job_id: str) -> list[dict[str, Any]]:
+        return reader.rank_logs(job_id)
 
     @app.get("/api/labs/modular")
     def api_modular(m: int = 8, a: int = 3, steps: int = Query(0), predict_at: int | None = None,

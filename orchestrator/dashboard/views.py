@@ -15,13 +15,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from spotrun.orchestrator.dashboard import observed
-from spotrun.orchestrator.dashboard.access import job_ids, require_job
+from spotrun.orchestrator.dashboard.access import JobNotFound, job_ids, require_job
 from spotrun.orchestrator.dashboard.checksums import ChecksumCache
 from spotrun.orchestrator.dashboard.points import LogCache, ObjectCache, Points, read_points, replaced
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.ledger import CorruptEvent, Ledger
 from spotrun.trainer.bundle import BundleError, list_bundles, read_manifest
 from spotrun.trainer.manifest import ManifestError
+from spotrun.trainer.ranklog import list_rank_logs, read_rank_log
 from spotrun.trainer.storage import Storage
 
 QUIET_AFTER_S = 300.0  # a "running" job silent this long is flagged: its driver may be gone
@@ -100,6 +101,22 @@ class Reader:
                 doc = {"kind": doc.pop("kind"), "attempt": doc.pop("attempt"), "at": doc.pop("at"), **doc}
             out.append(doc)
         return out
+
+    def rank_logs(self, job_id: str) -> list[dict[str, Any]]:
+        """Every rank log of the job (what each rank's code wrote, per attempt), with the address of its text."""
+        require_job(self.storage, job_id)
+        return [{"attempt": ref.attempt, "rank": ref.label, "segments": len(ref.keys),
+                 "url": f"/jobs/{job_id}/logs/{ref.attempt}/{ref.label.replace(' ', '-')}"}
+                for ref in list_rank_logs(self.storage, job_id)]
+
+    def rank_log(self, job_id: str, attempt: int, name: str) -> str:
+        """The text of one rank log (``name``: ``rank-1``), found among the job's logs, never built into a
+        key from the request: :class:`~.access.JobNotFound` when there is none of that attempt and name."""
+        require_job(self.storage, job_id)
+        for ref in list_rank_logs(self.storage, job_id):
+            if ref.attempt == attempt and ref.label.replace(" ", "-") == name:
+                return read_rank_log(self.storage, ref)
+        raise JobNotFound(f"job {job_id!r} has no log of {name!r} in attempt {attempt}")
 
     def _bundles(self, job_id: str, hist: dict[str, Any], verify: bool) -> tuple[list[dict[str, Any]], int | None]:
         """The bundles table (newest first) and the job's total updates from the newest readable manifest."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any
 
 import torch
@@ -301,11 +302,16 @@ def forgetful_state(ctx: spotrun.BuildContext) -> spotrun.Job:
 
 def raises_every_attempt(ctx: spotrun.BuildContext) -> spotrun.Job:
     """A regression whose step raises at its fourth call in every process: each attempt fails the same way
-    (a bug, not a lost machine)."""
+    (a bug, not a lost machine). On the way it says where it is: a print when built, and a print and a
+    warning at its first step (the first update's, so on every rank before any rank's fourth call)."""
     calls = Calls()  # deliberately not in ``state``: every attempt counts from zero
+    print(f"raises_every_attempt: built as rank {ctx.rank} of {ctx.world_size}")
 
     def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         calls.n += 1
+        if calls.n == 1:
+            print(f"raises_every_attempt: first step as rank {ctx.rank}")
+            warnings.warn(f"raises_every_attempt: a warning from the step of rank {ctx.rank}", stacklevel=1)
         if calls.n == 4:
             raise RuntimeError(f"the step's own bug (call {calls.n} in this process)")
         return regression(model, batch)

@@ -16,6 +16,7 @@ from spotrun.orchestrator.launch import run_on_ray
 from spotrun.orchestrator.ledger import BundlePublished, Ledger
 from spotrun.trainer.bundle import list_bundles
 from spotrun.trainer.faults import FaultLog
+from spotrun.trainer.ranklog import list_rank_logs, read_rank_log
 from spotrun.trainer.storage import Storage, open_storage
 from spotrun.trainer.trace import UpdateRecord
 from tests.conftest import ROOT
@@ -158,3 +159,23 @@ def hide_bundle_files(root: Path, job: str) -> list[Path]:
                 f.rename(f.with_name(f.name + ".hidden"))
                 hidden.append(f)
     return hidden
+
+
+def assert_rank_output(stdout: str, stderr: str, storage: Storage, job: str, attempts: list[int],
+                       ranks: list[int]) -> None:
+    """A run of ``tests.helpers.jobs:raises_every_attempt`` said, through the driver (its ``stdout`` and
+    ``stderr``), what each rank printed and warned in each attempt, each line prefixed with that rank;
+    and each attempt's rank log in ``storage`` holds its rank's lines."""
+    for r in ranks:
+        built = f"[rank {r}] raises_every_attempt: built as rank {r} of {len(ranks)}"
+        stepped = f"[rank {r}] raises_every_attempt: first step as rank {r}"
+        assert stdout.count(built) == len(attempts) and stdout.count(stepped) == len(attempts), stdout[-3000:]
+        warned = [line for line in stderr.splitlines() if f"a warning from the step of rank {r}" in line]
+        assert len(warned) == len(attempts), stderr[-3000:]
+        assert all(line.startswith(f"[rank {r}] ") and "UserWarning" in line for line in warned), warned
+    logs = {(ref.attempt, ref.label): read_rank_log(storage, ref) for ref in list_rank_logs(storage, job)}
+    assert sorted(logs) == [(a, f"rank {r}") for a in attempts for r in ranks]
+    for (_, label), text in logs.items():
+        r = label.split()[1]
+        assert f"built as rank {r} of" in text and f"first step as rank {r}" in text, text
+        assert f"UserWarning: raises_every_attempt: a warning from the step of rank {r}" in text, text

@@ -37,7 +37,7 @@ from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import make_spec
 from tests.helpers.ray_local import local_cluster
-from tests.helpers.runs import Background, hide_bundle_files, hold
+from tests.helpers.runs import Background, assert_rank_output, hide_bundle_files, hold
 
 pytestmark = pytest.mark.slow
 # Dropout on: the global generators are seeded per micro-batch, which is the same sequences at
@@ -263,15 +263,19 @@ def test_strict_survives_three_preemptions_with_one_failure_allowed_and_resumes_
     assert first_divergence(ref_trace, list(final.values())) is None and len(final) == 30
 
 
-def test_a_step_that_raises_on_every_attempt_fails_after_max_restarts_failures(cluster, tmp_path):
+def test_a_step_that_raises_on_every_attempt_fails_after_max_restarts_failures(cluster, tmp_path, capsys):
     """The job's own error is a failure: restarted within world.max_restarts (here 1, after a short
-    backoff), then the job fails with that error; no node was lost, so no preemption is counted."""
+    backoff), then the job fails with that error; no node was lost, so no preemption is counted.
+    What the ranks printed and warned before they raised reached the driver, each line prefixed with
+    its rank, and is in each attempt's rank log beside the job's storage."""
     two_workers(cluster)
     spec = make_spec(tmp_path, *SETS, "world.max_restarts=1", "world.crash_loop_failures=5",
                      "job.entrypoint=tests.helpers.jobs:raises_every_attempt", job_id="raises")
     with pytest.raises(RankFailed, match=r"the step's own bug .*not restarted: 2 failures, more than "
                                          r"world.max_restarts=1") as raised:
         run_on_ray(spec)
+    said = capsys.readouterr()
+    assert_rank_output(said.out, said.err, open_storage(spec.storage), "raises", attempts=[1, 2], ranks=[0, 1])
     events = Ledger(open_storage(spec.storage), spec.job_id).read()
     losses = [e for e in events if isinstance(e, WorkerLost)]
     assert [(e.attempt, e.cause, e.loss) for e in losses] == [(1, "error", "failure"), (2, "error", "failure")]

@@ -381,6 +381,27 @@ def test_s3_sink_needs_s3_storage(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_rank_log_on_s3_is_written_in_segments_and_reads_back_whole(moto, bucket, monkeypatch):
+    """A rank log's open segment is one object rewritten as it grows, closed at its size; the log reads
+    back as the rank wrote it (what the dashboard serves)."""
+    from spotrun.trainer import ranklog
+
+    monkeypatch.setattr(ranklog, "SEGMENT_BYTES", 40)
+    s = storage(moto, bucket)
+    log = ranklog.RankLog(flush_every_s=3600)
+    log.begin(s, "job", 3, "rank 1")
+    lines = [f"line {i}: a rank's output" for i in range(5)]  # 24 bytes each: one segment holds one
+    for line in lines[:2]:
+        log.add("stdout", line)
+    log.flush()
+    for line in lines[2:]:
+        log.add("stderr", line)
+    log.close()
+    [ref] = ranklog.list_rank_logs(s, "job")
+    assert (ref.attempt, ref.label, len(ref.keys)) == (3, "rank 1", 5)
+    assert ranklog.read_rank_log(s, ref) == "".join(f"{line}\n" for line in lines)
+
+
 def test_job_on_s3_publishes_and_resumes(moto, bucket, tmp_path):
     """A job with its bundles, ledger and metrics on S3 finishes; run again, it resumes from
     its final bundle (verified: checksums, compatibility) and has nothing left to train."""

@@ -1,5 +1,6 @@
 """Users' own jobs through the public API: proven by `spotrun verify` on 2 Ray ranks, mutants caught,
-unregistered state caught, bad input refused before training, and no shadowing by a user's modules."""
+unregistered state caught, bad input refused before training, no shadowing by a user's modules, and
+what a user's rank prints reaching the terminal and its rank log."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from spotrun.trainer.storage import open_storage
 from tests.conftest import ROOT
+from tests.helpers.runs import assert_rank_output
 
 pytestmark = pytest.mark.slow
 EXAMPLES = {"digits": "examples/digits/digits.yaml", "bpe_lm": "examples/bpe_lm/bpe_lm.yaml",
@@ -81,7 +84,7 @@ def test_the_readme_job_runs_in_a_project_with_its_own_trainer_and_orchestrator_
     """The README's example, as a user would lay it out, beside their own trainer.py and orchestrator.py
     (which raise if imported): the ranks import from the working directory, spotrun's own modules are
     spotrun.trainer and spotrun.orchestrator, so nothing is shadowed. Run with the console script, whose
-    sys.path[0] is not the project."""
+    sys.path[0] is not the project; `spotrun inspect --explain` there imports the job as run does."""
     project = tmp_path / "project"
     project.mkdir()
     for name in ("trainer", "orchestrator"):
@@ -96,6 +99,13 @@ def test_the_readme_job_runs_in_a_project_with_its_own_trainer_and_orchestrator_
     assert last["update"] == 30 and set(last["metrics"]) == {"acc"}
     user_state = list((project / "runs/myjob/bundles").glob("*/rank-1/user.pt"))
     assert user_state, "each rank's registered state is in the bundle"
+    # inspect --explain imports the entrypoint as run does: from the working directory
+    bundle = sorted((project / "runs/myjob/bundles").glob("*/manifest.json"))[0].parent.relative_to(project)
+    explained = subprocess.run([str(Path(sys.executable).parent / "spotrun"), "inspect", str(bundle), "--explain",
+                                "myjob.yaml", "--json"], cwd=project, capture_output=True, text=True, timeout=120)
+    assert explained.returncode == 0, explained.stderr[-3000:]
+    nxt = json.loads(explained.stdout)["next"]
+    assert nxt["next_update"] == int(bundle.name[1:11]) + 1 and nxt["next_occurrences"]
 
 
 def test_an_entrypoint_that_cannot_be_imported_is_refused_before_placement(tmp_path):
@@ -119,3 +129,15 @@ def test_a_changed_entrypoint_refuses_the_restore_and_says_how_to_start_a_new_li
     assert second.returncode == 2
     assert "job code" in second.stderr and "--init-from" in second.stderr
     assert "fp/bundles/u0000000003-a1" in second.stderr.replace("\n", "")
+
+
+def test_without_ray_what_a_rank_prints_and_warns_reaches_the_terminal_prefixed_and_its_rank_log(tmp_path):
+    """--no-ray: the rank is a thread of the driver, and its build's print, its step's print and warning
+    still come out as its lines, ``[rank 0] ...`` (print on stdout, the warning on stderr), and are kept
+    in the attempt's rank log; the job's own error then fails it (exit 2)."""
+    done = spotrun("run", str(ROOT / "configs/tiny.yaml"), "--no-ray", "--job-id", "said",
+                   "--set", "job.entrypoint=tests.helpers.jobs:raises_every_attempt", "--set", "world.size=1",
+                   "--set", "world.max_restarts=0", "--set", f"storage=file://{tmp_path / 'runs'}", timeout=120)
+    assert done.returncode == 2 and "the step's own bug" in done.stderr, done.stderr[-3000:]
+    runs = open_storage(f"file://{tmp_path / 'runs'}")
+    assert_rank_output(done.stdout, done.stderr, runs, "said", attempts=[1], ranks=[0])

@@ -197,3 +197,24 @@ def test_prometheus_metrics_of_a_running_job_without_a_bundle(tmp_path):
     assert samples["spotrun_restarts_total"] == 0 and 0 < samples["spotrun_goodput_ratio"] <= 1
     assert "spotrun_last_published_update" not in samples  # unknown, not a made-up 0
     assert "spotrun_updates_total" not in samples  # no manifest names train.updates yet
+
+
+def test_rank_logs_are_listed_linked_from_the_job_page_and_shown_as_plain_text(tmp_path):
+    from spotrun.trainer.ranklog import log_key
+
+    storage = open_storage(f"file://{tmp_path}")
+    Ledger(storage, "w").append(AttemptStarted(attempt=1, world_size=2, pid=1, lineage_id="L"))
+    storage.put(log_key("w", 1, "rank 1", 0), b"[a line that looks like <script>alert(1)</script>]\n")
+    storage.put(log_key("w", 1, "rank 1", 1), b"the second segment\n")
+    storage.put(log_key("w", 2, "rank 0", 0), b"a start that never trained\n")  # no attempt_started of 2
+    client = TestClient(create_app(f"file://{tmp_path}"), base_url=BASE)
+    listed = client.get("/api/jobs/w/logs").json()
+    assert [(x["attempt"], x["rank"], x["segments"]) for x in listed] == [(1, "rank 1", 2), (2, "rank 0", 1)]
+    page = client.get("/jobs/w").text
+    assert 'href="/jobs/w/logs/1/rank-1"' in page and 'href="/jobs/w/logs/2/rank-0"' in page
+    shown = client.get(listed[0]["url"])
+    assert shown.status_code == 200 and shown.headers["content-type"].startswith("text/plain")
+    assert shown.text == "[a line that looks like <script>alert(1)</script>]\nthe second segment\n"
+    assert shown.headers["x-content-type-options"] == "nosniff"
+    for missing in ("/jobs/w/logs/1/rank-7", "/jobs/w/logs/3/rank-0", "/jobs/w/logs/1/..%2Fevents"):
+        assert client.get(missing).status_code == 404, missing

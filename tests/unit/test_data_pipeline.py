@@ -290,3 +290,15 @@ def test_a_large_tensor_still_goes_through_shared_memory():
     big = torch.zeros(INLINE_BYTES // 4 + 1, dtype=torch.float32)
     _, batch = _inline_small(("plan", {"x": big}))
     assert batch["x"] is big
+
+
+def test_hf_tokenizer_exposes_the_ids_a_model_config_needs():
+    """What a GPT2Config asks for (bos/eos/pad ids): the special tokens by text, any token's id, and a
+    JobError naming a token that is not there."""
+    from spotrun import HFTokenizer, JobError
+
+    tok = HFTokenizer(ROOT / "examples/bpe_lm/tokenizer.json")
+    assert tok.special_ids == {"<eos>": tok.eos_id} and tok.token_id("<eos>") == tok.eos_id
+    assert tok.token_id("e") != tok.eos_id  # a byte of the byte-level BPE
+    with pytest.raises(JobError, match=r"'<pad>' is not in its vocabulary \(its special tokens: \['<eos>'\]\)"):
+        tok.token_id("<pad>")

@@ -61,3 +61,21 @@ def test_a_ray_without_the_token_setup_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, ray_internals.AUTH_LOGGER, None)  # the import fails
     with pytest.raises(RayInternalsChanged, match="RAY_AUTH_MODE=token"):
         enable_token_auth()
+
+
+def test_the_raylet_s_worker_death_notice_is_left_out_and_everything_else_printed(monkeypatch, capsys):
+    """spotrun tells each lost rank itself; Ray's driver prints what Ray publishes through one function,
+    which spotrun wraps (once, however often asked) to leave the raylet's worker-death notice out."""
+    from ray._private import worker
+
+    monkeypatch.setattr(worker, "print_to_stdstream", worker.print_to_stdstream)  # undone after the test
+    ray_internals.quiet_worker_deaths()
+    ray_internals.quiet_worker_deaths()
+    died = {"lines": [f"{ray_internals.WORKER_DIED}. To troubleshoot ..."], "pid": "raylet", "is_err": False}
+    other = {"lines": ["an autoscaler could not add a node"], "pid": "raylet", "is_err": False}
+    worker.print_to_stdstream(died, ignore_prefix=False)
+    worker.print_to_stdstream(other, ignore_prefix=False)
+    out = capsys.readouterr().out
+    assert "an autoscaler could not add a node" in out and ray_internals.WORKER_DIED not in out
+    assert ray_internals.is_ray_control_line(":actor_name:RankActor")
+    assert not ray_internals.is_ray_control_line("loss 0.3 :actor_name: in the middle")

@@ -18,6 +18,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from spotrun.trainer.job import JobError
+
 SPECIALS = ("<pad>", "<eos>", "<mask>", "<unk>")
 PAD, EOS, MASK, UNK = range(4)
 
@@ -68,7 +70,13 @@ class HFTokenizer:
     """A Hugging Face ``tokenizers`` model from its ``tokenizer.json`` (e.g. a BPE trained locally).
 
     ``eos`` names the token appended to every record; it must be in the vocabulary. The version is
-    the sha256 of the file's bytes, so retraining the tokenizer refuses the restore of old bundles."""
+    the sha256 of the file's bytes, so retraining the tokenizer refuses the restore of old bundles.
+
+    What a model's config asks of it (``GPT2Config(bos_token_id=..., eos_token_id=...,
+    pad_token_id=...)``): ``eos_id``, the id of ``eos``; ``special_ids``, every special token the
+    file declares (its ``added_tokens`` marked special) by content, e.g. ``{"<eos>": 0}``;
+    ``token_id(token)``, the id of any token in the vocabulary (a :class:`~spotrun.JobError` naming
+    the token when it is not: the job is refused before it trains); ``size``, the vocabulary size."""
 
     def __init__(self, path: str | Path, eos: str = "<eos>") -> None:
         from tokenizers import Tokenizer as _HF  # an optional dependency: only this tokenizer needs it
@@ -78,7 +86,7 @@ class HFTokenizer:
         self._tok = _HF.from_str(blob.decode())
         eos_id = self._tok.token_to_id(eos)
         if eos_id is None:
-            raise ValueError(f"tokenizer {path}: the end-of-sequence token {eos!r} is not in its vocabulary; "
+            raise JobError(f"tokenizer {path}: the end-of-sequence token {eos!r} is not in its vocabulary; "
                              "add it as a special token when training the tokenizer, or pass eos=")
         self.eos_id = eos_id
         self.version = "hf-" + hashlib.sha256(blob).hexdigest()[:16]
@@ -86,6 +94,20 @@ class HFTokenizer:
     @property
     def size(self) -> int:
         return self._tok.get_vocab_size()
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        """Every special token of the tokenizer file, by its text: ``{"<eos>": 0, "<pad>": 1}``."""
+        return {t.content: i for i, t in sorted(self._tok.get_added_tokens_decoder().items()) if t.special}
+
+    def token_id(self, token: str) -> int:
+        """The id of ``token``; a :class:`~spotrun.JobError` naming it and the special tokens when it is
+        not in the vocabulary."""
+        found = self._tok.token_to_id(token)
+        if found is None:
+            raise JobError(f"tokenizer {self.path}: {token!r} is not in its vocabulary (its special tokens: "
+                             f"{sorted(self.special_ids) or 'none'})")
+        return found
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray([*self._tok.encode(text, add_special_tokens=False).ids, self.eos_id], dtype=np.int64)
