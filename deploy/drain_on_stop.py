@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-RANK_CLASS = "RankActor"  # orchestrator.raygroup.RankActor: one per rank
+RANK_CLASS = "RankActor"  # orchestrator.rankactor.RankActor: one per rank
 
 
 def _ranks_on(node_id: str) -> list[str]:
