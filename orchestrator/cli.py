@@ -42,6 +42,8 @@ def _cell(value: Any) -> str:
         return value.rsplit("/", 1)[-1]  # the bundle's own name; the job is in the title
     if isinstance(value, str) and len(value) > 19 and value[10:11] == "T":
         return value[11:19]  # an ISO timestamp: the time of day is what a reader scans for
+    if isinstance(value, float):
+        return f"{value:.4g}"  # seconds and ratios: four significant digits, never float noise (--json has all)
     return str(value)
 
 
@@ -183,9 +185,11 @@ def cmd_history(a: argparse.Namespace) -> int:
         return 0
     _table(f"{a.job_id}: attempts ({doc['state']})", doc["attempts"],
            ["attempt", "started_at", "world_size", "published", "last_update", "ended"])
-    _table("restarts", doc["restarts"], ["attempt", "cause", "loss", "detected_at", "restored_from", "recovery_label",
-                                        "recovery_path", "world_size_before", "world_size_after", "lost_updates",
-                                        "downtime_seconds", "time_lost_seconds"])
+    if doc["restarts"]:
+        _table("restarts", doc["restarts"], ["attempt", "cause", "loss", "detected_at", "restored_from",
+                                            "recovery_label", "recovery_path", "world_size_before",
+                                            "world_size_after", "lost_updates", "downtime_seconds",
+                                            "time_lost_seconds"])
     b, run = doc["budgets"], doc["budgets"]["this_run"]
     _table("restart budgets (losses by class)", [
         {"class": "preemption", "losses": b["preemptions"], "this_run": run["preemptions"],
@@ -292,9 +296,11 @@ def cmd_dashboard(a: argparse.Namespace) -> int:
 
 def _job_arguments(p: argparse.ArgumentParser, config_optional: bool = False) -> None:
     """What every command that starts a job takes: the spec, overrides, the job id."""
-    p.add_argument("config", nargs="?" if config_optional else None)
+    p.add_argument("config", nargs="?" if config_optional else None,
+                   help="the job's spec, a YAML file (`spotrun spec --defaults` prints every key)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec key")
-    p.add_argument("--job-id")
+    p.add_argument("--job-id", help="the job's id in its storage (default: the spec's job_id, else the spec "
+                                    "file's name without .yaml); a new id starts a new job")
 
 
 def parser() -> argparse.ArgumentParser:

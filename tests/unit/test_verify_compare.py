@@ -95,6 +95,16 @@ def test_a_point_that_differs_from_the_reference_fails(runs, tmp_path):
     assert report.verdict == "fail" and report.metric_mismatches == 1
     assert any("differing from the reference" in f for f in report.failures)
     assert "sqlite: update 3 loss" in report.metric_problems[0]
+    # the contract held (parameters and occurrences): the headline says what failed instead
+    from rich.console import Console
+
+    from spotrun.orchestrator.verify import render
+
+    console = Console(record=True, width=400)
+    render(report, console)
+    headline = console.export_text().splitlines()[0]
+    assert headline.startswith("FAIL: declared contract exact, observed exact") and "the contract held, but" in headline
+    assert "differing from the reference" in headline
 
 
 def test_a_missing_point_fails(runs, tmp_path):

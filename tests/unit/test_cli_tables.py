@@ -1,0 +1,37 @@
+"""What `spotrun history` prints for a person: no empty tables, figures without float noise, and the
+command line's help says what a job id is."""
+
+from __future__ import annotations
+
+import pytest
+
+from spotrun.orchestrator.cli import main, parser
+from spotrun.orchestrator.supervisor import Supervisor
+from spotrun.trainer.rank import Report
+from tests.conftest import make_spec
+from tests.helpers.groups import ScriptedGroup
+
+
+def test_history_of_a_job_never_restarted_prints_no_restarts_table(tmp_path, capsys):
+    spec = make_spec(tmp_path, "train.updates=4", job_id="calm")
+    group = ScriptedGroup(1, [[Report(rank=0, last_update=4, state="finished")]])
+    assert Supervisor(spec, lambda *a: group, capacity=lambda: 1, sleep=lambda s: None).run().restarts == 0
+    assert main(["history", "calm", "--storage", spec.storage]) == 0
+    out = capsys.readouterr().out
+    assert "calm: attempts" in out and "goodput" in out
+    assert "restarts" not in out.replace("restart budgets", "")
+
+
+def test_table_cells_show_seconds_to_four_significant_digits():
+    """A manifest's stall_seconds is a raw float (0.0034129999999999997): the table shows 0.003413."""
+    from spotrun.orchestrator.cli import _cell
+
+    assert [_cell(v) for v in (0.0034129999999999997, 12.700000000000001, 3, None)] == ["0.003413", "12.7", "3", "-"]
+
+
+def test_the_job_commands_say_what_config_and_job_id_are(capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the job's spec, a YAML file" in text
+    assert "default: the spec's job_id, else the spec file's name without .yaml" in text
