@@ -28,7 +28,8 @@ from spotrun.trainer.bundle import BundleError, load_bundle
 from spotrun.trainer.manifest import Manifest, ManifestError
 from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError, open_storage
 
-err = Console(stderr=True)
+# soft_wrap: a sentence piped to a file or a pager stays one line (rich would break it at 80 columns)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def _out(doc: Any) -> None:
@@ -147,7 +148,7 @@ def _explain(a: argparse.Namespace, storage: Storage, key: str, job_id: str, wor
 
 def _print_inspect(key: str, m: Manifest, nxt: dict[str, Any]) -> None:
     c, d = m.counters, m.data
-    console = Console()
+    console = Console(soft_wrap=True)
     console.print(f"[bold]{key}[/]  job {m.job_id}  lineage {m.lineage_id}  attempt {m.attempt}  "
                   f"label {m.recovery_label}")
     console.print(f"counters: attempted {c.attempted_updates}, applied {c.applied_updates}, microsteps "
@@ -246,7 +247,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     if a.json:
         _out(dataclasses.asdict(report))
     else:
-        render(report, Console())
+        render(report, Console(soft_wrap=True))
         err.print(f"traces in {workdir}; jobs {report.reference_job} and {report.chaos_job} in "
                   f"{verifier.spec.storage}", highlight=False)
     return 0 if report.succeeded() else 1

@@ -30,7 +30,7 @@ from spotrun.trainer.trace import UpdateRecord, latest_per_update, read_trace, t
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs/demo.yaml"
-console = Console()
+console = Console(soft_wrap=True)  # a piped sentence stays one line
 
 
 def wait_until(predicate, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:

@@ -35,3 +35,21 @@ def test_the_job_commands_say_what_config_and_job_id_are(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "the job's spec, a YAML file" in text
     assert "default: the spec's job_id, else the spec file's name without .yaml" in text
+
+
+def test_a_summary_piped_to_a_file_keeps_each_sentence_on_one_line(tmp_path):
+    """rich wraps at 80 columns when its output is not a terminal; a summary read from a log or a pager
+    must not be broken mid-sentence."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    done = subprocess.run([sys.executable, "-m", "spotrun", "run", str(ROOT / "configs/tiny.yaml"), "--no-ray",
+                           "--quiet", "--set", "train.updates=2", "--set", "checkpoint.every_updates=1",
+                           "--set", f"data.shards={ROOT / 'configs/data/tiny'}",
+                           "--set", f"storage=file://{tmp_path}"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    line = next(x for x in done.stderr.splitlines() if "finished after" in x)
+    assert len(line) > 80 and line.rstrip().endswith("tokens"), done.stderr
