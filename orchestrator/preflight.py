@@ -45,7 +45,9 @@ def preflight(spec: JobSpec) -> str | None:
     it. Both record a ``run_refused`` event and write nothing else. The job's entrypoint must be
     imported already (:func:`~spotrun.orchestrator.launch.check_entrypoint`): its module's source is
     the code fingerprint."""
-    storage = open_storage(spec.storage, spec.storage_endpoint_url, check=False)  # read only, but the event
+    # checked as the supervisor checks it (reachable, the bucket there, the credentials good): a storage
+    # that is not is refused here, before Ray, with the same message
+    storage = open_storage(spec.storage, spec.storage_endpoint_url)
     newest = _newest_manifest(storage, spec.job_id)
     if newest is None:
         return None
