@@ -17,6 +17,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 from spotrun.orchestrator.goodput import TERMS as GOODPUT_TERMS
@@ -54,7 +55,10 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> None:
         t.add_column(c.replace("_", " "), overflow="fold")
     for r in rows:
         t.add_row(*(_cell(r.get(c)) for c in columns))
-    Console(width=max(Console().width, 160)).print(t)
+    # at its natural width (up to 240 columns): narrower, rich folds cells mid-word ("process-exi" / "t")
+    console = Console()
+    natural = Measurement.get(console, console.options.update(width=240), t).maximum
+    Console(width=max(console.width, min(natural, 240))).print(t)
 
 
 def cmd_run(a: argparse.Namespace) -> int:

@@ -53,3 +53,17 @@ def test_a_summary_piped_to_a_file_keeps_each_sentence_on_one_line(tmp_path):
     assert done.returncode == 0, done.stderr
     line = next(x for x in done.stderr.splitlines() if "finished after" in x)
     assert len(line) > 80 and line.rstrip().endswith("tokens"), done.stderr
+
+
+def test_the_restarts_table_keeps_each_value_whole(tmp_path, capsys):
+    """Twelve columns do not fit 160: the table is printed at its natural width, never folding a cell
+    mid-word ("process-exi" over "t")."""
+    from spotrun.orchestrator.groups import RankLost
+
+    spec = make_spec(tmp_path, "train.updates=4", job_id="bumpy")
+    groups = [ScriptedGroup(1, [RankLost(0, "process-exit", "killed", "node-0")]),
+              ScriptedGroup(1, [[Report(rank=0, last_update=4, state="finished")]])]
+    assert Supervisor(spec, lambda *a: groups.pop(0), capacity=lambda: 1, sleep=lambda s: None).run().restarts == 1
+    assert main(["history", "bumpy", "--storage", spec.storage]) == 0
+    out = capsys.readouterr().out
+    assert "│ process-exit │" in out, out
