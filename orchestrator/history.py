@@ -52,7 +52,8 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     A restart row joins the loss that ended an attempt (``worker_lost``; absent when
     the driver itself died) with the start of the next one: its restore, or, when no
     bundle was published yet (or none verified), its start from nothing, which loses
-    everything the attempt before it did. ``time_lost_seconds`` is the wall time from
+    everything the attempt before it did. ``downtime_seconds`` runs from the loss (its detection; for a
+    driver that died, the lost attempt's last event) to the restore. ``time_lost_seconds`` is the wall time from
     the moment the state the restart resumed from was current (the restored bundle's
     publication, or the previous attempt's start when that is later or nothing was
     restored) to this attempt's start: the work thrown away plus the downtime.
@@ -200,6 +201,11 @@ def _restart(attempt: int, loss: WorkerLost | None, previous: dict[str, Any], st
         # no loss recorded: the driver itself died (or an ended job was run again)
         cause = loss.cause if loss else ("resumed" if previous.get("ended") else "driver-exit")
     current_since = max(filter(None, [before.at if before else None, bundle_published_at]), default=None)
+    # the loss's moment: detected; when nobody lived to record it (the driver died), the lost attempt's last
+    # event (a lower bound on its death: this downtime may be longer than it was, never shorter); a scale-up's
+    # resize. None after a finished job (run again: nothing was down)
+    lost_at = loss.at if loss else (datetime.fromisoformat(previous["ended_at"])
+                                    if previous.get("ended_at") and previous.get("ended") != "finished" else None)
     lost_seconds = 0.0 if previous.get("ended") == "finished" else (
         round((begun - current_since).total_seconds(), 3) if current_since else None)
     return {
@@ -221,7 +227,7 @@ def _restart(attempt: int, loss: WorkerLost | None, previous: dict[str, Any], st
         # from nothing, everything the lost attempt completed is redone
         "lost_updates": restored.lost_updates if restored else (loss.last_update if loss else None),
         "restore_seconds": round(restored.restore_seconds, 4) if restored else 0.0,
-        "downtime_seconds": round((begun - loss.at).total_seconds(), 3) if loss else None,
+        "downtime_seconds": round((begun - lost_at).total_seconds(), 3) if lost_at else None,
         "time_lost_seconds": lost_seconds,
         "notice_to_publish_seconds": (handled[attempt - 1].notice_to_publish_seconds
                                       if attempt - 1 in handled else None),

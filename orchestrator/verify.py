@@ -408,8 +408,7 @@ class Verifier:
             metric_stale=metrics.stale, metric_problems=metrics.problems,
             counters_equal=counters_equal,
             lost_updates=sum(r["lost_updates"] or 0 for r in rows),
-            restart_seconds=[r["downtime_seconds"] if r["downtime_seconds"] is not None else r["restore_seconds"]
-                             for r in rows],
+            restart_seconds=[r["downtime_seconds"] for r in rows if r["downtime_seconds"] is not None],
             restore_oracle=oracle,
             first_divergence=None if divergence is None else divergence.as_dict(),
             reference_job=ref_job, chaos_job=chaos_job,
@@ -587,7 +586,8 @@ def render(report: Report, console) -> None:
          f"{report.metric_writes} / {report.metric_duplicates_written}"),
         ("final counters equal", str(report.counters_equal)),
         ("updates lost to kills (replayed)", str(report.lost_updates)),
-        ("restart seconds", ", ".join(f"{x:.2f}" for x in report.restart_seconds)),
+        ("restart seconds (history's downtime: loss → restored)",
+         ", ".join(f"{x:.2f}" for x in report.restart_seconds)),
         ("restore oracle (state differing right after a restore)", ", ".join(report.restore_oracle) or "none"),
     ):
         t.add_row(name, value)
