@@ -23,6 +23,7 @@ from spotrun.trainer.data.feed import TokenFeed, bind
 from spotrun.trainer.data.listing import ShardInfo
 from spotrun.trainer.data.loader import PlanDataset, PlanSampler, make_loader
 from spotrun.trainer.data.planner import RestoreMode
+from spotrun.trainer.device import deterministic_env
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.inventory import DATA_CATEGORIES, categories_of, roundtrip_mismatches
 from spotrun.trainer.job import build_job
@@ -45,6 +46,7 @@ class TrainSession:
         self.world_size = world_size
         self.attempt = attempt
         self.accum_steps = spec.accum_steps_for(world_size)
+        deterministic_env()  # before anything can start cuBLAS: the job's build may run on the GPU
         seed_all(spec.seed)  # whatever the entrypoint draws while building is the same on every attempt
         self.build_read: set[str] = set()  # which of rank and world_size the job's build read (can_rejoin)
         self.job = build_job(spec, rank=rank, world_size=world_size, device=device, read=self.build_read)
