@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from spotrun.trainer.bundle import BundleCorrupt, Description, LoadedBundle, describe
+from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, Description, LoadedBundle, describe
 from spotrun.trainer.counters import CountersState
 from spotrun.trainer.data.feed import TokenFeed, bind
 from spotrun.trainer.data.listing import ShardInfo
@@ -29,7 +29,7 @@ from spotrun.trainer.inventory import DATA_CATEGORIES, categories_of, roundtrip_
 from spotrun.trainer.job import build_job
 from spotrun.trainer.loop import BoundaryFlags, GradSync, TrainLoop
 from spotrun.trainer.manifest import Manifest
-from spotrun.trainer.rng import seed_all
+from spotrun.trainer.rng import GeneratorMismatch, seed_all
 from spotrun.trainer.sharding import ShardError, rows_of
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.state import Capture, TrainState
@@ -115,6 +115,8 @@ class TrainSession:
             self.state.restore(bundle.payloads, skip=[known[d].skip for d in self.drop if known[d].skip])
         except ShardError as e:  # the shards do not add up: an older bundle may still serve
             raise BundleCorrupt(str(e)) from e
+        except GeneratorMismatch as e:  # written for another layout of GPUs: no older bundle differs
+            raise BundleIncompatible(f"bundle {bundle.key}: {e}") from e
         for name in self.drop:  # a deliberately broken build (oracle tests, verify's mutants)
             drop = known[name].drop
             if drop is not None:

@@ -239,7 +239,7 @@ class TrainState:
         self.counters = CountersState()
         self.planner = feed.planner(restore_mode)
         self.user = dict(job.state)
-        self.rng = RngState()
+        self.rng = RngState(device)
         self.host = HostBuffers(device)
         self._layouts: dict[str, list[int]] = {}  # sharded tensors' layout entries, by path (see _layout_of)
         # Copies of the last capture the training stream must let finish before it overwrites
