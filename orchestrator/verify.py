@@ -236,6 +236,36 @@ def _plan(spec: JobSpec, kills: int, rng: random.Random, sites: Sequence[str],
 NO_DASHBOARD = {"include_dashboard": False}
 
 
+def local_gpus() -> int:
+    """The CUDA devices this process's torch sees (0 with a CPU build); NVML answers, CUDA stays uninitialised."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def head_node_args(spec: JobSpec, nodes: int, gpus_here: int) -> dict[str, Any]:
+    """The resources of the one-node local cluster verify starts: the CPUs the embedded Ray of ``spotrun
+    run`` would declare and, for ranks that take GPUs, this machine's ``gpus_here`` GPUs (Ray's local
+    cluster declares none unless told, so such ranks never placed). Raises :class:`SpecError` where the
+    job cannot run here: more GPU ranks than GPUs, or GPUs with ``--nodes``, whose simulated nodes all
+    share this machine's GPUs (each would hand out its "GPU 0", the same device, which NCCL refuses)."""
+    args: dict[str, Any] = {"num_cpus": embedded_cpus(spec), **NO_DASHBOARD}
+    if spec.world.num_gpus_per_rank <= 0:
+        return args
+    if nodes:
+        raise SpecError(f"spotrun verify --nodes {nodes} simulates nodes on this machine, and their ranks would all "
+                        "be given its first GPU (NCCL refuses two ranks on one GPU): run verify without --nodes (one "
+                        "local node with this machine's GPUs), or with world.num_gpus_per_rank=0")
+    need = (spec.world.size + spec.world.spares) * int(spec.world.num_gpus_per_rank)
+    if need > gpus_here:
+        raise SpecError(f"spotrun verify runs world.size={spec.world.size} rank(s) and world.spares="
+                        f"{spec.world.spares} on GPUs (world.num_gpus_per_rank="
+                        f"{spec.world.num_gpus_per_rank:g}): {need} GPU(s), and this machine shows torch {gpus_here}. "
+                        "Lower world.size and world.spares to fit, run one rank without Ray (verify --no-ray), or "
+                        "set world.num_gpus_per_rank=0 to verify on CPUs")
+    return {**args, "num_gpus": gpus_here}
+
+
 class Verifier:
     def __init__(self, config: str, overrides: list[str], *, kills: int, seed: int, no_ray: bool,
                  workdir: Path, load, nodes: int = 0, mutate: tuple[str, ...] = ()) -> None:
@@ -254,6 +284,8 @@ class Verifier:
             self.overrides.append(f"metrics.sinks=[{', '.join([*spec.metrics.sinks, 'jsonl'])}]")
             spec = load(config, self.overrides)
         self.spec = spec
+        # refused here, before any run, where the job's GPU ranks cannot be placed on this machine
+        self.head_args: dict[str, Any] = {} if no_ray else head_node_args(spec, nodes, local_gpus())
 
     def _cmd(self, job: str, trace: Path, extra: list[str], drop: tuple[str, ...] = ()) -> list[str]:
         build = ["spotrun.orchestrator.mutant", "--drop", ",".join(drop)] if drop else ["spotrun"]
@@ -344,12 +376,12 @@ class Verifier:
         that starts its own pays Ray's start, seconds, again at every driver death). With
         ``nodes``, a multi-node cluster (ray.cluster_utils): a head with no CPUs and ``nodes``
         workers with one rank's resources each, so every rank has a node of its own to lose;
-        without, one node with the resources the embedded Ray of ``spotrun run`` would have."""
+        without, one node with the resources the embedded Ray of ``spotrun run`` would have
+        (:func:`head_node_args`: its GPUs too, for ranks that take them)."""
         from ray.cluster_utils import Cluster
 
         if not self.nodes:
-            self.cluster = Cluster(initialize_head=True,
-                                   head_node_args={"num_cpus": embedded_cpus(self.spec), **NO_DASHBOARD})
+            self.cluster = Cluster(initialize_head=True, head_node_args=self.head_args)
             return
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **NO_DASHBOARD})
         self.cluster = cluster

@@ -1,16 +1,21 @@
 """Where a rank trains: the GPU Ray assigned to it, or the CPU; and the settings exactness needs there.
 
-A rank given GPUs by Ray (``world.num_gpus_per_rank > 0``) trains on them: Ray sets the
-actor's ``CUDA_VISIBLE_DEVICES`` to the ids it assigned, so the first visible device is the
-rank's own (``cuda:0``; a fractional share is the same device). A rank that was given a GPU
-but whose torch sees no CUDA device (a CPU build of torch on a GPU node, a driver mismatch)
-is refused before any update: training silently on the CPU while the GPU idles is the one
+A rank given a GPU by Ray (``world.num_gpus_per_rank: 1``) trains on the GPU Ray assigned it,
+found by its id: Ray normally sets the actor's ``CUDA_VISIBLE_DEVICES`` to that id alone (the
+rank's GPU is then ``cuda:0``), but with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` it
+leaves the variable as the node had it, and the rank's GPU is wherever the id stands in it (or
+physical GPU ``id`` when the variable is unset). The spec admits 0 or 1 GPU per rank: a
+fraction would put two ranks on one GPU, which NCCL refuses ("Duplicate GPU detected"), and a
+rank trains on one device, so a second GPU would sit idle. A rank that was given a GPU but
+whose torch sees no CUDA device (a CPU build of torch on a GPU node, a driver mismatch) is
+refused before any update: training silently on the CPU while the GPU idles is the one
 outcome a spot user pays for and never sees.
 
 Exactness on a GPU needs deterministic kernels (``torch.use_deterministic_algorithms``, with
-``CUBLAS_WORKSPACE_CONFIG`` set before cuBLAS starts), cuDNN's autotuner off, and no TF32
-unless the spec allows it (``train.allow_tf32``): TF32 rounds matmul inputs to 10 bits of
-mantissa, which changes results from one GPU generation to the next.
+``CUBLAS_WORKSPACE_CONFIG`` set before cuBLAS starts: :func:`deterministic_env`, which every
+session calls first), cuDNN's autotuner off, and no TF32 unless the spec allows it
+(``train.allow_tf32``): TF32 rounds matmul inputs to 10 bits of mantissa, which changes results
+from one GPU generation to the next.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ class DeviceError(JobError):
 
 
 def select_device(num_gpus_per_rank: float, assigned: Sequence[str], *, cuda_available: bool, device_count: int,
-                  node: str) -> str:
-    """``"cpu"`` or ``"cuda:0"`` for a rank that Ray gave the GPU ids ``assigned``."""
+                  node: str, visible: str | None = None) -> str:
+    """``"cpu"``, or ``"cuda:<i>"`` for a rank that Ray gave the GPU ids ``assigned``: ``i`` is where
+    the first assigned id stands among the ids this process sees (``visible``: its
+    ``CUDA_VISIBLE_DEVICES``; unset, every physical GPU by its index)."""
     if num_gpus_per_rank <= 0:
         return "cpu"
     build = f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none: a CPU-only build'})"
@@ -42,25 +49,49 @@ def select_device(num_gpus_per_rank: float, assigned: Sequence[str], *, cuda_ava
     if not cuda_available or device_count == 0:
         raise DeviceError(
             f"node {node}: Ray assigned GPU {','.join(assigned)} to this rank, but {build} sees no CUDA device "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}). spotrun does not train "
+            f"(CUDA_VISIBLE_DEVICES={'(unset)' if visible is None else visible}). spotrun does not train "
             "on the CPU while a GPU is paid for: install a CUDA build of torch that matches the node's driver "
             "(e.g. pip install torch==<version> --index-url https://download.pytorch.org/whl/cu<xx>), or set "
             "world.num_gpus_per_rank=0 to train on CPUs.")
-    return "cuda:0"
+    gpu, shown = assigned[0], "(unset)" if visible is None else visible
+    ids = [v.strip() for v in visible.split(",")] if visible is not None else [str(i) for i in range(device_count)]
+    if gpu not in ids or ids.index(gpu) >= device_count:
+        raise DeviceError(
+            f"node {node}: Ray assigned GPU {gpu} to this rank, but this process sees GPUs "
+            f"{','.join(ids[:device_count]) or '(none)'} (CUDA_VISIBLE_DEVICES={shown}, "
+            f"{device_count} device(s) to torch). Let Ray set CUDA_VISIBLE_DEVICES (unset "
+            "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES), or start the Ray node with the same CUDA_VISIBLE_DEVICES "
+            "its ranks see.")
+    return f"cuda:{ids.index(gpu)}"
 
 
 def rank_device(num_gpus_per_rank: float, assigned: Sequence[str], node: str) -> str:
     """:func:`select_device` for this process; pins the CUDA device and its deterministic settings."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts: deterministic GEMMs
+    deterministic_env()
     device = select_device(num_gpus_per_rank, assigned, cuda_available=torch.cuda.is_available(),
-                           device_count=torch.cuda.device_count() if torch.cuda.is_available() else 0, node=node)
+                           device_count=torch.cuda.device_count() if torch.cuda.is_available() else 0, node=node,
+                           visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
     if device != "cpu":
         torch.cuda.set_device(device)
     return device
 
 
+CUBLAS_WORKSPACE = ":4096:8"  # one of the two settings cuBLAS documents as giving deterministic GEMMs
+
+
+def deterministic_env() -> None:
+    """Set ``CUBLAS_WORKSPACE_CONFIG`` (unless already set) for deterministic cuBLAS GEMMs.
+
+    cuBLAS reads it once, when the process's first cuBLAS handle is made: set later it is ignored,
+    and ``torch.use_deterministic_algorithms`` then makes the first GEMM raise. So every place that
+    builds a session or picks a rank's device calls this before anything can touch CUDA; on a CPU
+    it is an unread variable."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+
+
 def set_determinism(threads: int, allow_tf32: bool = False) -> None:
     """Deterministic kernels and a fixed intra-op thread count (reduction order depends on it)."""
+    deterministic_env()
     deterministic_algorithms()
     torch.set_num_threads(threads)
     torch.backends.cudnn.benchmark = False  # the autotuner may pick another algorithm on another run

@@ -17,18 +17,19 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from spotrun.trainer.bundle import BundleCorrupt, Description, LoadedBundle, describe
+from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, Description, LoadedBundle, describe
 from spotrun.trainer.counters import CountersState
 from spotrun.trainer.data.feed import TokenFeed, bind
 from spotrun.trainer.data.listing import ShardInfo
 from spotrun.trainer.data.loader import PlanDataset, PlanSampler, make_loader
 from spotrun.trainer.data.planner import RestoreMode
+from spotrun.trainer.device import deterministic_env
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.inventory import DATA_CATEGORIES, categories_of, roundtrip_mismatches
 from spotrun.trainer.job import build_job
 from spotrun.trainer.loop import BoundaryFlags, GradSync, TrainLoop
 from spotrun.trainer.manifest import Manifest
-from spotrun.trainer.rng import seed_all
+from spotrun.trainer.rng import GeneratorMismatch, seed_all
 from spotrun.trainer.sharding import ShardError, rows_of
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.state import Capture, TrainState
@@ -45,6 +46,7 @@ class TrainSession:
         self.world_size = world_size
         self.attempt = attempt
         self.accum_steps = spec.accum_steps_for(world_size)
+        deterministic_env()  # before anything can start cuBLAS: the job's build may run on the GPU
         seed_all(spec.seed)  # whatever the entrypoint draws while building is the same on every attempt
         self.build_read: set[str] = set()  # which of rank and world_size the job's build read (can_rejoin)
         self.job = build_job(spec, rank=rank, world_size=world_size, device=device, read=self.build_read)
@@ -113,6 +115,8 @@ class TrainSession:
             self.state.restore(bundle.payloads, skip=[known[d].skip for d in self.drop if known[d].skip])
         except ShardError as e:  # the shards do not add up: an older bundle may still serve
             raise BundleCorrupt(str(e)) from e
+        except GeneratorMismatch as e:  # written for another layout of GPUs: no older bundle differs
+            raise BundleIncompatible(f"bundle {bundle.key}: {e}") from e
         for name in self.drop:  # a deliberately broken build (oracle tests, verify's mutants)
             drop = known[name].drop
             if drop is not None:

@@ -247,7 +247,8 @@ class WorldSpec(_Strict):
     restart_backoff_s: float = Field(0.5, ge=0, description="the first wait before a restart; doubles per loss "
                                                             "since the last bundle")
     cpus_per_rank: float = Field(1, gt=0, description="Ray CPUs each rank reserves", json_schema_extra={"unit": "CPUs"})
-    num_gpus_per_rank: float = Field(0, ge=0, description="Ray GPUs each rank reserves (0: train on CPU)",
+    num_gpus_per_rank: float = Field(0, ge=0, description="Ray GPUs each rank reserves: 0 (train on CPU) or 1 "
+                                                          "(train on the GPU Ray assigns it, NCCL between ranks)",
                                      json_schema_extra={"unit": "GPUs"})
     placement: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "SPREAD", description="the Ray placement-group strategy for the ranks")
@@ -258,6 +259,21 @@ class WorldSpec(_Strict):
                                                   "model only; off: every restart starts anew from storage)")
     spares: int = Field(0, ge=0, description="extra rank processes, built and waiting, that take a lost rank's place "
                                              "at once (with world.warm_recovery)", json_schema_extra={"unit": "ranks"})
+
+    @field_validator("num_gpus_per_rank")
+    @classmethod
+    def _whole_gpu(cls, v: float) -> float:
+        # A fraction lets Ray pack two ranks onto one GPU, and NCCL refuses two ranks of a group on one
+        # device ("Duplicate GPU detected"); a rank trains on one device, so a second one would idle.
+        if 0 < v < 1:
+            raise ValueError(f"world.num_gpus_per_rank={v:g} would let Ray put two ranks on one GPU, which NCCL "
+                             "refuses (Duplicate GPU detected): set world.num_gpus_per_rank=1 (one rank per GPU; "
+                             "world.size ranks need that many GPUs), or 0 to train on CPUs")
+        if v > 1:
+            raise ValueError(f"world.num_gpus_per_rank={v:g}: a rank trains on one GPU, so the others would sit idle "
+                             "(spotrun has no model or tensor parallelism): set world.num_gpus_per_rank=1 and "
+                             "world.size to the number of GPUs")
+        return v
 
 
 class CheckpointSpec(_Strict):

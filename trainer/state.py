@@ -95,12 +95,15 @@ class HostBuffers:
     capture may only start once the previous write finished: at most one save is in flight.
 
     Copies marked ``defer`` are of tensors that only the next optimizer step changes (parameters,
-    EMA, optimizer state): they need not hold up the loop. From a GPU every copy is issued on a
-    side stream (:meth:`copies`), which first waits for the work already queued on the training
-    stream; on the CPU the deferred ones run on a thread of their own while the next update's
-    forward and backward run, and the others are done in place. :meth:`done` returns a handle on
-    the copies issued so far (a CUDA event, a :class:`CopiesDone`, or ``None`` when all are done):
-    the loop waits for it before its next optimizer step, and the writer before it reads."""
+    EMA, optimizer state): they need not hold up the loop. From a GPU the deferred copies are issued
+    on a side stream (:meth:`copies`), which first waits for the work already queued on the training
+    stream, and the others (buffers such as batch-norm statistics, which the next forward and a
+    buffer broadcast overwrite) on the training stream itself, so that everything queued after them
+    there, NCCL's collectives included, runs after them. On the CPU the deferred ones run on a thread
+    of their own while the next update's forward and backward run, and the others are done in place.
+    :meth:`done` returns a handle on the copies issued so far (a CUDA event recorded after both
+    streams' copies, a :class:`CopiesDone`, or ``None`` when all are done): the loop waits for it
+    before its next optimizer step, and the writer before it reads. No copy blocks the host."""
 
     def __init__(self, device: str = "cpu") -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -108,6 +111,7 @@ class HostBuffers:
         # of the newest published bundle in one while the next capture fills the other (trainer/warm.py).
         self.generation = 0
         self._stream = torch.cuda.Stream(device) if device.startswith("cuda") else None
+        self._training: Any = None  # the stream the capture was called on (GPU), set by copies()
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._thread: ThreadPoolExecutor | None = None
 
@@ -117,13 +121,16 @@ class HostBuffers:
         if self._stream is None:
             yield
             return
-        self._stream.wait_stream(torch.cuda.current_stream())  # the values as the training stream left them
+        self._training = torch.cuda.current_stream()
+        self._stream.wait_stream(self._training)  # the values as the training stream left them
         with torch.cuda.stream(self._stream):
             yield
 
     def done(self) -> Any:
         """A handle on every copy issued so far (``None`` on the CPU when none was deferred)."""
         if self._stream is not None:
+            # the side stream's copies, and the training stream's up to here (the buffers'): one event
+            self._stream.wait_stream(torch.cuda.current_stream())
             event = torch.cuda.Event()
             event.record(self._stream)
             return event
@@ -147,8 +154,15 @@ class HostBuffers:
                                         else aligned.empty(t.shape, t.dtype))
         if defer and self._stream is None:
             self._deferred.append((buf, t))
+        elif self._stream is not None and t.is_cuda and not defer:
+            # on the training stream: the next forward's update of a buffer (and a broadcast of it,
+            # whose NCCL stream waits for the training stream) is queued after this copy
+            with torch.cuda.stream(self._training):
+                buf.copy_(t, non_blocking=True)
         else:
             buf.copy_(t, non_blocking=t.is_cuda)
+            if t.is_cuda:  # read on the side stream: the allocator must not hand a temporary's memory on before
+                t.record_stream(torch.cuda.current_stream())
         return buf
 
     def copy_tree(self, key: str, obj: Any, defer: bool = False) -> Any:
@@ -239,7 +253,7 @@ class TrainState:
         self.counters = CountersState()
         self.planner = feed.planner(restore_mode)
         self.user = dict(job.state)
-        self.rng = RngState()
+        self.rng = RngState(device)
         self.host = HostBuffers(device)
         self._layouts: dict[str, list[int]] = {}  # sharded tensors' layout entries, by path (see _layout_of)
         # Copies of the last capture the training stream must let finish before it overwrites

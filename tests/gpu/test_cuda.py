@@ -31,7 +31,7 @@ def test_a_gpu_rank_trains_on_its_gpu_and_the_bundle_names_it(tmp_path):
     assert v.gpu == torch.cuda.get_device_name(0) and v.cuda == torch.version.cuda
     assert v.cudnn == str(torch.backends.cudnn.version()) and v.nccl == ".".join(map(str, torch.cuda.nccl.version()))
     assert bundle.manifest.deterministic
-    assert bundle.payloads["rank-0/rng.json"]["torch_cuda"], "the CUDA generator is in the bundle"
+    assert len(bundle.payloads["rank-0/rng.json"]["torch_cuda"]) == 1, "the rank's own CUDA generator, alone"
 
 
 def test_the_capture_copies_through_pinned_buffers_on_a_side_stream(tmp_path):
@@ -69,3 +69,38 @@ def test_a_restart_on_the_gpu_is_bitwise_equal(tmp_path, precision):
     assert subprocess.run(killed, cwd=ROOT).returncode == -9
     assert subprocess.run(killed, cwd=ROOT, stderr=sys.stderr).returncode == 0
     assert first_divergence(read_trace(ref), list(latest_per_update(read_trace(chaos)).values())) is None
+
+
+def test_a_buffer_copy_is_from_the_boundary_even_when_the_next_forward_updates_it_at_once():
+    """A buffer (batch-norm statistics) is copied on the training stream: an update of it queued right
+    after the capture, as the next forward's, cannot reach the copy. 256 MB, so that a copy on
+    another stream would still be reading when the update ran."""
+    from spotrun.trainer.state import HostBuffers
+
+    host = HostBuffers("cuda:0")
+    running = torch.zeros(64 * 2**20, device="cuda:0")
+    with torch.no_grad():
+        with host.copies():
+            copied = host.copy("model/bn.running_mean", running)  # not deferred: a buffer
+        ready = host.done()
+        running.add_(1.0)  # the next forward, queued at once on the training stream
+    ready.synchronize()
+    assert copied.is_pinned() and float(copied.max()) == 0.0 and float(running.min()) == 1.0
+
+
+def test_a_session_built_in_a_fresh_process_runs_deterministic_gemms(tmp_path):
+    """CUBLAS_WORKSPACE_CONFIG unset: the session sets it before cuBLAS starts, so the first GEMM
+    under deterministic algorithms does not raise."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = ("import sys; from tests.conftest import make_spec; from pathlib import Path; "
+            "from spotrun.trainer.session import TrainSession; "
+            f"spec = make_spec(Path({str(tmp_path)!r}), *{GPU!r}, job_id='cublas'); "
+            "s = TrainSession(spec, device='cuda:0'); s.start(); s.run_update(); s.close()")
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,10 +15,41 @@ def test_a_rank_without_gpus_trains_on_the_cpu():
     assert select_device(0, ["0"], cuda_available=True, device_count=1, node="n1") == "cpu"
 
 
-@pytest.mark.parametrize("share", [1, 0.5])
-def test_a_rank_given_a_gpu_trains_on_the_first_visible_device(share):
-    # Ray sets CUDA_VISIBLE_DEVICES to the assigned id(s): the rank's own GPU is visible device 0
-    assert select_device(share, ["3"], cuda_available=True, device_count=1, node="n1") == "cuda:0"
+def test_a_rank_given_a_gpu_trains_on_the_device_ray_assigned_it():
+    # Ray's default: CUDA_VISIBLE_DEVICES is the assigned id alone, so the rank's GPU is visible device 0
+    assert select_device(1, ["3"], cuda_available=True, device_count=1, node="n1", visible="3") == "cuda:0"
+
+
+@pytest.mark.parametrize(("visible", "gpu", "device"), [(None, "2", "cuda:2"), (None, "0", "cuda:0"),
+                                                         ("4,5,6,7", "6", "cuda:2"), ("1, 3", "3", "cuda:1")])
+def test_with_noset_cuda_visible_devices_each_rank_uses_its_own_gpu_not_gpu_0(visible, gpu, device):
+    """RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: the rank sees the node's GPUs (every one when the
+    variable is unset), and trains on the one Ray assigned, found by its id (a faked assignment)."""
+    assert select_device(1, [gpu], cuda_available=True, device_count=4, node="n1", visible=visible) == device
+
+
+def test_an_assigned_gpu_this_process_cannot_see_is_refused_naming_the_fix():
+    with pytest.raises(DeviceError) as e:
+        select_device(1, ["5"], cuda_available=True, device_count=2, node="n1", visible="0,1")
+    msg = str(e.value)
+    assert "Ray assigned GPU 5" in msg and "sees GPUs 0,1" in msg and "CUDA_VISIBLE_DEVICES=0,1" in msg
+    assert "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES" in msg
+    with pytest.raises(DeviceError, match="Ray assigned GPU 3"):  # beyond what torch counts
+        select_device(1, ["3"], cuda_available=True, device_count=2, node="n1", visible=None)
+
+
+@pytest.mark.parametrize(("share", "words"), [
+    (0.5, ["world.num_gpus_per_rank=0.5", "Duplicate GPU detected", "set world.num_gpus_per_rank=1"]),
+    (0.25, ["two ranks on one GPU", "or 0 to train on CPUs"]),
+    (2, ["world.num_gpus_per_rank=2", "sit idle", "set world.num_gpus_per_rank=1 and world.size"])])
+def test_a_fraction_or_several_gpus_per_rank_are_refused_with_exit_2_naming_the_fix(tmp_path, share, words):
+    from spotrun.orchestrator.specfile import SpecError
+    from tests.conftest import make_spec
+
+    with pytest.raises(SpecError) as e:  # the CLI's exit 2
+        make_spec(tmp_path, f"world.num_gpus_per_rank={share}")
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert make_spec(tmp_path, "world.num_gpus_per_rank=1").world.num_gpus_per_rank == 1
 
 
 def test_a_gpu_torch_cannot_see_is_refused_naming_the_node_the_build_and_the_fix():
@@ -31,6 +64,35 @@ def test_a_gpu_torch_cannot_see_is_refused_naming_the_node_the_build_and_the_fix
 def test_a_gpu_rank_that_ray_gave_no_gpu_is_refused():
     with pytest.raises(DeviceError, match="assigned this rank no GPU"):
         select_device(1, [], cuda_available=True, device_count=1, node="n1")
+
+
+def test_a_session_sets_the_cublas_workspace_before_the_job_is_built(tmp_path, monkeypatch):
+    """Whoever builds a session (a rank, a GPU test, bench/gpu_check.py) gets CUBLAS_WORKSPACE_CONFIG
+    before the job's build can touch CUDA: cuBLAS reads it once, at its first handle."""
+    from spotrun.trainer import session as session_module
+    from tests.conftest import make_spec
+
+    spec = make_spec(tmp_path, "train.updates=1")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    seen: list[str | None] = []
+    real = session_module.build_job
+
+    def build(*args, **kw):
+        seen.append(os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(session_module, "build_job", build)
+    session_module.TrainSession(spec)
+    assert seen == [":4096:8"]
+
+
+def test_determinism_settings_set_the_cublas_workspace_unless_the_user_chose_one(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    set_determinism(1)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the other deterministic setting: kept
+    set_determinism(1)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 def test_determinism_settings_turn_tf32_off_unless_allowed():
