@@ -246,7 +246,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="spotrun-verify-"))
     verifier = Verifier(a.config, a.set, kills=a.kills, seed=a.seed, no_ray=a.no_ray, workdir=workdir,
                         load=lambda path, overrides: load_spec(path, overrides, a.job_id), nodes=a.nodes,
-                        mutate=tuple(c for c in (a.mutate or "").split(",") if c))
+                        mutate=tuple(c for c in (a.mutate or "").split(",") if c), address=a.address)
     report = verifier.run()
     if a.json:
         _out(dataclasses.asdict(report))
@@ -360,6 +360,8 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--no-ray", action="store_true", help="world size 1 in this process, without Ray")
     f.add_argument("--nodes", type=int, default=0,
                    help="run on a local cluster of this many nodes and remove nodes too (one rank per node)")
+    f.add_argument("--address", help="run both runs on this existing Ray cluster (default: a local one verify "
+                                     "starts and stops)")
     f.add_argument("--mutate", metavar="CATEGORIES",
                    help="prove the proof: a deliberately broken chaos run whose restores lose these state "
                         "categories (`spotrun inventory` lists them; state:NAME for a registered object); its "

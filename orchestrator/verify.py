@@ -268,7 +268,11 @@ def head_node_args(spec: JobSpec, nodes: int, gpus_here: int) -> dict[str, Any]:
 
 class Verifier:
     def __init__(self, config: str, overrides: list[str], *, kills: int, seed: int, no_ray: bool,
-                 workdir: Path, load, nodes: int = 0, mutate: tuple[str, ...] = ()) -> None:
+                 workdir: Path, load, nodes: int = 0, mutate: tuple[str, ...] = (), address: str | None = None) -> None:
+        if address and (nodes or no_ray):
+            raise SpecError("verify --address runs on an existing Ray cluster: it cannot also start a local "
+                            "multi-node one (--nodes) or run without Ray (--no-ray); drop one of them")
+        self.address = address  # an existing cluster the runs connect to (none started, none shut down)
         self.config, self.overrides = config, list(overrides)
         self.mutate = mutate  # a deliberately broken chaos run: its restores lose these categories
         self.kills, self.seed, self.no_ray = kills, seed, no_ray
@@ -293,8 +297,8 @@ class Verifier:
                "--trace-ids"]
         for s in [*self.overrides, *extra]:
             cmd += ["--set", s]
-        if self.cluster is not None:
-            return [*cmd, "--address", self.cluster.address]
+        if self.address or self.cluster is not None:
+            return [*cmd, "--address", self.address or self.cluster.address]  # type: ignore[union-attr]
         return [*cmd, "--no-ray"] if self.no_ray else cmd
 
     def _run(self, job: str, trace: Path, extra: list[str], max_runs: int,
@@ -355,7 +359,7 @@ class Verifier:
         else:
             removals = []
         fault_set = "faults=[" + ", ".join(f.model_dump_json() for f in faults) + "]"
-        if not self.no_ray:
+        if not self.no_ray and not self.address:
             self._start_cluster()
         try:
             self._run(ref_job, ref_trace, [], max_runs=1)
@@ -418,7 +422,7 @@ class Verifier:
         rows = history(storage, chaos_job)["restarts"]
         restores = sum(r["restored_from"] is not None for r in rows)
         unproven = proof_failures(spec, self.kills, self.seed, self.nodes > 0, delivery.planned, delivery.delivered,
-                                  restores)
+                                  restores, warm=not self.no_ray)
         failures = unproven + verdict_failures(declared, observed, short, metrics, counters_equal,
                                                delivery.sites_missed)
         return Report(
@@ -515,7 +519,7 @@ def read_sink(spec: JobSpec, storage: Storage, kind: str, job_id: str) -> list[M
 
 
 def proof_failures(spec: JobSpec, kills: int, seed: int, nodes: bool, planned: int, delivered: int,
-                   restores: int) -> list[str]:
+                   restores: int, warm: bool = False) -> list[str]:
     """Why the interrupted run proved nothing, if it did not (empty: it did). A pass needs at least
     one fault that fired and one restart that restored a published bundle: without them no restore
     was compared with anything, and a run that nothing interrupted passes every other check. Each
@@ -534,19 +538,22 @@ def proof_failures(spec: JobSpec, kills: int, seed: int, nodes: bool, planned: i
     if restores == 0:
         return [f"no restart restored a published bundle: the {delivered} fault(s) that fired all came before the "
                 f"first bundle (update {every}) was published, so every restart began from nothing and no restore "
-                f"was tested; {_sure_restore(spec, kills, seed, nodes)}"]
+                f"was tested; {_sure_restore(spec, kills, seed, nodes, warm)}"]
     return []
 
 
-def _sure_restore(spec: JobSpec, kills: int, seed: int, nodes: bool) -> str:
+def _sure_restore(spec: JobSpec, kills: int, seed: int, nodes: bool, warm: bool) -> str:
     """How to plan a fault whose restart restores a bundle whatever the timing: the publish-to-offsets
     site kills right after a publish (the other sites race the supervisor's publish of the bundle)."""
     # the plan's positions do not depend on train.updates, which only cuts it short: plan as if unbounded
     unbounded = spec.model_copy(update={"train": spec.train.model_copy(update={"updates": 2**62})})
-    n = len(SITES) + int(nodes)  # one cycle through the sites reaches publish-to-offsets
-    faults, _ = plan_faults(unbounded, max(kills, n), seed, nodes)
+    n = len(SITES) + int(nodes) + int(warm)  # one cycle through the sites reaches publish-to-offsets
+    faults, _ = plan_faults(unbounded, max(kills, n), seed, nodes, warm)
     sure = next(f for f in faults if f.site == "after_publish")
-    at, u = sure.attempt, sure.update  # its attempt is its place in the plan, node removals included
+    # its place in the plan: its attempt (node removals included) and the warm-rejoin kills before it,
+    # which take no attempt of their own
+    at = sure.attempt + sum(f.site == "rejoin" for f in faults[:faults.index(sure)])
+    u = sure.update
     room = f" and train.updates to >= {u + 1} (now {spec.train.updates})" if u >= spec.train.updates else ""
     return (f"run verify with --kills {max(kills, at)}{room}: fault {at} of that plan kills right after the bundle "
             f"of update {u} is published, and its restart always restores it")

@@ -77,6 +77,14 @@ def test_the_verdict_gate_fails_a_run_that_tested_no_restore(tmp_path):
     short = make_spec(tmp_path, "train.updates=12", "checkpoint.every_updates=3")
     [cut] = proof_failures(short, kills=2, seed=0, nodes=False, planned=2, delivered=2, restores=0)
     assert f"and train.updates to >= {sure.update + 1} (now 12)" in cut
+    # on Ray, where restarts are warm, a warm-rejoin kill precedes it in the plan and takes no attempt:
+    # the number of kills to ask for is one more than its attempt
+    two = make_spec(tmp_path, "train.updates=30", "checkpoint.every_updates=3", "world.size=2")
+    warm_plan = plan_faults(two, 10, 0, warm=True)[0]
+    sure = next(f for f in warm_plan if f.site == "after_publish")
+    assert warm_plan.index(sure) + 1 == sure.attempt + 1
+    [warm] = proof_failures(two, kills=2, seed=0, nodes=False, planned=2, delivered=2, restores=0, warm=True)
+    assert f"run verify with --kills {sure.attempt + 1}: fault {sure.attempt + 1} of that plan" in warm
 
 
 def test_a_job_that_restarts_warm_is_also_killed_as_a_warm_restart_re_forms_its_group(tmp_path):
