@@ -34,9 +34,9 @@ def tensor_bytes_per_rank(storage, key: str) -> dict[int, int]:
     return dict(out)
 
 
-def test_strict_fsdp_is_bitwise_under_kills_and_every_bundle_is_split(tmp_path):
+def test_strict_fsdp_is_bitwise_under_kills_and_every_bundle_is_split(tmp_path, ray_address):
     code, report, err = verify(tmp_path, *FSDP, "train.updates=16", "checkpoint.every_updates=3", kills=4,
-                               where=())
+                               where=("--address", ray_address))
     assert code == 0, err
     assert report["verdict"] == "pass" and report["observed_contract"] == "exact"
     assert report["params_bitwise_equal"] is True and report["restores_from_bundle"] > 0
@@ -53,9 +53,9 @@ def test_strict_fsdp_is_bitwise_under_kills_and_every_bundle_is_split(tmp_path):
         assert set(per_rank) == {0, 1} and max(per_rank.values()) <= 0.52 * total, (ref.key, per_rank)
 
 
-def test_verify_fails_a_build_that_restores_every_rank_from_rank_0s_shard(tmp_path):
+def test_verify_fails_a_build_that_restores_every_rank_from_rank_0s_shard(tmp_path, ray_address):
     code, report, err = verify(tmp_path, *FSDP, "train.updates=12", "checkpoint.every_updates=3", kills=3,
-                               where=("--mutate", "shard_rows"))
+                               where=("--mutate", "shard_rows", "--address", ray_address))
     assert report, err  # verify itself failed (the job did not run): its stderr says why
     assert report["restores_from_bundle"] > 0, "no restart restored a bundle: nothing was mutated"
     assert code == 0, err  # caught: what --mutate asks of verify

@@ -14,6 +14,7 @@ import pytest
 
 from spotrun.trainer.storage import open_storage
 from tests.conftest import ROOT
+from tests.helpers.ray_local import ray_address  # noqa: F401 - the module's local Ray, for verify's runs
 from tests.helpers.runs import assert_rank_output
 
 pytestmark = pytest.mark.slow
@@ -34,9 +35,10 @@ def verify(tmp_path: Path, config: str, *args: str, sets: tuple[str, ...] = SHOR
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
-def test_each_example_verifies_bitwise_on_two_ranks_with_four_kills(tmp_path, example):
-    # 4 faults: the fourth (kill between publish and offsets) always restores from a published bundle
-    code, report, err = verify(tmp_path, EXAMPLES[example], "--kills", "4", "--seed", "1")
+def test_each_example_verifies_bitwise_on_two_ranks_with_four_kills(tmp_path, example, ray_address):
+    # 4 faults: mid-accumulation, mid-microstep, a kill during the warm restart that follows, a kill during a
+    # bundle write; all on the module's local Ray (verify --address), none starting a cluster of its own
+    code, report, err = verify(tmp_path, EXAMPLES[example], "--kills", "4", "--seed", "1", "--address", ray_address)
     assert code == 0, err[-3000:]
     assert report["verdict"] == "pass" and report["observed_contract"] == report["declared_contract"] == "exact"
     assert report["faults_delivered"] == report["faults_planned"] == 4 and report["restores_from_bundle"] > 0
