@@ -237,9 +237,10 @@ def tables(results: dict) -> tuple[list[Table], list[str]]:
 
 
 NOTES = [
-    "spotrun runs with its defaults (world.restart_backoff_s 0.5 s with jitter; the supervisor polls the ranks every "
-    "0.1 s while a trace is written, as here, and a rank's news, a bundle written or its run ended, ends its wait "
-    "at once); "
+    "spotrun runs with its defaults (no spare: rank 0 keeps its process and the killed rank's place goes to a new "
+    "process in its slot, warm-replace; world.restart_backoff_s 0.5 s with jitter; the supervisor polls the ranks "
+    "every 0.1 s while a trace is written, as here, and a rank's news, a bundle written or its run ended, ends its "
+    "wait at once); "
     "Ray Train with ray.train.report(..., checkpoint_upload_mode=CheckpointUploadMode.ASYNC), "
     f"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S={FAST_POLL_S} (its default is 2 s: second table) and "
     "FailureConfig(max_failures=3), no backoff. Both loops use one DataLoader worker process per rank, which "
