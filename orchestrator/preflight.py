@@ -59,7 +59,7 @@ def preflight(spec: JobSpec) -> str | None:
                              world_size=spec.world.size, where=where, root=storage.uri)
     if problems:
         refusal = incompatible(where, problems)
-        _record(storage, spec.job_id, "incompatible", key, str(refusal))
+        _record(Ledger(storage, spec.job_id), "incompatible", key, str(refusal))
         raise refusal
     done = manifest.counters.attempted_updates
     ledger = Ledger(storage, spec.job_id)
@@ -72,7 +72,7 @@ def preflight(spec: JobSpec) -> str | None:
                f"is {spec.train.updates}, so nothing was started. To train it further, run the same command with "
                f"--set train.updates=N for an N above {done}: it resumes from that bundle. To start anew, run it "
                f"with another --job-id (add --init-from {address} to begin from this job's weights).")
-    ledger.append(RunRefused(attempt=ledger.next_attempt(), check="finished", bundle=key, reason=message))
+    _record(ledger, "finished", key, message)
     return message
 
 
@@ -84,14 +84,13 @@ def _newest_manifest(storage: Storage, job_id: str) -> tuple[str, Manifest] | No
         try:
             return key, read_manifest(storage, key)
         except UnknownSchemaError as e:
-            _record(storage, job_id, "unreadable", key, str(e))
+            _record(Ledger(storage, job_id), "unreadable", key, str(e))
             raise
         except (BundleCorrupt, ManifestError):
             continue
     return None
 
 
-def _record(storage: Storage, job_id: str, check: RefusalCheck, bundle: str, reason: str) -> None:
+def _record(ledger: Ledger, check: RefusalCheck, bundle: str, reason: str) -> None:
     """Append the refusal to the job's ledger: an event of its own, beside (never instead of) its state."""
-    ledger = Ledger(storage, job_id)
     ledger.append(RunRefused(attempt=ledger.next_attempt(), check=check, bundle=bundle, reason=reason))
