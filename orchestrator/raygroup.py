@@ -55,14 +55,18 @@ OOM_KILL = re.compile(r"running low on memory|OutOfMemoryError")
 PEER_PROBE_S = 5.0  # long enough for Ray to report a SIGKILLed peer dead (well under a second here)
 NEWS_WAIT_S = 10.0  # how long a rank's wait_for_news call blocks before it answers no news (and is sent again)
 WAKE_CHECK_S = 0.1  # how often a wait looks at the supervisor's wake event (a driver's notice)
-POLL_TIMEOUT_S = 10.0  # a poll or request answers at once (threaded actor): longer means it hangs
+# A poll or request answers at once (threaded actor), and a dead rank's call fails at once: this only
+# bounds a hang. A 2-core host under load can keep a rank's answer back for seconds, and a rank taken
+# for hung is a restart counted as a failure: the bound is generous.
+POLL_TIMEOUT_S = 60.0
 # Starting a rank (a Python process importing torch, then building the model and the data listing)
 # takes seconds, and many more on a loaded machine; a dead actor is reported at once anyway, so this
 # only bounds a hung start.
 STARTUP_TIMEOUT_S = 300.0
 # How long a survivor's run may take to stop after a loss: it ends at its next boundary or as soon as
-# a collective with the lost rank fails; one still running after this is stuck (it is lost as well).
-LEAVE_TIMEOUT_S = 10.0
+# a collective with the lost rank fails; one still running after this is stuck (it is lost as well, and
+# the restart is cold). A survivor that answers in time costs nothing of this bound.
+LEAVE_TIMEOUT_S = 30.0
 # Before a teardown kills the actors, each writes its rank log: a rank still training when a peer failed
 # keeps its lines. Bounded, so that an actor on an unreachable node delays a restart by this at most.
 FLUSH_BEFORE_KILL_S = 2.0

@@ -107,7 +107,10 @@ def assert_exact_coverage(records: dict[int, UpdateRecord], token_counts) -> Non
 class Background:
     """Runs a job on Ray on a thread, while the test acts on it (removes nodes, kills ranks) meanwhile."""
 
+    started: list[Background] = []  # every job started: a fixture finds one a failed test left running
+
     def __init__(self, spec, trace) -> None:
+        Background.started.append(self)
         self.spec, self.trace = spec, trace
         self.ledger = Ledger(open_storage(spec.storage), spec.job_id)  # polled: it parses each event once
         self.outcome, self.error = None, None
@@ -140,12 +143,19 @@ class Background:
     def wait_until_held(self, attempt: int = 1, published: int | None = None) -> None:
         """Until the attempt's HOLD fault fired (the job trains no further until the supervisor asks) and,
         with ``published``, that update's bundle is published."""
-        wait_until_held(open_storage(self.spec.storage), self.spec.job_id, self.thread.is_alive, attempt,
-                        published)
+        try:
+            wait_until_held(open_storage(self.spec.storage), self.spec.job_id, self.thread.is_alive, attempt,
+                            published)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.story()}") from None
 
     def join(self) -> None:
         self.thread.join(timeout=300)
         assert not self.thread.is_alive()
+
+    @classmethod
+    def left_running(cls) -> list[Background]:
+        return [b for b in cls.started if b.thread.is_alive()]
 
 
 def hide_bundle_files(root: Path, job: str) -> list[Path]:
