@@ -191,10 +191,13 @@ def cmd_history(a: argparse.Namespace) -> int:
     _table(f"{a.job_id}: attempts ({doc['state']})", doc["attempts"],
            ["attempt", "started_at", "world_size", "published", "last_update", "ended"])
     if doc["restarts"]:
-        _table("restarts", doc["restarts"], ["attempt", "cause", "loss", "detected_at", "restored_from",
-                                            "recovery_label", "recovery_path", "world_size_before",
-                                            "world_size_after", "lost_updates", "downtime_seconds",
-                                            "time_lost_seconds"])
+        t = doc["totals"]
+        lost = "not known" if t["lost_updates"] is None else t["lost_updates"]
+        _table(f"restarts: {t['restarts']}, updates lost {lost}, time lost {t['time_lost_seconds']:.4g} s "
+               "(README \"What a restart cost\")", doc["restarts"],
+               ["attempt", "cause", "loss", "detected_at", "restored_from", "recovery_label", "recovery_path",
+                "world_size_before", "world_size_after", "lost_updates", "lost_updates_source", "downtime_seconds",
+                "time_lost_seconds"])
     b, run = doc["budgets"], doc["budgets"]["this_run"]
     _table("restart budgets (losses by class)", [
         {"class": "preemption", "losses": b["preemptions"], "this_run": run["preemptions"],

@@ -6,7 +6,9 @@ window per attempt, back to back, and every second of a window goes to exactly o
 
 - **productive**: computing an update for the first time (each update index counts once);
 - **replayed**: computing an update again that an earlier attempt had already computed (the work a
-  restart redid because it was lost with the attempt that did it);
+  restart redid because it was lost with the attempt that did it). The update counts of both
+  terms are :func:`~spotrun.orchestrator.losses.update_counts` (from each attempt's reach), so the
+  job's replayed updates are its restarts' lost updates once it is past them;
 - **checkpoint stall**: the training loop waiting at a boundary for its bundle capture
   (``BundlePublished.stall_seconds``, charged to the update after the boundary);
 - **capacity wait**: waiting for ranks (``CapacityWait.waited_seconds``);
@@ -40,6 +42,7 @@ from spotrun.orchestrator.ledger import (
     WorkerLost,
     _Event,
 )
+from spotrun.orchestrator.losses import reaches, resumed_from, update_counts
 from spotrun.trainer.metrics import MetricPoint
 
 TERMS = ("productive_seconds", "replayed_seconds", "checkpoint_stall_seconds", "capacity_wait_seconds",
@@ -105,12 +108,16 @@ def goodput(events: Sequence[_Event | CorruptEvent], final: Sequence[MetricPoint
     evs = [e for e in events if not isinstance(e, CorruptEvent)]
     started = sorted((e for e in evs if isinstance(e, AttemptStarted)), key=lambda e: e.at)
     if not started:
-        return {**_totals(0.0, dict.fromkeys(TERMS, 0.0)), **_cost(usd_per_rank_hour, []), "attempts": []}
+        return {**_totals(0.0, dict.fromkeys(TERMS, 0.0)), **_cost(usd_per_rank_hour, []), "productive_updates": 0,
+                "replayed_updates": 0, "attempts": []}
     kept = _update_times(final)
     logged = _update_times(log or [])
     windows = _windows(evs, started, kept, logged)
+    reach = reaches(evs, final, log)
+    counts = update_counts([w.attempt for w in windows], reach, resumed_from(evs))
     reached = 0  # the furthest update any earlier attempt computed
     for w in windows:
+        w.productive_updates, w.replayed_updates = counts[w.attempt]
         times = kept.get(w.attempt, {})
         stalls = {e.update: e.stall_seconds for e in evs if isinstance(e, BundlePublished) and e.attempt == w.attempt}
         w.add("capacity_wait_seconds", min((w.ready - w.begin).total_seconds(), sum(
@@ -121,23 +128,16 @@ def goodput(events: Sequence[_Event | CorruptEvent], final: Sequence[MetricPoint
             seconds = (times[update] - previous).total_seconds()
             stall = min(max(0.0, seconds), stalls.get(update - 1, 0.0))
             w.add("checkpoint_stall_seconds", stall)
-            term = "replayed_seconds" if update <= reached else "productive_seconds"
-            w.add(term, seconds - stall)
-            if update <= reached:
-                w.replayed_updates += 1
-            else:
-                w.productive_updates += 1
+            w.add("replayed_seconds" if update <= reached else "productive_seconds", seconds - stall)
             intervals.append(seconds - stall)
             previous = times[update]
         last = max(times, default=0)
-        furthest = max([last, *logged.get(w.attempt, {}), *(e.last_update for e in evs
-                        if isinstance(e, WorkerLost) and e.attempt == w.attempt)])
+        furthest = max(last, reach[w.attempt].update if w.attempt in reach else 0)
         tail = (w.end - previous).total_seconds()
         stall = min(max(0.0, tail), stalls.get(last, 0.0)) if last else 0.0
         w.add("checkpoint_stall_seconds", stall)
         lost_work = _lost_work(w, evs, previous, last, furthest, logged, intervals)
         w.add("productive_seconds", lost_work)
-        w.productive_updates += max(0, furthest - max(last, reached))
         w.add("downtime_seconds", tail - stall - lost_work)
         reached = max(reached, furthest)
     terms = {k: sum(w.terms[k] for w in windows) for k in TERMS}

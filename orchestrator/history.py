@@ -29,6 +29,15 @@ from spotrun.orchestrator.ledger import (
     WorkerLost,
     _Event,
 )
+from spotrun.orchestrator.losses import (
+    Reach,
+    downtime_seconds,
+    lost_range,
+    lost_updates,
+    reaches,
+    time_lost_seconds,
+    totals,
+)
 from spotrun.trainer.bundle import BundleCorrupt, list_bundles, read_manifest
 from spotrun.trainer.manifest import ManifestError
 from spotrun.trainer.storage import Storage
@@ -52,11 +61,9 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     A restart row joins the loss that ended an attempt (``worker_lost``; absent when
     the driver itself died) with the start of the next one: its restore, or, when no
     bundle was published yet (or none verified), its start from nothing, which loses
-    everything the attempt before it did. ``downtime_seconds`` runs from the loss (its detection; for a
-    driver that died, the lost attempt's last event) to the restore. ``time_lost_seconds`` is the wall time from
-    the moment the state the restart resumed from was current (the restored bundle's
-    publication, or the previous attempt's start when that is later or nothing was
-    restored) to this attempt's start: the work thrown away plus the downtime.
+    everything the attempt before it did. Its figures (``lost_updates`` with their source and
+    ``lost_range``, ``downtime_seconds``, ``time_lost_seconds``) are defined in
+    :mod:`spotrun.orchestrator.losses`; ``totals`` sums them over the restarts.
 
     ``budgets``: the losses of each class over the whole ledger, and what the newest run of the
     driver has used and has left of each budget (``world.max_restarts`` for failures,
@@ -66,6 +73,12 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     bundle it read, the paragraph printed). They are not attempts and leave ``state`` as it was: a
     finished job run again stays finished."""
     events = (ledger or Ledger(storage, job_id, fold=None)).read()
+    if points is None:
+        # here, not at the top: the dashboard package imports this module
+        from spotrun.orchestrator.dashboard.points import LogCache, read_points
+
+        points = read_points(storage, job_id, metrics_local_dir, LogCache())
+    reach = reaches(events, points.final, points.log)
     attempts: dict[int, dict[str, Any]] = {}
     restarts: list[dict[str, Any]] = []
     losses: dict[int, WorkerLost] = {}
@@ -111,7 +124,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
         elif isinstance(e, Restored):
             resumed.add(e.attempt)
             restarts.append(_restart(e.attempt, losses.get(e.attempt - 1), attempts.get(e.attempt - 1, {}),
-                                     started, handled, e, published_at.get(e.bundle)))
+                                     started, handled, e, published_at.get(e.bundle), reach.get(e.attempt - 1)))
         elif isinstance(e, InitializedFrom):
             resumed.add(e.attempt)
             a.update(initialized_from=e.bundle, recovery_label=e.recovery_label, reset=e.reset)
@@ -128,18 +141,17 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
         elif isinstance(e, JobFailed):
             a["ended"] = f"failed: {e.reason}"
     for n in sorted(set(started) - resumed - {min(started, default=0)}):  # restarts from nothing
-        restarts.append(_restart(n, losses.get(n - 1), attempts.get(n - 1, {}), started, handled, None, None))
+        restarts.append(_restart(n, losses.get(n - 1), attempts.get(n - 1, {}), started, handled, None, None,
+                                 reach.get(n - 1)))
     restarts.sort(key=lambda r: r["attempt"])
-    if points is None:
-        # here, not at the top: the dashboard package imports this module
-        from spotrun.orchestrator.dashboard.points import LogCache, read_points
-
-        points = read_points(storage, job_id, metrics_local_dir, LogCache())
+    for n, a in attempts.items():  # how far each got: the ledger's word, or further by its metric points
+        a.update(last_update=reach[n].update if n in reach else None,
+                 last_update_source=reach[n].source if n in reach else None)
     return {"job_id": job_id, "state": state_of(events), "attempts": list(attempts.values()),
             "restarts": restarts,
             "topology_changes": topology, "rejected_bundles": rejected, "corrupt_events": corrupt,
             "notices": notices, "refusals": refusals, "budgets": _budgets(classes, budget),
-            "checkpoint_intervals": intervals,
+            "checkpoint_intervals": intervals, "totals": totals(restarts),
             "goodput": goodput(events, points.final, points.log, _rate(storage, job_id))}
 
 
@@ -185,9 +197,10 @@ def _rate(storage: Storage, job_id: str) -> float | None:
 
 def _restart(attempt: int, loss: WorkerLost | None, previous: dict[str, Any], started: dict[int, AttemptStarted],
              handled: dict[int, NoticeHandled], restored: Restored | None,
-             bundle_published_at: datetime | None) -> dict[str, Any]:
+             bundle_published_at: datetime | None, reach: Reach | None) -> dict[str, Any]:
     """One restart row: attempt ``attempt`` began after ``loss`` ended the attempt before it (None: the
-    driver died, or the job was run again), from ``restored`` (None: from nothing)."""
+    driver died, or the job was run again), from ``restored`` (None: from nothing); ``reach``: how far
+    the attempt before it got. Its figures are defined in :mod:`spotrun.orchestrator.losses`."""
     this, before = started.get(attempt), started.get(attempt - 1)
     if restored is not None:
         begun = restored.at
@@ -204,17 +217,18 @@ def _restart(attempt: int, loss: WorkerLost | None, previous: dict[str, Any], st
     # the loss's moment: detected; when nobody lived to record it (the driver died), the lost attempt's last
     # event (a lower bound on its death: this downtime may be longer than it was, never shorter); a scale-up's
     # resize. None after a finished job (run again: nothing was down)
-    lost_at = loss.at if loss else (datetime.fromisoformat(previous["ended_at"])
+    lost_at = (loss.detected_at or loss.at) if loss else (datetime.fromisoformat(previous["ended_at"])
                                     if previous.get("ended_at") and previous.get("ended") != "finished" else None)
-    lost_seconds = 0.0 if previous.get("ended") == "finished" else (
-        round((begun - current_since).total_seconds(), 3) if current_since else None)
+    lost_seconds = 0.0 if previous.get("ended") == "finished" else time_lost_seconds(current_since, begun)
+    restored_update = restored.update if restored else 0
+    lost = lost_updates(reach, restored_update)
     return {
         "attempt": attempt,
         "cause": cause,
         "loss": loss.loss if loss else None,  # preemption | failure (None: not recorded, or no loss)
-        "detected_at": (loss.at if loss else begun).isoformat(),
+        "detected_at": ((loss.detected_at or loss.at) if loss else begun).isoformat(),
         "restored_from": restored.bundle if restored else None,
-        "restored_update": restored.update if restored else 0,
+        "restored_update": restored_update,
         "recovery_label": restored.recovery_label if restored else "fresh",
         # cold: new processes read the bundle from storage; warm-*: the survivors kept theirs and put it
         # back from memory (a spare in the lost rank's place, a new process there, or a smaller world)
@@ -224,10 +238,12 @@ def _restart(attempt: int, loss: WorkerLost | None, previous: dict[str, Any], st
         "restore_mode": restored.restore_mode if restored else None,
         "world_size_before": restored.world_size_before if restored else (before.world_size if before else None),
         "world_size_after": restored.world_size_after if restored else (this.world_size if this else None),
-        # from nothing, everything the lost attempt completed is redone
-        "lost_updates": restored.lost_updates if restored else (loss.last_update if loss else None),
+        # from nothing, everything the lost attempt completed is redone; None: how far it got is not known
+        "lost_updates": lost,
+        "lost_updates_source": reach.source if lost is not None and reach else None,
+        "lost_range": lost_range(lost, restored_update),
         "restore_seconds": round(restored.restore_seconds, 4) if restored else 0.0,
-        "downtime_seconds": round((begun - lost_at).total_seconds(), 3) if lost_at else None,
+        "downtime_seconds": downtime_seconds(lost_at, begun),
         "time_lost_seconds": lost_seconds,
         "notice_to_publish_seconds": (handled[attempt - 1].notice_to_publish_seconds
                                       if attempt - 1 in handled else None),

@@ -20,7 +20,7 @@ from markupsafe import Markup
 from spotrun.orchestrator.dashboard import charts, labs, prometheus
 from spotrun.orchestrator.dashboard.access import JobNotFound, open_readonly, redact
 from spotrun.orchestrator.dashboard.security import guard
-from spotrun.orchestrator.dashboard.templating import FILTERS
+from spotrun.orchestrator.dashboard.templating import FILTERS, RESTART_COLUMNS
 from spotrun.orchestrator.dashboard.views import Reader
 from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError
 
@@ -49,7 +49,7 @@ def create_app(storage: Storage | str, *, token: str | None = None, endpoint_url
     reader = Reader(store, metrics_local_dir=metrics_local_dir)
     env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
     env.filters.update(FILTERS)
-    env.globals.update(storage_uri=redact(store.uri), refresh_ms=refresh_ms)
+    env.globals.update(storage_uri=redact(store.uri), refresh_ms=refresh_ms, restart_columns=RESTART_COLUMNS)
 
     app = FastAPI(title="spotrun dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.middleware("http")(guard(token))

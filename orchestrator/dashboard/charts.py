@@ -111,8 +111,8 @@ def loss_curve(curve: dict[str, Any], width: int = 900, height: int = 300) -> st
         v += vstep
     out.append(f'<text class="axis" x="{width - mr}" y="{height - 4}">update</text>')
     for r in curve["restarts"]:
-        if r["replayed_updates"]:
-            lo, hi = r["replayed_updates"]
+        if r["lost_range"]:
+            lo, hi = r["lost_range"]
             out.append(f'<rect class="replay-band" data-attempt="{r["attempt"]}" x="{x(lo - 0.5):.1f}" y="{mt}" '
                        f'width="{x(hi + 0.5) - x(lo - 0.5):.1f}" height="{height - mt - mb}"><title>updates '
                        f'{lo}–{hi} replayed by attempt {r["attempt"]}</title></rect>')

@@ -23,8 +23,12 @@ GAUGES: dict[str, tuple[str, Callable[[dict[str, Any]], float | None]]] = {
     "spotrun_updates_total": ("Updates the job is to run (train.updates)", lambda s: s["updates_total"]),
     "spotrun_restarts_total": ("Restarts so far", lambda s: s["restarts"]),
     "spotrun_goodput_ratio": ("Productive update time over wall time (README: Goodput)", lambda s: s["goodput"]),
-    "spotrun_time_lost_seconds": ("Wall time restarts lost: downtime plus work thrown away",
+    "spotrun_time_lost_seconds": ("Wall time restarts lost: downtime plus work thrown away "
+                                  "(README: What a restart cost)",
                                   lambda s: s["time_lost_seconds"]),
+    "spotrun_lost_updates": ("Updates restarts threw away, to be computed again (README: What a restart cost); "
+                             "no sample while one restart's is not known", lambda s: s["lost_updates"]),
+    "spotrun_replayed_updates": ("Updates computed again after a restart so far", lambda s: s["replayed_updates"]),
     "spotrun_last_published_update": ("Update of the newest published bundle",
                                       lambda s: s["last_published"]["update"] if s["last_published"] else None),
     "spotrun_attempt_running": ("1 while an attempt of the job is running and has shown signs of life",

@@ -49,16 +49,37 @@ def short(value: str | None) -> str:
     return value.rsplit("/", 1)[-1] if value else DASH
 
 
-def restart_cell(value: Any, field: str) -> Any:
-    """A cell of the restart history table, by the name of its ``history --json`` field."""
+# The restart history table's columns (field of ``history --json``, header), narrow enough for a
+# laptop's window: world sizes, the lost updates' source and range, and a cold restart's reason
+# share a cell with what they qualify.
+RESTART_COLUMNS = [
+    ("attempt", "attempt"), ("cause", "cause"), ("loss", "class"), ("detected_at", "detected"),
+    ("restored_from", "restored from"), ("recovery_label", "label"), ("recovery_path", "path"),
+    ("world_size_after", "ranks"), ("lost_updates", "lost"), ("restore_seconds", "restore"),
+    ("downtime_seconds", "downtime"), ("time_lost_seconds", "time lost"),
+    ("notice_to_publish_seconds", "notice → published"),
+]
+
+
+def restart_cell(row: dict[str, Any], field: str) -> Any:
+    """A cell of the restart history table: the row's ``field``, and what qualifies it."""
+    value = row.get(field)
+    if field == "lost_updates":
+        if value is None:
+            return "not known"
+        lo_hi = row["lost_range"]
+        return f"{value} (u{lo_hi[0]}–{lo_hi[1]}, {row['lost_updates_source']})" if lo_hi else "0"
+    if field == "world_size_after":
+        before = row.get("world_size_before")
+        return f"{before} → {value}" if before not in (None, value) else dash(value)
+    if field == "restored_from":
+        return f"{short(value)} (u{row['restored_update']})" if value else "none: started afresh"
     if value is None:
-        return {"lost_updates": "not recorded", "restored_from": "none: started afresh"}.get(field, DASH)
+        return DASH
     if field.endswith("_seconds"):
         return secs(value)
     if field.endswith("_at"):
         return clock(value)
-    if field == "restored_from":
-        return short(value)
     return value
 
 

@@ -65,8 +65,6 @@ class Reader:
             "history": hist,
             "timeline": attempt_spans,
             "restarts": restarts,
-            # the columns of `spotrun history --json`, in its order, whatever fields it grows
-            "restart_fields": list(hist["restarts"][0]) if hist["restarts"] else [],
             "bundles": rows,
             "loss": self._curve(points, restarts),
         }
@@ -158,7 +156,7 @@ class Reader:
                        for p in points.final if p.name == "loss"],
             "replaced": replaced(points, "loss"),
             "restarts": [{"attempt": r["attempt"], "restored_update": r["restored_update"],
-                          "replayed_updates": r["replayed_updates"], "cause": r["cause"]} for r in restarts],
+                          "lost_range": r["lost_range"], "cause": r["cause"]} for r in restarts],
             "source": points.source, "has_log": points.log is not None,
         }
 
@@ -171,7 +169,6 @@ def _summary(hist: dict[str, Any], attempt_spans: list[dict[str, Any]], restarts
     quiet = (datetime.now(UTC) - datetime.fromisoformat(last_seen)).total_seconds() if last_seen else None
     done = max([0, *(p.update for p in points.final),
                 *(s["reached_update"] or 0 for s in attempt_spans), *(r["update"] for r in published)])
-    lost = [r["time_lost_seconds"] for r in restarts if r["time_lost_seconds"] is not None]
     return {
         "job_id": hist["job_id"],
         "state": hist["state"],
@@ -182,7 +179,9 @@ def _summary(hist: dict[str, Any], attempt_spans: list[dict[str, Any]], restarts
         "updates_done": done,
         "updates_total": total,
         "last_published": {"bundle": published[0]["bundle"], "update": published[0]["update"]} if published else None,
-        "time_lost_seconds": round(sum(lost), 3) if lost else (0.0 if not restarts else None),
+        "time_lost_seconds": hist["totals"]["time_lost_seconds"],
+        "lost_updates": hist["totals"]["lost_updates"],
+        "replayed_updates": hist["goodput"]["replayed_updates"],
         "goodput": hist["goodput"]["goodput"],
         "badput_usd": hist["goodput"]["badput_usd"],
         "started_at": attempt_spans[0]["start"] if attempt_spans else None,

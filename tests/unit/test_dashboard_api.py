@@ -150,9 +150,11 @@ def test_a_restart_after_a_driver_death_is_observed_from_the_metric_log(tmp_path
     write(2, range(6, 11))
     job = TestClient(create_app(f"file://{tmp_path}"), base_url=BASE).get("/api/jobs/k").json()
     [r] = job["restarts"]
-    assert (r["cause"], r["lost_updates"], r["lost_updates_seen"], r["lost_updates_source"]) == (
-        "driver-exit", None, 3, "metrics log")
-    assert r["replayed_updates"] == [6, 8] and r["gap_seconds"] is not None and r["replay_seconds"] >= 0
+    assert (r["cause"], r["lost_updates"], r["lost_updates_source"]) == ("driver-exit", 3, "metrics log")
+    assert r["lost_range"] == [6, 8] and r["gap_seconds"] is not None and r["replay_seconds"] >= 0
+    # one figure: history (what `spotrun history` prints) has the same, from the same log
+    [h] = TestClient(create_app(f"file://{tmp_path}"), base_url=BASE).get("/api/jobs/k/history").json()["restarts"]
+    assert (h["lost_updates"], h["lost_updates_source"]) == (3, "metrics log")
     assert [p["update"] for p in job["loss"]["points"]] == list(range(1, 11))
     assert [(p["update"], p["attempt"], p["replaced_by_attempt"]) for p in job["loss"]["replaced"]] == [
         (6, 1, 2), (7, 1, 2), (8, 1, 2)]
@@ -160,7 +162,7 @@ def test_a_restart_after_a_driver_death_is_observed_from_the_metric_log(tmp_path
     assert job["summary"]["state"] == "running"
     (tmp_path / "k/metrics.jsonl").unlink()  # SQLite alone keeps no log: the figure is unknown, not guessed
     [r] = TestClient(create_app(f"file://{tmp_path}"), base_url=BASE).get("/api/jobs/k").json()["restarts"]
-    assert r["lost_updates_seen"] is None and r["lost_updates_source"] is None
+    assert r["lost_updates"] is None and r["lost_updates_source"] is None and r["lost_range"] == []
     for s in sinks:
         s.close()
 

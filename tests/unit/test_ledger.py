@@ -5,7 +5,15 @@ from __future__ import annotations
 from spotrun.orchestrator.dashboard.charts import timeline
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import run_in_process
-from spotrun.orchestrator.ledger import AttemptStarted, CorruptEvent, JobFinished, Ledger, Resizing, Restored
+from spotrun.orchestrator.ledger import (
+    AttemptStarted,
+    BundlePublished,
+    CorruptEvent,
+    JobFinished,
+    Ledger,
+    Resizing,
+    Restored,
+)
 from spotrun.trainer.storage import LocalStorage
 
 
@@ -48,6 +56,8 @@ def test_a_scale_up_is_a_chosen_restart_not_a_loss(tmp_path):
     ledger = Ledger(storage, "g")
     ledger.append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="x"))
     ledger.append(Resizing(attempt=1, world_size_before=1, world_size_target=2, reason="2 rank slots available"))
+    ledger.append(BundlePublished(attempt=1, bundle="g/bundles/u0000000010-a1", update=10, bytes=1, stall_seconds=0,
+                                  write_seconds=0))  # at the boundary it stopped at
     ledger.append(AttemptStarted(attempt=2, world_size=2, pid=1, lineage_id="x"))
     ledger.append(Restored(attempt=2, bundle="g/bundles/u0000000010-a1", update=10, recovery_label="exact-data",
                            policy="elastic", restore_mode="snapshot", restore_seconds=0.1, lost_updates=0,
