@@ -299,7 +299,7 @@ def sources_for(p: PreemptionSpec) -> tuple[list[CloudSource], bool]:
     detect = p.sources is None and not names
     make: dict[str, Callable[[str], CloudSource]] = {
         "aws": AwsSource, "gcp": GcpSource, "azure": lambda u: AzureSource(u, ack=p.azure_ack)}
-    return [make[n](urls[n] or LINK_LOCAL) for n in (names or list(urls))], detect
+    return [make[n](urls[n] or LINK_LOCAL) for n in (list(urls) if detect else names)], detect
 
 
 class CloudWatcher:

@@ -46,7 +46,8 @@ class _StandIn:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # a short poll interval: close() waits for the serving loop to see the shutdown
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
     def get(self, path: str, headers: Any, body: bytes) -> tuple[int, bytes, dict[str, str]]:

@@ -377,3 +377,42 @@ def test_signal_notices_go_on_after_a_failing_callback_and_close_restores_the_ha
     assert (second.source, second.node_id, second.rank) == ("sigterm", "n1", 2)
     assert second.deadline == second.received_at + timedelta(seconds=30)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def run_watching(spec, trace, source, published: int | None = None):
+    """Run the job on a thread; once its rank holds (and update ``published``'s bundle is published),
+    watch ``source`` (a cloud stand-in already holding its notice) as the rank's node would."""
+    from spotrun.orchestrator.clouds import CloudWatcher
+
+    sup = in_process_supervisor(spec, trace_path=str(trace))
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("outcome", sup.run()), daemon=True)
+    thread.start()
+    wait_until_held(sup.storage, spec.job_id, thread.is_alive, published=published)
+    watcher = CloudWatcher([source], 0.05, "local", 0, sup.notify).start()
+    try:
+        thread.join(timeout=120)
+    finally:
+        watcher.stop()
+    return result["outcome"], Ledger(sup.storage, spec.job_id).read()
+
+
+def test_an_azure_event_that_has_begun_falls_back_and_finishes_exactly(spec_factory, tmp_path, reference):
+    """A Preempt event whose NotBefore is blank has begun: no time to publish, the recorded fallback."""
+    from spotrun.orchestrator.clouds import AzureSource
+    from tests.helpers.imds import AzureEvents
+
+    azure = AzureEvents()
+    azure.preempt("evt-late", None)
+    spec = spec_factory(*SETS, f"faults=[{hold(11)}]", job_id="azlate")
+    try:
+        outcome, events = run_watching(spec, tmp_path / "t.jsonl", AzureSource(azure.url, ack=True), published=10)
+    finally:
+        azure.close()
+    seen = next(e for e in events if isinstance(e, NoticeSeen))
+    assert (seen.source, seen.action) == ("azure", "fallback") and seen.remaining_seconds <= 0
+    assert not [e for e in events if isinstance(e, NoticeHandled)] and azure.acks == [], "no bundle: no ack"
+    restored = next(e for e in events if isinstance(e, Restored))
+    assert restored.update == 10 and restored.cause == "notice:azure"
+    final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
+    assert first_divergence(reference, list(final.values())) is None and len(final) == 40
