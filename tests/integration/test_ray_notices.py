@@ -77,6 +77,13 @@ def run_in_background(spec, trace):
     return thread, result
 
 
+def run_until_held(spec, trace):
+    """``run_in_background``, returning once the first attempt holds at update HELD_AT."""
+    thread, result = run_in_background(spec, trace)
+    wait_until_held(open_storage(spec.storage), spec.job_id, thread.is_alive)
+    return thread, result
+
+
 def check_exact_after_one_notice(spec, trace, reference, source):
     events = Ledger(open_storage(spec.storage), spec.job_id).read()
     handled = [e for e in events if isinstance(e, NoticeHandled)]
@@ -96,8 +103,7 @@ def test_aws_notice_gives_emergency_bundle_and_exact_finish(imds, reference, tmp
     spec = make_spec(tmp_path, *SETS, HOLD, f"preemption.imds_url={imds.url}", job_id="aws")
     trace = tmp_path / "t.jsonl"
     imds.set(None)
-    thread, result = run_in_background(spec, trace)
-    wait_until_held(open_storage(spec.storage), "aws", thread.is_alive)
+    thread, result = run_until_held(spec, trace)
     when = datetime.now(UTC) + timedelta(seconds=120)
     imds.set(json.dumps({"action": "terminate", "time": when.isoformat().replace("+00:00", "Z")}).encode())
     thread.join(timeout=180)
@@ -133,8 +139,7 @@ def test_gcp_notice_gives_emergency_bundle_and_exact_finish(gcp, reference, tmp_
                      job_id="gcp")
     trace = tmp_path / "t.jsonl"
     gcp.set(b"FALSE")
-    thread, result = run_in_background(spec, trace)
-    wait_until_held(open_storage(spec.storage), "gcp", thread.is_alive)
+    thread, result = run_until_held(spec, trace)
     gcp.set(b"TRUE")
     thread.join(timeout=180)
     gcp.set(b"FALSE")
@@ -150,8 +155,7 @@ def test_azure_notice_gives_emergency_bundle_exact_finish_and_ack_after_publish(
     published_at_ack: list[list[int]] = []
     azure.on_ack = lambda doc: published_at_ack.append(
         [e.update for e in Ledger(open_storage(spec.storage), "azure").read() if isinstance(e, BundlePublished)])
-    thread, result = run_in_background(spec, trace)
-    wait_until_held(open_storage(spec.storage), "azure", thread.is_alive)
+    thread, result = run_until_held(spec, trace)
     when = (datetime.now(UTC) + timedelta(seconds=60)).replace(microsecond=0)
     azure.preempt("evt-1", when)
     thread.join(timeout=180)
@@ -167,8 +171,7 @@ def test_aws_rebalance_gives_an_early_bundle_and_training_goes_on(imds, referenc
     spec = make_spec(tmp_path, *SETS, HOLD, f"preemption.imds_url={imds.url}", job_id="rebalance")
     trace = tmp_path / "t.jsonl"
     imds.set(None)
-    thread, result = run_in_background(spec, trace)
-    wait_until_held(open_storage(spec.storage), "rebalance", thread.is_alive)
+    thread, result = run_until_held(spec, trace)
     imds.rebalance(json.dumps({"noticeTime": datetime.now(UTC).isoformat().replace("+00:00", "Z")}).encode())
     thread.join(timeout=180)
     imds.rebalance(None)
