@@ -125,7 +125,8 @@ class GcpMetadata(_StandIn):
 class AzureEvents(_StandIn):
     """Scheduled Events for the VM ``vm``: ``preempt(event_id, not_before)`` lists a ``Preempt`` event
     for it (``not_before`` None: blank, the event has begun); ``set(body)`` answers any body. A POST of
-    ``StartRequests`` is kept in ``acks``, after ``on_ack`` ran (a test looks at the storage there)."""
+    ``StartRequests`` is kept in ``acks``, after ``on_ack`` ran (a test looks at the storage there), and
+answered with ``ack_status``."""
 
     EVENTS = "/metadata/scheduledevents"
 
@@ -135,6 +136,7 @@ class AzureEvents(_StandIn):
         self.body = self._document([])
         self.acks: list[dict] = []
         self.on_ack: Callable[[dict], None] = lambda doc: None
+        self.ack_status = 200  # what a POST of StartRequests is answered with
         super().__init__()
 
     def _document(self, events: list[dict]) -> bytes:
@@ -166,4 +168,4 @@ class AzureEvents(_StandIn):
         doc = json.loads(body)
         self.on_ack(doc)
         self.acks.append(doc)
-        return 200, b"", {}
+        return self.ack_status, b"", {}

@@ -207,3 +207,26 @@ def test_two_ranks_of_one_node_record_a_malformed_or_unreachable_answer_once(spe
 def test_the_rebalance_body_parses_as_json_with_a_time():
     with pytest.raises(ValueError):
         AwsSource("http://x").parse("rebalance", json.dumps({"noticeTime": "later"}).encode(), datetime.now(UTC))
+
+
+@pytest.mark.parametrize("status", [200, 500])
+def test_no_ray_acknowledges_an_azure_event_after_its_bundle_and_a_refusal_is_no_failure(spec_factory, azure,
+                                                                                         status):
+    """``--no-ray``: the driver's own watcher sees the Preempt and acknowledges it once the emergency
+    bundle is published; an endpoint that refuses the acknowledgement changes nothing but the record."""
+    from spotrun.orchestrator.launch import run_in_process
+    from spotrun.orchestrator.ledger import BundlePublished, NoticeHandled
+
+    azure.ack_status = status
+    azure.preempt("evt-3", (datetime.now(UTC) + timedelta(seconds=60)).replace(microsecond=0))
+    spec = spec_factory("train.updates=40", "checkpoint.every_updates=100", "preemption.sources=[azure]",
+                        f"preemption.azure_metadata_url={azure.url}", "preemption.azure_ack=true",
+                        "preemption.imds_poll_s=0.05", job_id=f"azack{status}")
+    published_at_ack: list[int] = []
+    azure.on_ack = lambda doc: published_at_ack.append(sum(
+        isinstance(e, BundlePublished) for e in Ledger(open_storage(spec.storage), spec.job_id).read()))
+    outcome = run_in_process(spec)
+    assert outcome.state == "stopped" and len(outcome.published) == 1, outcome
+    assert azure.acks == [{"StartRequests": [{"EventId": "evt-3"}]}] and published_at_ack == [1]
+    handled = next(e for e in Ledger(open_storage(spec.storage), spec.job_id).read() if isinstance(e, NoticeHandled))
+    assert handled.acknowledged == ("evt-3" if status == 200 else None)
