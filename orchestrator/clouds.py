@@ -22,6 +22,7 @@ nothing on a machine that has none."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import threading
@@ -43,6 +44,8 @@ GCP_WARNING_S = 30.0  # GCP stops a preempted VM about this long after instance/
 PROBE_TIMEOUT_S = 1.0  # detection: an endpoint that does not answer this fast is taken as absent
 ASK_TIMEOUT_S = 2.0
 AZURE_API = "api-version=2020-07-01"
+# what asking an endpoint raises when it cannot be asked (refused, timed out, a broken HTTP answer)
+UNREACHABLE = (OSError, http.client.HTTPException)
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class CloudSource(Protocol):
 
     def ask(self) -> list[tuple[str, bytes]]:
         """(endpoint, body) for each of the source's endpoints that holds something now; raises
-        ``OSError`` when the source cannot be asked."""
+        one of :data:`UNREACHABLE` when the source cannot be asked."""
 
     def parse(self, endpoint: str, body: bytes, received: datetime) -> list[Sighting]:
         """The notices in one answer (none: nothing scheduled); raises ``ValueError`` when malformed."""
@@ -137,7 +140,7 @@ class AwsSource:
         try:
             self._session_token(timeout=PROBE_TIMEOUT_S)
             return True
-        except OSError:
+        except UNREACHABLE:
             return False
 
     def _session_token(self, timeout: float = ASK_TIMEOUT_S) -> str:
@@ -200,7 +203,7 @@ class GcpSource:
     def present(self) -> bool:
         try:
             got = _get(f"{self.url}{self.PATH}", self.HEADERS, PROBE_TIMEOUT_S)
-        except OSError:
+        except UNREACHABLE:
             return False
         return got is not None and got[1].get("Metadata-Flavor") == "Google"
 
@@ -243,7 +246,7 @@ class AzureSource:
         try:
             self._vm_name(PROBE_TIMEOUT_S)
             return True
-        except OSError:
+        except UNREACHABLE:
             return False
 
     def _vm_name(self, timeout: float = ASK_TIMEOUT_S) -> str:
@@ -337,14 +340,17 @@ class CloudWatcher:
         """Tell the cloud the bundle ``notice`` asked for is published (raises ``OSError``)."""
         for s in self.sources:
             if s.name == notice.source and notice.ack is not None:
-                s.acknowledge(notice.ack)
+                try:
+                    s.acknowledge(notice.ack)
+                except http.client.HTTPException as e:  # a broken answer: refused, as far as we can tell
+                    raise OSError(f"{s.what} answered the acknowledgement of {notice.ack} badly: {e!r}") from e
 
     def poll(self) -> None:
         """:meth:`poll_once` on every source, an unreachable one reported (the first time), not raised."""
         for source in self.sources:
             try:
                 self.poll_once(source)
-            except OSError as e:  # URLError and HTTPError are OSErrors; timeouts too
+            except UNREACHABLE as e:  # URLError and HTTPError are OSErrors; timeouts too
                 if source.name in self._unreachable:
                     log.debug("%s %s still unreachable: %s", source.what, source.url, e)
                     continue
@@ -354,7 +360,7 @@ class CloudWatcher:
                 self.on_notice(self._notice(source.name, None, unreachable=reason))
 
     def poll_once(self, source: CloudSource) -> None:
-        """One poll of ``source``; raises ``OSError`` when it cannot be asked."""
+        """One poll of ``source``; raises one of :data:`UNREACHABLE` when it cannot be asked."""
         for endpoint, body in source.ask():
             if (source.name, endpoint, body) in self._seen:
                 continue  # the same answer polled again
@@ -379,7 +385,10 @@ class CloudWatcher:
             if not self.sources:
                 return
         while not self._stop.is_set():
-            self.poll()
+            try:
+                self.poll()
+            except Exception:  # a bug in one poll must not end the watching: log it and poll again
+                log.exception("polling for cloud notices failed")
             self._stop.wait(self.poll_s)
 
 

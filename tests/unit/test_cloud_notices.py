@@ -230,3 +230,34 @@ def test_no_ray_acknowledges_an_azure_event_after_its_bundle_and_a_refusal_is_no
     assert azure.acks == [{"StartRequests": [{"EventId": "evt-3"}]}] and published_at_ack == [1]
     handled = next(e for e in Ledger(open_storage(spec.storage), spec.job_id).read() if isinstance(e, NoticeHandled))
     assert handled.acknowledged == ("evt-3" if status == 200 else None)
+
+
+class _Broken:
+    """A source whose endpoint answers with a broken HTTP answer, then raises a bug, then is asked again."""
+
+    name, url, what = "gcp", "http://broken", "GCP metadata server"
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self.asked_thrice = threading.Event()
+
+    def ask(self):
+        import http.client
+
+        self.asked += 1
+        if self.asked == 3:
+            self.asked_thrice.set()
+        if self.asked == 1:
+            raise http.client.IncompleteRead(b"TR")
+        raise RuntimeError("a bug in parsing")
+
+
+def test_a_broken_answer_is_unreachable_once_and_a_bug_does_not_end_the_watching():
+    got: list[Notice] = []
+    source = _Broken()
+    watcher = CloudWatcher([source], 0.01, "n1", 0, got.append).start()  # type: ignore[list-item]
+    try:
+        assert source.asked_thrice.wait(timeout=30), "the watcher polls on after a poll raised"
+    finally:
+        watcher.stop()
+    assert len(got) == 1 and got[0].unreachable and "IncompleteRead" in got[0].unreachable
