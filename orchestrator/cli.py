@@ -207,7 +207,8 @@ def cmd_history(a: argparse.Namespace) -> int:
          "left": run["failures_left"]},
     ], ["class", "losses", "this_run", "budget", "left"])
     if doc["notices"]:
-        _table("preemption notices", doc["notices"], ["attempt", "at", "source", "node_id", "action", "reason"])
+        _table("preemption notices", doc["notices"], ["attempt", "at", "source", "node_id", "deadline", "action",
+                                                    "reason"])
     if doc["refusals"]:
         _table("refused runs (none trained; the state above stands)", doc["refusals"],
                ["at", "check", "bundle", "reason"])

@@ -111,6 +111,11 @@ class WorkerGroup(Protocol):
     def take_notices(self) -> list[Notice]:
         """Preemption notices the ranks' watchers saw since the last call."""
 
+    def acknowledge(self, notice: Notice) -> None:
+        """The bundle ``notice`` asked for is published: the watcher of the rank that saw it tells its
+        cloud (Azure's ``StartRequests``). Raises ``OSError`` when the endpoint refuses, ``RankLost``
+        when the rank is gone."""
+
     def pids(self) -> list[int]: ...
 
     def teardown(self) -> None: ...
@@ -200,6 +205,9 @@ class InProcessGroup:
 
     def take_notices(self) -> list[Notice]:
         return []  # in this process, the supervisor's own watchers see everything
+
+    def acknowledge(self, notice: Notice) -> None:
+        return None  # the supervisor's own watchers saw it: they acknowledge it
 
     def pids(self) -> list[int]:
         return [os.getpid()]

@@ -110,11 +110,11 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
             published_at[e.bundle] = e.at
             a["published"] += 1
             a["last_update"] = max(a["last_update"] or 0, e.update)
-        elif isinstance(e, NoticeHandled):
+        elif isinstance(e, NoticeHandled) and not e.early:  # an early checkpoint's is a bundle like any other
             handled[e.attempt] = e
         elif isinstance(e, NoticeSeen):  # acted on or ignored (malformed, an unreachable source): both shown
             notices.append(e.model_dump(mode="json", include={"attempt", "at", "source", "node_id", "rank",
-                                                               "action", "reason"}))
+                                                               "deadline", "action", "reason"}))
         elif isinstance(e, WorkerLost):
             losses[e.attempt] = e
             classes[e.loss or "unclassified"] += 1

@@ -81,7 +81,7 @@ def observe(events: Sequence[_Event | CorruptEvent], checkpoint: CheckpointSpec,
     """:func:`decide`'s inputs from a job's ledger. ``running``: the attempt running now (its run time
     counts up to ``now``); every other attempt counts until its loss or its last event."""
     evs = [e for e in events if not isinstance(e, CorruptEvent)]
-    covered = {e.attempt for e in evs if isinstance(e, NoticeHandled)}
+    covered = {e.attempt for e in evs if isinstance(e, NoticeHandled) and not e.early}
     preempted = [e for e in evs if isinstance(e, WorkerLost) and e.loss == "preemption"]
     costs = [e.stall_seconds + (e.overlap_seconds or 0.0) for e in evs if isinstance(e, BundlePublished)]
     return IntervalInputs(

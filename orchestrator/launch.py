@@ -21,8 +21,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from spotrun.orchestrator.clouds import watch_clouds
 from spotrun.orchestrator.groups import InProcessGroup
-from spotrun.orchestrator.notices import ImdsWatcher
 from spotrun.orchestrator.progress import Progress
 from spotrun.orchestrator.ray_internals import quiet_auth_notice, quiet_worker_deaths, shutdown_without_grace
 from spotrun.orchestrator.supervisor import Outcome, Supervisor
@@ -46,8 +46,9 @@ def check_entrypoint(spec: JobSpec) -> None:
 def run_in_process(spec: JobSpec, *, trace_path: str | None = None, record_ids: bool = False,
                    init_from: tuple[str, str] | None = None, reset: tuple[str, ...] = (),
                    drop: tuple[str, ...] = (), progress: Progress | None = None) -> Outcome:
-    """World size 1 without Ray: the rank trains on a thread of this process. ``preemption.imds_url``
-    is watched here as on a Ray node: a spot notice for this machine drains the job like SIGTERM.
+    """World size 1 without Ray: the rank trains on a thread of this process. The cloud notice sources
+    (``preemption.sources``) are watched here as on a Ray node: a notice for this machine drains the
+    job like SIGTERM.
 
     ``sys.stdout`` and ``sys.stderr`` are routed from before the entrypoint is imported, so that a
     library that keeps the stream it finds at import (transformers' logging) keeps the router: what
@@ -55,8 +56,9 @@ def run_in_process(spec: JobSpec, *, trace_path: str | None = None, record_ids: 
     with routed():
         sup = in_process_supervisor(spec, trace_path=trace_path, record_ids=record_ids, init_from=init_from,
                                     reset=reset, drop=drop, progress=progress)
-        p = spec.preemption
-        watcher = ImdsWatcher(p.imds_url, p.imds_poll_s, None, None, sup.notify).start() if p.imds_url else None
+        watcher = watch_clouds(spec.preemption, None, None, sup.notify)
+        if watcher is not None:
+            sup.driver_watchers.append(watcher)
         try:
             return sup.run()
         finally:

@@ -159,27 +159,33 @@ class Resizing(_Event):
 
 
 class NoticeSeen(_Event):
-    """A preemption notice and what the supervisor did about it."""
+    """A preemption notice and what the supervisor did about it: an emergency checkpoint (publish, then
+    stop), a fallback to the newest published bundle (the deadline leaves no time to publish), an early
+    checkpoint (publish at the next boundary and keep training: AWS's rebalance recommendation), or
+    nothing (a duplicate, a malformed answer, an unreachable source)."""
 
     kind: Literal["notice"] = "notice"
     source: str
     node_id: str | None
     rank: int | None
     deadline: datetime | None
-    action: Literal["emergency-checkpoint", "fallback", "ignored"]
+    action: Literal["emergency-checkpoint", "fallback", "early-checkpoint", "ignored"]
     reason: str
     remaining_seconds: float | None = None  # until the deadline, when it arrived
     needed_seconds: float | None = None  # estimated to finish the update in flight and publish
 
 
 class NoticeHandled(_Event):
-    """The emergency bundle a notice asked for is published; the ranks have stopped."""
+    """The bundle a notice asked for is published: an emergency one (the ranks have stopped) or, with
+    ``early``, an early checkpoint's (training goes on: a later loss costs only the updates since)."""
 
     kind: Literal["notice_handled"] = "notice_handled"
     source: str
     bundle: str
     update: int
     notice_to_publish_seconds: float
+    early: bool = False
+    acknowledged: str | None = None  # the cloud's event acknowledged after the publish (Azure's EventId)
 
 
 class OffsetsCommitted(_Event):

@@ -15,7 +15,8 @@ from typing import Any
 
 import ray
 
-from spotrun.orchestrator.notices import ImdsWatcher, Notice, install_signal_notices
+from spotrun.orchestrator.clouds import CloudWatcher, watch_clouds
+from spotrun.orchestrator.notices import Notice, install_signal_notices
 from spotrun.orchestrator.priority import run_at_normal_priority
 from spotrun.orchestrator.ray_internals import is_ray_control_line
 from spotrun.trainer.collective import Collective, LocalCollective, TorchCollective
@@ -58,7 +59,7 @@ class RankActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self._notices: list[Notice] = []
         self._lock = threading.Lock()
-        self._imds: ImdsWatcher | None = None
+        self._clouds: CloudWatcher | None = None
         self.session: TrainSession | None = None  # a spare's, built before it has a place (prepare)
         self.device = "cpu"
         self._run_ended = threading.Event()  # clear while run() trains: leave() waits for it
@@ -130,14 +131,19 @@ class RankActor:
                 "device": device, "runtime": self.runner.session.desc.runtime, "probe": self.runner.probe}
 
     def _watch(self, spec: JobSpec, rank: int) -> None:
-        """Watch the instance metadata for a notice to this rank (a warm restart may renumber it)."""
-        if self._imds is not None and rank != self.rank:
-            self._imds.stop()
-            self._imds = None
+        """Watch the cloud's metadata endpoint for a notice to this rank (a warm restart may renumber it)."""
+        if self._clouds is not None and rank != self.rank:
+            self._clouds.stop()
+            self._clouds = None
         self.rank = rank
-        if spec.preemption.imds_url and self._imds is None:
-            self._imds = ImdsWatcher(spec.preemption.imds_url, spec.preemption.imds_poll_s, self.node_id, rank,
-                                     self._on_notice).start()
+        if self._clouds is None:
+            self._clouds = watch_clouds(spec.preemption, self.node_id, rank, self._on_notice)
+
+    def acknowledge(self, notice_json: str) -> None:
+        """The bundle this rank's notice asked for is published: tell its cloud (Azure's ``StartRequests``,
+        when ``preemption.azure_ack`` is on). Raises ``OSError`` when the endpoint refuses."""
+        if self._clouds is not None:
+            self._clouds.acknowledge(Notice.model_validate_json(notice_json))
 
     def _join(self, spec: JobSpec, init_method: str, rank: int, world_size: int) -> Collective:
         """Form the attempt's process group (gloo on CPU, nccl with GPUs) as ``rank`` of ``world_size``."""

@@ -484,6 +484,14 @@ class RayGroup:
     def request(self, checkpoint: bool = True, stop: bool = False) -> None:
         self._call([a.request.remote(checkpoint, stop) for a in self.actors])
 
+    def acknowledge(self, notice: Notice) -> None:
+        if notice.rank is None or notice.rank >= len(self.actors):
+            return
+        try:
+            self._get(notice.rank, self.actors[notice.rank].acknowledge.remote(notice.model_dump_json()))
+        except RankFailed as e:  # the acknowledgement raised on the rank: the endpoint refused it
+            raise OSError(str(e)) from e
+
     def salvage(self) -> list[Report]:
         """After a loss: the last reports of the ranks still answering (they are blocked in a
         collective with the lost rank, but their poll runs on another thread)."""

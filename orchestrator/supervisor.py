@@ -31,6 +31,7 @@ from datetime import UTC, datetime, timedelta
 
 from spotrun.orchestrator import interval, policy
 from spotrun.orchestrator.budgets import RestartBudgets, classify
+from spotrun.orchestrator.clouds import CloudWatcher
 from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WarmUnavailable, WorkerGroup
 from spotrun.orchestrator.ledger import (
     AttemptStarted,
@@ -117,6 +118,7 @@ class Running:
     world_size: int
     last_update: int
     draining: Notice | None = None  # a notice being acted on: checkpoint at the next boundary, then stop
+    early: tuple[Notice, int] | None = None  # an early checkpoint asked for, and the update it was asked at
     growing: int | None = None  # elastic: the larger world to restart with after the next boundary
     progress_at: float | None = None  # clock when last_update last advanced
 
@@ -223,6 +225,8 @@ class Supervisor:
         self._drain_checked = float("-inf")
         self._grow_checked = clock()  # the first look for room comes world.grow_check_s after the start
         self._seen_notices: set[tuple] = set()
+        # cloud watchers of the driver's own machine (--no-ray): a notice to the driver is acknowledged there
+        self.driver_watchers: list[CloudWatcher] = []
         self.sec_per_update: float | None = None  # measured, to judge whether a deadline leaves time
         self._rank_retries: dict[tuple[int, int], int] = {}  # (attempt, rank) -> storage retries
         self._auto = CheckpointClock()
@@ -492,6 +496,7 @@ class Supervisor:
             nxt = self._on_notice(st, notice)
             if nxt is not None:
                 return nxt
+        self._early_published(st)
         stopped = all(r.state in ("stopped", "finished") for r in reports)
         if st.draining is not None and stopped:
             return self._drained(st, st.draining)
@@ -610,14 +615,13 @@ class Supervisor:
                                           deadline=n.deadline, action=action, reason=reason,
                                           remaining_seconds=remaining, needed_seconds=needed))
 
-        if n.malformed:
-            log.warning("ignoring a malformed %s notice: %s", n.source, n.malformed)
-            record("ignored", f"malformed: {n.malformed}")
-            return None
-        if n.unreachable:  # each rank's watcher may say so: one record per node
-            if ("unreachable", n.source, n.node_id) not in self._seen_notices:
-                self._seen_notices.add(("unreachable", n.source, n.node_id))
-                record("ignored", f"unreachable: {n.unreachable}")
+        if n.malformed or n.unreachable:  # each rank's watcher may say so: one record per node
+            key = ("malformed", n.source, n.node_id, n.malformed) if n.malformed else ("unreachable", n.source,
+                                                                                     n.node_id)
+            if key not in self._seen_notices:
+                self._seen_notices.add(key)
+                log.warning("ignoring a %s %s notice: %s", key[0], n.source, n.malformed or n.unreachable)
+                record("ignored", f"malformed: {n.malformed}" if n.malformed else f"unreachable: {n.unreachable}")
             return None
         identity = n.identity if n.source != "ray-drain" else (n.source, n.node_id)
         if identity in self._seen_notices:
@@ -626,6 +630,9 @@ class Supervisor:
         self._seen_notices.add(identity)
         if n.node_id is not None and n.node_id not in st.group.node_ids:
             record("ignored", f"node {n.node_id} hosts no rank of this attempt")
+            return None
+        if n.early:
+            self._early(st, n, record)
             return None
         # whatever is done about it, a loss of this node or rank from now on was a preemption
         self._noticed.update(x for x in (n.node_id, n.rank) if x is not None)
@@ -653,6 +660,49 @@ class Supervisor:
         st.draining = n
         return None
 
+    def _early(self, st: Running, n: Notice, record: Callable[[str, str], None]) -> None:
+        """An early checkpoint (AWS's rebalance recommendation): a bundle at the next boundary, and training
+        goes on. Not a reason to class a later loss of the node as a preemption: no deadline was given."""
+        if st.draining is not None or st.early is not None:
+            why = "draining" if st.draining is not None else "an early checkpoint is already asked for"
+            record("ignored", f"{why}: that bundle covers it")
+            return
+        record("early-checkpoint", "checkpoint at the next boundary and keep training")
+        st.group.request(checkpoint=True)
+        st.early = (n, st.last_update)
+
+    def _early_published(self, st: Running) -> None:
+        """Record the bundle an early checkpoint asked for once it is published (the first one past the
+        update the request found the ranks at)."""
+        if st.early is None:
+            return
+        n, asked_at = st.early
+        bundle = next((m for m in self.published if m.counters.attempted_updates > asked_at), None)
+        if bundle is None:
+            return
+        st.early = None
+        self.ledger.append(NoticeHandled(
+            attempt=st.attempt, source=n.source, bundle=f"{self.spec.job_id}/bundles/{bundle.bundle_id}",
+            update=bundle.counters.attempted_updates, early=True,
+            notice_to_publish_seconds=round((datetime.now(UTC) - n.received_at).total_seconds(), 3)))
+
+    def _acknowledge(self, st: Running, n: Notice) -> str | None:
+        """Tell the cloud the bundle ``n`` asked for is published (Azure's ``StartRequests``, only when
+        ``preemption.azure_ack`` put an event on the notice), through the watcher that saw it. Returns
+        the event acknowledged; a refusal is logged, never a failure: the bundle is published either way."""
+        if n.ack is None:
+            return None
+        try:
+            if n.node_id is None:
+                for w in self.driver_watchers:
+                    w.acknowledge(n)
+            else:
+                st.group.acknowledge(n)
+        except (OSError, RankLost, RankFailed) as e:
+            log.warning("could not acknowledge %s event %s: %s", n.source, n.ack, e)
+            return None
+        return n.ack
+
     def _time_to_publish(self, poll_interval_s: float) -> float:
         """Estimated seconds to finish the update in flight, capture, write and publish, with margin
         (and one poll interval more: the stop and the bundles are seen at once, the interval is slack)."""
@@ -666,9 +716,10 @@ class Supervisor:
         last = self.published[-1]
         key = f"{self.spec.job_id}/bundles/{last.bundle_id}"
         seconds = (datetime.now(UTC) - n.received_at).total_seconds()
+        acknowledged = self._acknowledge(st, n)
         self.ledger.append(NoticeHandled(attempt=st.attempt, source=n.source, bundle=key,
                                          update=last.counters.attempted_updates,
-                                         notice_to_publish_seconds=round(seconds, 3)))
+                                         notice_to_publish_seconds=round(seconds, 3), acknowledged=acknowledged))
         if n.node_id is None:
             st.group.teardown()
             return Stopped(f"stopped by {n.source} after publishing {key}; run the same command to resume")

@@ -387,15 +387,30 @@ class FaultSpec(_Strict):
 
 class PreemptionSpec(_Strict):
     """How notices are watched. A notice asks for a checkpoint at the next boundary and a
-    drain before its deadline; SIGTERM and Ray drains give ``grace_s`` from their arrival."""
+    drain before its deadline; SIGTERM and Ray drains give ``grace_s`` from their arrival. Each node
+    polls its cloud's metadata endpoint: AWS (the spot interruption notice, 2 minutes ahead, and the
+    rebalance recommendation, an early checkpoint that keeps training), GCP (``instance/preempted``,
+    ~30 s ahead) and Azure (a ``Preempt`` scheduled event, ``NotBefore`` ≥ 30 s ahead)."""
 
     model_config = _section("both")
 
     grace_s: float = Field(110, gt=0, description="the time a SIGTERM or Ray drain notice leaves before the node "
                                                   "goes (a cloud notice carries its own deadline)")
-    imds_url: str | None = Field(None, description="the instance metadata service to poll for spot notices, e.g. "
-                                                   "http://169.254.169.254 on EC2; none disables the AWS watcher")
-    imds_poll_s: float = Field(1.0, gt=0, description="how often the metadata service is polled")
+    sources: tuple[Literal["aws", "gcp", "azure"], ...] | None = Field(
+        None, description="the clouds whose notices each node polls, at their `*_url` key or else "
+                          "http://169.254.169.254; none: the clouds whose `*_url` key is set, or with none set, the "
+                          "cloud whose metadata endpoint answers when a rank starts (quietly nothing where none "
+                          "does); `[]` watches no cloud")
+    imds_url: str | None = Field(None, description="AWS's instance metadata service (IMDSv2), e.g. "
+                                                   "http://169.254.169.254 on EC2: the spot interruption notice and "
+                                                   "the rebalance recommendation (an early checkpoint)")
+    gcp_metadata_url: str | None = Field(None, description="GCP's metadata server, e.g. "
+                                                           "http://metadata.google.internal: `instance/preempted`")
+    azure_metadata_url: str | None = Field(None, description="Azure's instance metadata service, e.g. "
+                                                             "http://169.254.169.254: Scheduled Events' `Preempt`")
+    azure_ack: bool = Field(False, description="acknowledge an Azure `Preempt` event (`StartRequests`) once its "
+                                               "emergency bundle is published, so the VM is handed back sooner")
+    imds_poll_s: float = Field(1.0, gt=0, description="how often each cloud's metadata endpoint is polled")
     watch_ray_drain: bool = Field(True, description="treat a Ray node drain as a preemption notice")
     drain_poll_s: float = Field(1.0, gt=0, description="how often Ray is asked about node drains")
     safety_factor: float = Field(1.5, ge=1, description="margin on the estimated time to finish an update and "

@@ -1,6 +1,7 @@
-"""Preemption notices on a real 2-rank Ray job: the AWS notice (IMDS stand-in on 127.0.0.1) and
-SIGTERM to a worker process each give one emergency bundle, zero lost updates and an exact finish;
-SIGTERM to the driver publishes and exits, and the same command resumes with nothing lost."""
+"""Preemption notices on a real 2-rank Ray job: the AWS, GCP and Azure notices (stand-ins of their
+metadata endpoints on 127.0.0.1) and SIGTERM to a worker process each give one emergency bundle, zero
+lost updates and an exact finish; AWS's rebalance recommendation gives an extra bundle and training
+goes on; SIGTERM to the driver publishes and exits, and the same command resumes with nothing lost."""
 
 from __future__ import annotations
 
@@ -15,11 +16,18 @@ import pytest
 
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import run_on_ray
-from spotrun.orchestrator.ledger import AttemptStarted, Ledger, NoticeHandled, NoticeSeen, Restored
+from spotrun.orchestrator.ledger import (
+    AttemptStarted,
+    BundlePublished,
+    Ledger,
+    NoticeHandled,
+    NoticeSeen,
+    Restored,
+)
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import ROOT, make_spec
-from tests.helpers.imds import Imds
+from tests.helpers.imds import AzureEvents, GcpMetadata, Imds
 from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
 from tests.helpers.runs import hold, run_cmd, run_to_end, wait_until_held
 
@@ -41,6 +49,20 @@ def imds():
 
 
 @pytest.fixture(scope="module")
+def gcp():
+    server = GcpMetadata()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def azure():
+    server = AzureEvents()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("noticeref")
     run_on_ray(make_spec(tmp, *SETS, job_id="ref"), trace_path=str(tmp / "ref.jsonl"))
@@ -52,6 +74,13 @@ def run_in_background(spec, trace):
     thread = threading.Thread(target=lambda: result.setdefault("outcome", run_on_ray(spec, trace_path=str(trace))),
                               daemon=True)
     thread.start()
+    return thread, result
+
+
+def run_until_held(spec, trace):
+    """``run_in_background``, returning once the first attempt holds at update HELD_AT."""
+    thread, result = run_in_background(spec, trace)
+    wait_until_held(open_storage(spec.storage), spec.job_id, thread.is_alive)
     return thread, result
 
 
@@ -74,14 +103,91 @@ def test_aws_notice_gives_emergency_bundle_and_exact_finish(imds, reference, tmp
     spec = make_spec(tmp_path, *SETS, HOLD, f"preemption.imds_url={imds.url}", job_id="aws")
     trace = tmp_path / "t.jsonl"
     imds.set(None)
-    thread, result = run_in_background(spec, trace)
-    wait_until_held(open_storage(spec.storage), "aws", thread.is_alive)
+    thread, result = run_until_held(spec, trace)
     when = datetime.now(UTC) + timedelta(seconds=120)
     imds.set(json.dumps({"action": "terminate", "time": when.isoformat().replace("+00:00", "Z")}).encode())
     thread.join(timeout=180)
     imds.set(None)
     assert result["outcome"].state == "finished" and result["outcome"].restarts == 1
     check_exact_after_one_notice(spec, trace, reference, "aws")
+
+
+def check_notice_shown(spec, source, deadline=None):
+    """The notice, with its source and deadline, in the ledger and the dashboard (its JSON and its page);
+    its bundle published before the deadline."""
+    from fastapi.testclient import TestClient
+
+    from spotrun.orchestrator.dashboard import create_app
+
+    events = Ledger(open_storage(spec.storage), spec.job_id).read()
+    seen = [e for e in events if isinstance(e, NoticeSeen)]
+    assert [(e.source, e.action) for e in seen] == [(source, "emergency-checkpoint")]
+    assert deadline is None or seen[0].deadline == deadline
+    handled = next(e for e in events if isinstance(e, NoticeHandled))
+    assert seen[0].deadline is not None and handled.at < seen[0].deadline, "published before the deadline"
+    client = TestClient(create_app(spec.storage), base_url="http://127.0.0.1")
+    [row] = client.get(f"/api/jobs/{spec.job_id}/history").json()["notices"]
+    assert (row["source"], row["action"]) == (source, "emergency-checkpoint")
+    assert datetime.fromisoformat(row["deadline"]) == seen[0].deadline
+    page = client.get(f"/jobs/{spec.job_id}").text
+    assert "Preemption notices" in page and f"<td>{source}</td>" in page
+    return handled
+
+
+def test_gcp_notice_gives_emergency_bundle_and_exact_finish(gcp, reference, tmp_path):
+    spec = make_spec(tmp_path, *SETS, HOLD, "preemption.sources=[gcp]", f"preemption.gcp_metadata_url={gcp.url}",
+                     job_id="gcp")
+    trace = tmp_path / "t.jsonl"
+    gcp.set(b"FALSE")
+    thread, result = run_until_held(spec, trace)
+    gcp.set(b"TRUE")
+    thread.join(timeout=180)
+    gcp.set(b"FALSE")
+    assert result["outcome"].state == "finished" and result["outcome"].restarts == 1
+    check_exact_after_one_notice(spec, trace, reference, "gcp")
+    check_notice_shown(spec, "gcp")
+
+
+def test_azure_notice_gives_emergency_bundle_exact_finish_and_ack_after_publish(azure, reference, tmp_path):
+    spec = make_spec(tmp_path, *SETS, HOLD, "preemption.sources=[azure]", "preemption.azure_ack=true",
+                     f"preemption.azure_metadata_url={azure.url}", job_id="azure")
+    trace = tmp_path / "t.jsonl"
+    published_at_ack: list[list[int]] = []
+    azure.on_ack = lambda doc: published_at_ack.append(
+        [e.update for e in Ledger(open_storage(spec.storage), "azure").read() if isinstance(e, BundlePublished)])
+    thread, result = run_until_held(spec, trace)
+    when = (datetime.now(UTC) + timedelta(seconds=60)).replace(microsecond=0)
+    azure.preempt("evt-1", when)
+    thread.join(timeout=180)
+    azure.set(b'{"DocumentIncarnation": 9, "Events": []}')
+    assert result["outcome"].state == "finished" and result["outcome"].restarts == 1
+    check_exact_after_one_notice(spec, trace, reference, "azure")
+    handled = check_notice_shown(spec, "azure", deadline=when)
+    assert azure.acks == [{"StartRequests": [{"EventId": "evt-1"}]}] and handled.acknowledged == "evt-1"
+    assert published_at_ack == [[HELD_AT]], "acknowledged only once the emergency bundle was published"
+
+
+def test_aws_rebalance_gives_an_early_bundle_and_training_goes_on(imds, reference, tmp_path):
+    spec = make_spec(tmp_path, *SETS, HOLD, f"preemption.imds_url={imds.url}", job_id="rebalance")
+    trace = tmp_path / "t.jsonl"
+    imds.set(None)
+    thread, result = run_until_held(spec, trace)
+    imds.rebalance(json.dumps({"noticeTime": datetime.now(UTC).isoformat().replace("+00:00", "Z")}).encode())
+    thread.join(timeout=180)
+    imds.rebalance(None)
+    outcome = result["outcome"]
+    assert outcome.state == "finished" and outcome.restarts == 0 and outcome.attempts == 1, "training not stopped"
+    events = Ledger(open_storage(spec.storage), "rebalance").read()
+    seen = [e for e in events if isinstance(e, NoticeSeen)]
+    assert [(e.source, e.action, e.deadline) for e in seen] == [("aws", "early-checkpoint", None)]
+    [handled] = [e for e in events if isinstance(e, NoticeHandled)]
+    # the signal came while the ranks were at update HELD_AT: its bundle is that boundary's
+    assert handled.early and handled.update == HELD_AT
+    published = [e.update for e in events if isinstance(e, BundlePublished)]
+    assert published == [HELD_AT, 30], "one extra bundle, then the final one"
+    final = latest_per_update(read_trace(trace))
+    assert sorted(final) == list(range(1, 31))
+    assert first_divergence(reference, list(final.values())) is None
 
 
 def test_sigterm_to_a_worker_process_gives_the_same_outcome(reference, tmp_path):

@@ -8,9 +8,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from spotrun.orchestrator.clouds import AwsSource, CloudWatcher, parse_instance_action
 from spotrun.orchestrator.launch import in_process_supervisor
 from spotrun.orchestrator.ledger import Ledger, NoticeHandled, NoticeSeen, Restored
-from spotrun.orchestrator.notices import ImdsWatcher, Notice, parse_instance_action
+from spotrun.orchestrator.notices import Notice
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.helpers.imds import Imds
 from tests.helpers.oracle import reference_run
@@ -108,17 +109,18 @@ def test_parse_instance_action():
 def test_imds_watcher_reports_once_per_notice_and_marks_malformed():
     imds = Imds()
     got: list[Notice] = []
-    watcher = ImdsWatcher(imds.url, poll_s=60, node_id="n1", rank=3, on_notice=got.append)
+    aws = AwsSource(imds.url)
+    watcher = CloudWatcher([aws], poll_s=60, node_id="n1", rank=3, on_notice=got.append)
     try:
-        watcher.poll_once()
-        assert got == [] and imds.requests == 1  # 404: nothing scheduled
+        watcher.poll_once(aws)
+        assert got == [] and imds.requests == 2  # 404 twice: no interruption, no rebalance
         when = (_now() + timedelta(seconds=120)).replace(microsecond=0)
         imds.set(json.dumps({"action": "terminate", "time": when.isoformat().replace("+00:00", "Z")}).encode())
-        watcher.poll_once()
-        watcher.poll_once()  # polled again: the same notice, reported once
+        watcher.poll_once(aws)
+        watcher.poll_once(aws)  # polled again: the same notice, reported once
         assert len(got) == 1 and got[0].deadline == when and got[0].rank == 3 and got[0].node_id == "n1"
         imds.set(b"{broken")
-        watcher.poll_once()
+        watcher.poll_once(aws)
         assert len(got) == 2 and got[1].malformed and got[1].deadline is None
     finally:
         imds.close()
@@ -126,19 +128,19 @@ def test_imds_watcher_reports_once_per_notice_and_marks_malformed():
 
 def test_imds_token_is_reused_until_shortly_before_it_expires():
     imds, now = Imds(), [0.0]
-    watcher = ImdsWatcher(imds.url, poll_s=60, node_id="n1", rank=0, on_notice=lambda n: None, clock=lambda: now[0])
+    aws = AwsSource(imds.url, clock=lambda: now[0])
     try:
         for _ in range(3):
-            watcher.poll_once()
-        assert (imds.token_puts, imds.requests) == (1, 3)  # one token, three polls
-        now[0] = ImdsWatcher.TOKEN_TTL_S - ImdsWatcher.TOKEN_RENEW_S - 1
-        watcher.poll_once()
+            aws.ask()
+        assert (imds.token_puts, imds.requests) == (1, 6)  # one token, three polls of two endpoints
+        now[0] = AwsSource.TOKEN_TTL_S - AwsSource.TOKEN_RENEW_S - 1
+        aws.ask()
         assert imds.token_puts == 1
         now[0] += 1  # within TOKEN_RENEW_S of the expiry: renewed before use
-        watcher.poll_once()
+        aws.ask()
         assert imds.token_puts == 2
         imds.revoke()  # the service forgot it early: a 401, then one new token, and the poll succeeds
-        watcher.poll_once()
+        aws.ask()
         assert imds.token_puts == 3
     finally:
         imds.close()
@@ -155,7 +157,7 @@ def _closed_port_url() -> str:
 def test_an_unreachable_imds_is_reported_once_not_per_poll():
     got: list[Notice] = []
     url = _closed_port_url()
-    watcher = ImdsWatcher(url, poll_s=60, node_id="n1", rank=2, on_notice=got.append)
+    watcher = CloudWatcher([AwsSource(url)], poll_s=60, node_id="n1", rank=2, on_notice=got.append)
     for _ in range(3):
         watcher.poll()
     assert len(got) == 1 and got[0].unreachable and url in got[0].unreachable
@@ -375,3 +377,42 @@ def test_signal_notices_go_on_after_a_failing_callback_and_close_restores_the_ha
     assert (second.source, second.node_id, second.rank) == ("sigterm", "n1", 2)
     assert second.deadline == second.received_at + timedelta(seconds=30)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def run_watching(spec, trace, source, published: int | None = None):
+    """Run the job on a thread; once its rank holds (and update ``published``'s bundle is published),
+    watch ``source`` (a cloud stand-in already holding its notice) as the rank's node would."""
+    from spotrun.orchestrator.clouds import CloudWatcher
+
+    sup = in_process_supervisor(spec, trace_path=str(trace))
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("outcome", sup.run()), daemon=True)
+    thread.start()
+    wait_until_held(sup.storage, spec.job_id, thread.is_alive, published=published)
+    watcher = CloudWatcher([source], 0.05, "local", 0, sup.notify).start()
+    try:
+        thread.join(timeout=120)
+    finally:
+        watcher.stop()
+    return result["outcome"], Ledger(sup.storage, spec.job_id).read()
+
+
+def test_an_azure_event_that_has_begun_falls_back_and_finishes_exactly(spec_factory, tmp_path, reference):
+    """A Preempt event whose NotBefore is blank has begun: no time to publish, the recorded fallback."""
+    from spotrun.orchestrator.clouds import AzureSource
+    from tests.helpers.imds import AzureEvents
+
+    azure = AzureEvents()
+    azure.preempt("evt-late", None)
+    spec = spec_factory(*SETS, f"faults=[{hold(11)}]", job_id="azlate")
+    try:
+        outcome, events = run_watching(spec, tmp_path / "t.jsonl", AzureSource(azure.url, ack=True), published=10)
+    finally:
+        azure.close()
+    seen = next(e for e in events if isinstance(e, NoticeSeen))
+    assert (seen.source, seen.action) == ("azure", "fallback") and seen.remaining_seconds <= 0
+    assert not [e for e in events if isinstance(e, NoticeHandled)] and azure.acks == [], "no bundle: no ack"
+    restored = next(e for e in events if isinstance(e, Restored))
+    assert restored.update == 10 and restored.cause == "notice:azure"
+    final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
+    assert first_divergence(reference, list(final.values())) is None and len(final) == 40
