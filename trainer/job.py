@@ -75,6 +75,9 @@ class Job:
       rank's device, under the spec's autocast). It returns the loss, a scalar tensor that requires
       grad, or ``(loss, {"name": float, ...})``: metrics named the same at every microstep, finite
       (except under fp16), and none called ``loss``, ``lr`` or ``applied`` (spotrun reports those).
+      Each named float is reported once per update as the mean over the update's micro-batches (every
+      microstep of every rank), like the loss: a count per micro-batch reads as its mean, not its
+      sum (multiply by ``accum_steps × world_size`` for the total).
       It must not call ``backward()``, ``step()`` or ``zero_grad()``: spotrun does backward,
       accumulation over ``train.accum_steps`` microsteps, gradient sync, the fp16 grad scaler,
       clipping to ``train.grad_clip``, the optimizer and scheduler steps and ``zero_grad``.

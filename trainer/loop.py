@@ -22,7 +22,7 @@ from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.job import RESERVED_METRICS, JobError
 from spotrun.trainer.rng import microbatch_seed, seed_all
 from spotrun.trainer.sharding import gathered
-from spotrun.trainer.state import CopiesDone, TrainState
+from spotrun.trainer.state import TrainState, wait_for_copies
 from spotrun.trainer.trace import (
     TRACE_VERSION,
     BlockDigests,
@@ -74,15 +74,6 @@ def split_step(result: Any) -> tuple[torch.Tensor, dict[str, float]]:
     if clash:
         raise JobError(f"the job's step names metrics {sorted(clash)}, which spotrun reports itself; rename them")
     return loss, {k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v) for k, v in metrics.items()}
-
-
-def _wait_for_copies(event: Any) -> None:
-    """Order the training after a capture's copies: on a GPU the training stream waits (the host
-    goes on); on the CPU the loop blocks until the deferred copies landed (timed: it is stall)."""
-    if isinstance(event, CopiesDone):
-        event.wait_in_loop()
-    elif event is not None:
-        torch.cuda.current_stream().wait_event(event)
 
 
 def forward(st: TrainState, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
@@ -143,7 +134,7 @@ class TrainLoop:
         st = self.state
         self.agreed_flags = None
         update = st.counters.value.attempted_updates + 1
-        _wait_for_copies(st.pending_user_copy)  # the step may change registered state
+        wait_for_copies(st.pending_user_copy)  # the step may change registered state
         st.pending_user_copy = None
         losses: list[torch.Tensor] = []
         blocks: list[BlockDigests] = []
@@ -241,7 +232,7 @@ class TrainLoop:
             raised = flags(st.counters.value.attempted_updates + 1) if flags is not None else []  # read late
             used = st.grad_use.take() if st.grad_use is not None else None
             sums = self.grad_sync(st.model, [*riders, *(float(f) for f in raised)], used)
-        _wait_for_copies(st.pending_copy)  # the step overwrites what the capture copies
+        wait_for_copies(st.pending_copy)  # the step overwrites what the capture copies
         st.pending_copy = None
         st.scaler.unscale_(st.optimizer)
         if spec.train.grad_clip > 0:

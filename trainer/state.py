@@ -87,6 +87,15 @@ class CopiesDone:
         self.loop_wait_seconds += time.perf_counter() - t0
 
 
+def wait_for_copies(event: Any) -> None:
+    """Order what comes next after a capture's copies: on a GPU the current stream waits (the host
+    goes on); on the CPU this blocks until the deferred copies landed (timed: it is stall)."""
+    if isinstance(event, CopiesDone):
+        event.wait_in_loop()
+    elif event is not None:
+        torch.cuda.current_stream().wait_event(event)
+
+
 class HostBuffers:
     """Host memory a capture copies into, allocated once and reused by every later capture.
 
@@ -271,6 +280,10 @@ class TrainState:
         the grad scaler's per-step record, the copies of a capture in flight. A restore follows."""
         self.model.zero_grad(set_to_none=True)
         self.scaler = build_scaler(self.spec.train, self.device.split(":")[0])
+        # a capture's copies may still be reading the tensors the restore is about to write (on a GPU:
+        # queued on the side stream): the restore's writes come after them
+        for pending in (self.pending_copy, self.pending_user_copy):
+            wait_for_copies(pending)
         self.pending_copy = self.pending_user_copy = None
 
     def check_saveable(self) -> None:

@@ -60,3 +60,44 @@ def test_the_next_step_waits_for_the_deferred_copies(tmp_path, monkeypatch):
         assert capture.ready.loop_wait_seconds > 0
     finally:
         session.close()
+
+
+def test_forgetting_an_update_waits_for_the_deferred_copies(tmp_path, monkeypatch):
+    """A warm restart drops what the stopped update left (``forget_update``) and restores over the
+    parameters: a capture's copies still reading them are waited for first."""
+    session = TrainSession(make_spec(tmp_path, "data.workers=0", "train.updates=3"))
+    session.start()
+    try:
+        session.run_update()
+        gate, waiting, either = threading.Event(), threading.Event(), threading.Event()
+        real_copy_all, real_wait = state_module._copy_all, CopiesDone.wait_in_loop
+
+        def gated_copy_all(pairs):
+            assert gate.wait(timeout=60), "forget_update never waited for the deferred copies"
+            real_copy_all(pairs)
+
+        def seen_waiting(self):
+            waiting.set()
+            either.set()
+            real_wait(self)
+
+        def forget():
+            try:
+                session.state.forget_update()
+            finally:
+                either.set()  # forgetting without waiting ends without setting ``waiting``
+
+        monkeypatch.setattr(state_module, "_copy_all", gated_copy_all)
+        monkeypatch.setattr(CopiesDone, "wait_in_loop", seen_waiting)
+        capture = session.capture()
+        assert isinstance(capture.ready, CopiesDone)
+        thread = threading.Thread(target=forget)
+        thread.start()
+        either.wait(timeout=60)
+        seen = waiting.is_set()
+        gate.set()
+        thread.join(timeout=60)
+        assert seen, "forget_update dropped the capture's copies without waiting for them"
+        assert session.state.pending_copy is None
+    finally:
+        session.close()
