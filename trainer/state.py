@@ -140,7 +140,9 @@ class HostBuffers:
         if self._stream is not None:
             # the side stream's copies, and the training stream's up to here (the buffers'): one event
             self._stream.wait_stream(torch.cuda.current_stream())
-            event = torch.cuda.Event()
+            # blocking: the writer's synchronize() sleeps on it (cudaEventBlockingSync) instead of spinning a
+            # core the loader and the loop need; the training stream's wait_event is not affected
+            event = torch.cuda.Event(blocking=True)
             event.record(self._stream)
             return event
         if not self._deferred:
