@@ -8,13 +8,48 @@ values after the next update instead of those at the boundary."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
 import spotrun.trainer.state as state_module
 from spotrun.trainer.session import TrainSession
-from spotrun.trainer.state import CopiesDone
+from spotrun.trainer.state import Capture, CopiesDone
 from tests.conftest import make_spec
+
+
+def capture_then(session: TrainSession, monkeypatch, act: Callable[[], None]) -> tuple[bool, Capture]:
+    """Take a capture whose deferred copies are held on a gate, run ``act`` on a thread, and return
+    whether ``act`` waited for the copies (the gate opens once it waits, or once it ended without)."""
+    gate, waiting, either = threading.Event(), threading.Event(), threading.Event()
+    real_copy_all, real_wait = state_module._copy_all, CopiesDone.wait_in_loop
+
+    def gated_copy_all(pairs):
+        assert gate.wait(timeout=60), "nothing waited for the deferred copies"
+        real_copy_all(pairs)
+
+    def seen_waiting(self):
+        waiting.set()
+        either.set()
+        real_wait(self)
+
+    def acting():
+        try:
+            act()
+        finally:
+            either.set()  # an act that did not wait ends without setting ``waiting``
+
+    monkeypatch.setattr(state_module, "_copy_all", gated_copy_all)
+    monkeypatch.setattr(CopiesDone, "wait_in_loop", seen_waiting)
+    capture = session.capture()
+    assert isinstance(capture.ready, CopiesDone)  # the copies really were deferred
+    thread = threading.Thread(target=acting)
+    thread.start()
+    either.wait(timeout=60)
+    seen = waiting.is_set()
+    gate.set()
+    thread.join(timeout=60)
+    return seen, capture
 
 
 def test_the_next_step_waits_for_the_deferred_copies(tmp_path, monkeypatch):
@@ -23,34 +58,7 @@ def test_the_next_step_waits_for_the_deferred_copies(tmp_path, monkeypatch):
     try:
         session.run_update()
         at_boundary = {k: v.clone() for k, v in session.state.model.state_dict().items()}
-        gate, waiting, either = threading.Event(), threading.Event(), threading.Event()
-        real_copy_all, real_wait = state_module._copy_all, CopiesDone.wait_in_loop
-
-        def gated_copy_all(pairs):
-            assert gate.wait(timeout=60), "the loop never waited for the deferred copies"
-            real_copy_all(pairs)
-
-        def seen_waiting(self):
-            waiting.set()
-            either.set()
-            real_wait(self)
-
-        def next_update():
-            try:
-                session.run_update()
-            finally:
-                either.set()  # a step that did not wait ends the update without setting ``waiting``
-
-        monkeypatch.setattr(state_module, "_copy_all", gated_copy_all)
-        monkeypatch.setattr(CopiesDone, "wait_in_loop", seen_waiting)
-        capture = session.capture()
-        assert isinstance(capture.ready, CopiesDone)  # the copies really were deferred
-        update = threading.Thread(target=next_update)
-        update.start()
-        either.wait(timeout=60)
-        seen = waiting.is_set()
-        gate.set()
-        update.join(timeout=60)
+        seen, capture = capture_then(session, monkeypatch, session.run_update)
         assert seen, "the next update never waited for the capture's copies"
         capture.wait()
         saved = capture.torch_files["rank-0/model.pt"]["model"]
@@ -69,34 +77,7 @@ def test_forgetting_an_update_waits_for_the_deferred_copies(tmp_path, monkeypatc
     session.start()
     try:
         session.run_update()
-        gate, waiting, either = threading.Event(), threading.Event(), threading.Event()
-        real_copy_all, real_wait = state_module._copy_all, CopiesDone.wait_in_loop
-
-        def gated_copy_all(pairs):
-            assert gate.wait(timeout=60), "forget_update never waited for the deferred copies"
-            real_copy_all(pairs)
-
-        def seen_waiting(self):
-            waiting.set()
-            either.set()
-            real_wait(self)
-
-        def forget():
-            try:
-                session.state.forget_update()
-            finally:
-                either.set()  # forgetting without waiting ends without setting ``waiting``
-
-        monkeypatch.setattr(state_module, "_copy_all", gated_copy_all)
-        monkeypatch.setattr(CopiesDone, "wait_in_loop", seen_waiting)
-        capture = session.capture()
-        assert isinstance(capture.ready, CopiesDone)
-        thread = threading.Thread(target=forget)
-        thread.start()
-        either.wait(timeout=60)
-        seen = waiting.is_set()
-        gate.set()
-        thread.join(timeout=60)
+        seen, _ = capture_then(session, monkeypatch, session.state.forget_update)
         assert seen, "forget_update dropped the capture's copies without waiting for them"
         assert session.state.pending_copy is None
     finally:
