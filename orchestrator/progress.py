@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from datetime import datetime
 from typing import IO, Protocol
 
 from rich.console import Console
@@ -44,6 +45,7 @@ from spotrun.orchestrator.ledger import (
     WorkerLost,
     _Event,
 )
+from spotrun.orchestrator.losses import downtime_seconds
 from spotrun.trainer.ranklog import RankLine
 from spotrun.trainer.trace import UpdateRecord
 
@@ -86,7 +88,7 @@ class _Figures:
         self.bundle = "none yet"
         self.rate: float | None = None  # updates per second, smoothed
         self._seen: tuple[float, int] | None = None  # (clock, update) at the last report
-        self._lost_at: float | None = None  # clock when a loss was recorded, for the restart's downtime
+        self._restarting = False  # a loss was seen and no restart line followed yet
         self._rejected: list[str] = []  # bundles refused before the restore that follows
         self._loss: WorkerLost | None = None  # the last loss, for a restart that finds no bundle
         # A restart's line when no bundle was published before the loss: the attempt's start is
@@ -104,29 +106,35 @@ class _Figures:
         """A restart from the beginning that nothing contradicted (no Restored followed its start)."""
         fresh, self._fresh = self._fresh, None
         if fresh is not None:
-            self._lost_at = None
+            self._restarting = False
         return [fresh] if fresh else []
+
+    def _downtime(self, restored_at: datetime) -> str:
+        """The restart's downtime as history defines it (from the loss's detection to the restore)."""
+        loss = self._loss
+        seconds = downtime_seconds((loss.detected_at or loss.at) if loss else None, restored_at)
+        return "not seen here" if seconds is None else f"{seconds:.1f}s"
 
     def line(self, e: _Event) -> str | None:
         """The log line an event deserves (None: it only changes the figures)."""
         if isinstance(e, AttemptStarted):
             self.attempt, self.world_size, self._seen = e.attempt, e.world_size, None
-            if self._lost_at is not None and self._loss is not None:
+            if self._restarting and self._loss is not None:
                 self._fresh = (f"restart: attempt {e.attempt} started from the beginning (no bundle was published "
                                f"before the loss); cause {self._loss.cause}; lost updates {self._loss.last_update}; "
-                               f"downtime {time.monotonic() - self._lost_at:.1f}s")
+                               f"downtime {self._downtime(e.at)}")
             return None
         if isinstance(e, BundlePublished):
             self.bundle = f"{_name(e.bundle)} (update {e.update})"
             return None
         if isinstance(e, WorkerLost):
-            self._lost_at, self._loss = time.monotonic(), e
+            self._restarting, self._loss = True, e
             rank = "the driver" if e.rank is None else f"rank {e.rank}"
             return (f"attempt {e.attempt}: {rank} lost ({e.cause}) after update {e.last_update}"
                     + (f": {e.detail}" if e.detail else ""))
         if isinstance(e, Restored):
-            down = f"{time.monotonic() - self._lost_at:.1f}s" if self._lost_at is not None else "not seen here"
-            self._lost_at = None
+            down = self._downtime(e.at) if self._restarting else "not seen here"
+            self._restarting = False
             self.done, self.bundle = e.update, f"{_name(e.bundle)} (update {e.update}, restored)"
             lost = "not recorded" if e.lost_updates is None else str(e.lost_updates)
             rejected, self._rejected = self._rejected, []
