@@ -16,7 +16,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from spotrun.orchestrator.dashboard.points import Points, furthest_by_attempt
+from spotrun.orchestrator.dashboard.points import Points, last_write_by_attempt
 
 
 def _t(value: str | None) -> datetime | None:
@@ -33,13 +33,13 @@ def _seconds(a: datetime | None, b: datetime | None) -> float | None:
 
 def spans(hist: dict[str, Any], points: Points) -> list[dict[str, Any]]:
     """One bar per attempt: start, end (last sign of life), world size, how it ended, how far it got."""
-    furthest = furthest_by_attempt(points)
+    last_writes = last_write_by_attempt(points)
     causes = {r["attempt"] - 1: r["cause"] for r in hist["restarts"]}
     attempts = hist["attempts"]
     out = []
     for i, a in enumerate(attempts):
         n = a["attempt"]
-        _, last_write = furthest.get(n, (None, None))
+        last_write = last_writes.get(n)
         start = _t(a["started_at"]) or _t(a["ended_at"])
         end = max(filter(None, [_t(a["ended_at"]), last_write]), default=start)
         last = i == len(attempts) - 1

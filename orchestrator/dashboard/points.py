@@ -177,13 +177,10 @@ def replaced(points: Points, name: str) -> list[dict]:
     return out
 
 
-def furthest_by_attempt(points: Points) -> dict[int, tuple[int, datetime]]:
-    """Per attempt: the furthest update it wrote a point for, and its last write time.
-
-    From the log when there is one (it still holds what a killed attempt wrote before
-    the replay overwrote it); otherwise from the final view (a lower bound)."""
-    out: dict[int, tuple[int, datetime]] = {}
+def last_write_by_attempt(points: Points) -> dict[int, datetime]:
+    """Per attempt: when it last wrote a point (its last sign of life in the metrics). From the log
+    when there is one (it still holds what a killed attempt wrote before the replay overwrote it)."""
+    out: dict[int, datetime] = {}
     for p in points.log if points.log is not None else points.final:
-        update, at = out.get(p.attempt, (0, p.at))
-        out[p.attempt] = (max(update, p.update), max(at, p.at))
+        out[p.attempt] = max(out.get(p.attempt, p.at), p.at)
     return out
