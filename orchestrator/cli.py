@@ -368,8 +368,9 @@ def parser() -> argparse.ArgumentParser:
                                      "starts and stops)")
     f.add_argument("--mutate", metavar="CATEGORIES",
                    help="prove the proof: a deliberately broken chaos run whose restores lose these state "
-                        "categories (`spotrun inventory` lists them; state:NAME for a registered object); its "
-                        "verdict must FAIL: exit 0 when verify caught it, 1 when not")
+                        "categories (`spotrun inventory` lists them; state:NAME for a registered object), or "
+                        "mlflow:send-at-write, whose mlflow sink sends each point as it is written instead of at "
+                        "publish; its verdict must FAIL: exit 0 when verify caught it, 1 when not")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_verify)
 
