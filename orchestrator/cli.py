@@ -68,6 +68,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     from spotrun.orchestrator.launch import check_entrypoint, run_in_process, run_on_ray
     from spotrun.orchestrator.preflight import preflight
     from spotrun.orchestrator.progress import for_terminal
+    from spotrun.trainer.mlflow_sink import check_tracker
 
     if (a.config is None) == (a.spec_json is None):
         raise SpecError("spotrun run takes a CONFIG file or --spec-json TEXT (one of them)")
@@ -77,6 +78,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     if reset and not init_from:
         raise SpecError("--reset applies to --init-from BUNDLE_URI only")
     check_entrypoint(spec)  # the code fingerprint is its module's source
+    if "mlflow" in spec.metrics.sinks:
+        check_tracker(spec.metrics.mlflow)  # before Ray starts
     finished = preflight(spec)
     if finished is not None:
         err.print(f"spotrun run: {escape(finished)}", highlight=False, soft_wrap=True)

@@ -78,6 +78,7 @@ class MetricCommitter:
         self._segments: dict[str, list[MetricPoint]] = {}  # parsed segments that still hold unsent points
         self._done: set[str] = set()  # segments whose every point is sent
         self._checked = False  # MLflow's history was read since the last send that may have half-happened
+        self._tagged: dict[str, str] = {}  # the tags this committer set
         self._cond = threading.Condition()
         self._due: tuple[Manifest, str] | None = None  # the newest bundle to send up to
         self._closing = False
@@ -143,24 +144,35 @@ class MetricCommitter:
         """Send the points of the updates after the newest sent one up to ``manifest``'s, then record
         it; returns how many MLflow metrics were sent (0 when that bundle's points already were)."""
         update, last = manifest.counters.attempted_updates, self.sent_through()
-        if update <= last:
+        restarts = restart_tags(self.restarts())
+        if update <= last:  # a restore of a bundle already sent: only a new restart to tell
+            new = {k: v for k, v in restarts.items() if self._tagged.get(k) != v}
+            if new:
+                self.tracker.send(self._run(manifest), [], new)
+                self._tagged.update(new)
             return 0
-        if self.run_id is None:
-            self.run_id = self.tracker.open_run(manifest.lineage_id, self.params)
+        run_id = self._run(manifest)
         points = [p for p in self._pending(last) if p.update <= update]
         metrics = as_metrics(points)
         if not self._checked:  # a send may have reached MLflow without its record: MLflow says what it holds
-            held = self.tracker.history(self.run_id, sorted({m.key for m in metrics}))
+            held = self.tracker.history(run_id, sorted({m.key for m in metrics}))
             there = {(m.key, m.step) for ms in held.values() for m in ms if m.step > last}
             metrics = [m for m in metrics if (m.key, m.step) not in there]
             self._checked = True
-        tags = {**manifest_tags(manifest, bundle_key), **restart_tags(self.restarts())}
-        self.tracker.send(self.run_id, metrics, tags)
+        tags = {**manifest_tags(manifest, bundle_key), **restarts}
+        self.tracker.send(run_id, metrics, tags)
+        self._tagged.update(tags)
         record = {"bundle": bundle_key, "update": update, "from_update": last + 1, "metrics": len(metrics),
-                  "run_id": self.run_id, "at": datetime.now(UTC).isoformat()}
+                  "run_id": run_id, "at": datetime.now(UTC).isoformat()}
         self.storage.put_new(f"{sent_prefix(self.job_id)}u{update:010d}.json", json.dumps(record).encode())
         self._forget_sent(update)
         return len(metrics)
+
+    def _run(self, manifest: Manifest) -> str:
+        """The lineage's MLflow run, found or created on first use."""
+        if self.run_id is None:
+            self.run_id = self.tracker.open_run(manifest.lineage_id, self.params)
+        return self.run_id
 
     def _pending(self, after: int) -> list[MetricPoint]:
         """The points after update ``after``, the latest write of each key (segments sort by attempt, then

@@ -15,6 +15,7 @@ also gets a point ``spotrun/attempt`` (the attempt that computed it), as the ten
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections import defaultdict
@@ -43,6 +44,16 @@ def tracking_uri(settings: MlflowSpec) -> str:
     if not uri:
         raise ValueError("metrics.sinks lists mlflow, but neither metrics.mlflow.tracking_uri nor the environment "
                          "variable MLFLOW_TRACKING_URI names the tracking server to send the points to")
+    return uri
+
+
+def check_tracker(settings: MlflowSpec) -> str:
+    """Before a job with the mlflow sink starts: the tracking URI it sends to, and mlflow installed (a
+    ``ValueError`` saying what is missing)."""
+    uri = tracking_uri(settings)
+    if importlib.util.find_spec("mlflow") is None:
+        raise ValueError("metrics.sinks lists mlflow, but the mlflow package is not installed: "
+                         "pip install 'spotrun[mlflow]'")
     return uri
 
 
