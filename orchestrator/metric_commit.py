@@ -162,8 +162,8 @@ class MetricCommitter:
         tags = {**manifest_tags(manifest, bundle_key), **restarts}
         self.tracker.send(run_id, metrics, tags)
         self._tagged.update(tags)
-        record = {"bundle": bundle_key, "update": update, "from_update": last + 1, "metrics": len(metrics),
-                  "run_id": run_id, "at": datetime.now(UTC).isoformat()}
+        record = {"version": 1, "bundle": bundle_key, "update": update, "from_update": last + 1,
+                  "metrics": len(metrics), "run_id": run_id, "at": datetime.now(UTC).isoformat()}
         self.storage.put_new(f"{sent_prefix(self.job_id)}u{update:010d}.json", json.dumps(record).encode())
         self._forget_sent(update)
         return len(metrics)
