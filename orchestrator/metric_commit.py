@@ -94,12 +94,18 @@ class MetricCommitter:
                 self._due = (manifest, bundle_key)
             self._cond.notify_all()
 
-    def close(self, finished: bool) -> None:
-        """Wait for the sends asked for (a failed one is tried once more); a finished job's run is ended."""
+    def close(self, finished: bool, wait_s: float | None = None) -> None:
+        """Wait for the sends asked for (a failed one is tried once more), at most ``wait_s`` (None: until
+        done); a finished job's run is ended. What is not sent by then stays in the job's storage: the
+        restore of a later run of the job sends it."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join()
+        self._thread.join(wait_s)
+        if self._thread.is_alive():  # a daemon thread: it does not keep the driver's process alive
+            log.warning("MLflow at %s did not take the metric points within %.0fs; they stay in the job's "
+                        "storage, and the next run of the job sends them", self.tracker.uri, wait_s or 0)
+            return
         if finished and self.run_id is not None:
             try:
                 self.tracker.client.set_terminated(self.run_id, "FINISHED")

@@ -28,6 +28,7 @@ from spotrun.trainer.rank import BundleReport
 from spotrun.trainer.storage import Storage
 
 log = logging.getLogger("spotrun.publisher")
+STOPPED_SEND_WAIT_S = 10.0  # a stopped or failed job's wait for its last metric sends (the rest: the next run)
 
 
 class PublishError(RuntimeError):
@@ -141,9 +142,10 @@ class Publisher:
             self.points.commit(manifest, bundle_key)
 
     def close(self, finished: bool) -> None:
-        """Wait for the points asked to be sent (the job ends here)."""
+        """Wait for the points asked to be sent (the job ends here): a finished job until they are, a
+        stopped or failed one (it may be on a machine about to go) at most :data:`STOPPED_SEND_WAIT_S`."""
         if self.points is not None:
-            self.points.close(finished)
+            self.points.close(finished, None if finished else STOPPED_SEND_WAIT_S)
 
     def retain(self) -> list[str]:
         """Delete superseded bundles; returns the keys deleted."""
