@@ -68,6 +68,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     from spotrun.orchestrator.launch import check_entrypoint, run_in_process, run_on_ray
     from spotrun.orchestrator.preflight import preflight
     from spotrun.orchestrator.progress import for_terminal
+    from spotrun.trainer.mlflow_sink import check_tracker
 
     if (a.config is None) == (a.spec_json is None):
         raise SpecError("spotrun run takes a CONFIG file or --spec-json TEXT (one of them)")
@@ -77,6 +78,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     if reset and not init_from:
         raise SpecError("--reset applies to --init-from BUNDLE_URI only")
     check_entrypoint(spec)  # the code fingerprint is its module's source
+    if "mlflow" in spec.metrics.sinks:
+        check_tracker(spec.metrics.mlflow)  # before Ray starts
     finished = preflight(spec)
     if finished is not None:
         err.print(f"spotrun run: {escape(finished)}", highlight=False, soft_wrap=True)
@@ -368,8 +371,9 @@ def parser() -> argparse.ArgumentParser:
                                      "starts and stops)")
     f.add_argument("--mutate", metavar="CATEGORIES",
                    help="prove the proof: a deliberately broken chaos run whose restores lose these state "
-                        "categories (`spotrun inventory` lists them; state:NAME for a registered object); its "
-                        "verdict must FAIL: exit 0 when verify caught it, 1 when not")
+                        "categories (`spotrun inventory` lists them; state:NAME for a registered object), or "
+                        "mlflow:send-at-write, whose mlflow sink sends each point as it is written instead of at "
+                        "publish; its verdict must FAIL: exit 0 when verify caught it, 1 when not")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_verify)
 

@@ -27,6 +27,7 @@ from spotrun.orchestrator.progress import Progress
 from spotrun.orchestrator.ray_internals import quiet_auth_notice, quiet_worker_deaths, shutdown_without_grace
 from spotrun.orchestrator.supervisor import Outcome, Supervisor
 from spotrun.trainer.job import entrypoint_of, load_entrypoint
+from spotrun.trainer.mlflow_sink import SEND_AT_WRITE
 from spotrun.trainer.redirect import routed
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.storage import open_storage
@@ -78,7 +79,8 @@ def in_process_supervisor(spec: JobSpec, *, trace_path: str | None = None, recor
                               restore_mode=mode, drop=drop, record_ids=record_ids, trace=trace_path is not None)
 
     return Supervisor(spec, make_group, capacity=lambda: 1, trace_path=trace_path, record_ids=record_ids,
-                      init_from=init_from, reset=reset, progress=progress, oracle_acts=not drop)
+                      init_from=init_from, reset=reset, progress=progress, oracle_acts=not drop,
+                      send_at_publish=SEND_AT_WRITE not in drop)
 
 
 def embedded_cpus(spec: JobSpec) -> int:
@@ -156,5 +158,5 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | N
     sup = Supervisor(spec, make_group, capacity=capacity, trace_path=trace_path, record_ids=record_ids,
                      init_from=init_from, reset=reset, drain_source=drain_source, request_capacity=request_capacity,
                      room_for=lambda extra: room_for_more_ranks(spec, extra), progress=progress,
-                     oracle_acts=not drop)
+                     oracle_acts=not drop, send_at_publish=SEND_AT_WRITE not in drop)
     return sup.run()

@@ -1,4 +1,4 @@
-"""The publish step, in its fixed order: manifest (the commit point), offsets, retention.
+"""The publish step, in its fixed order: manifest (the commit point), offsets, metric points, retention.
 
 Only the publisher writes manifests. The manifest is merged from rank 0's
 draft and every rank's file list once every rank *of the attempt that wrote
@@ -20,6 +20,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from spotrun.orchestrator.ledger import BundlePublished, Ledger, OffsetsCommitted
+from spotrun.orchestrator.metric_commit import MetricCommitter
 from spotrun.orchestrator.offsets import OffsetsStore
 from spotrun.trainer.bundle import list_bundles, publish
 from spotrun.trainer.manifest import FileEntry, Manifest
@@ -27,6 +28,7 @@ from spotrun.trainer.rank import BundleReport
 from spotrun.trainer.storage import Storage
 
 log = logging.getLogger("spotrun.publisher")
+STOPPED_SEND_WAIT_S = 10.0  # a stopped or failed job's wait for its last metric sends (the rest: the next run)
 
 
 class PublishError(RuntimeError):
@@ -36,13 +38,14 @@ class PublishError(RuntimeError):
 class Publisher:
     def __init__(self, storage: Storage, ledger: Ledger, job_id: str, keep_last: int,
                  after_publish: Callable[[int], None] = lambda update: None,
-                 source_offsets: OffsetsStore | None = None) -> None:
+                 source_offsets: OffsetsStore | None = None, points: MetricCommitter | None = None) -> None:
         self.storage = storage
         self.ledger = ledger
         self.job_id = job_id
         self.keep_last = keep_last
         self.offsets = [OffsetsStore(storage, job_id), *([source_offsets] if source_offsets else [])]
         self.after_publish = after_publish  # a fault-injection seam between commit point and offsets
+        self.points = points  # the mlflow sink's sends, at publish (orchestrator/metric_commit.py)
         self.retries_elsewhere = 0  # storage retries the ranks reported (the supervisor keeps it current)
         # The attempt whose reports are being collected, and its world size; its reports by bundle.
         self._attempt: int | None = None
@@ -116,6 +119,7 @@ class Publisher:
             overlap_seconds=overlap_seconds, storage_retries=self.storage_retries))
         self.after_publish(update)
         self.commit_offsets(manifest, bundle_key, manifest.attempt)
+        self.commit_points(manifest, bundle_key)
         self.retain()
         return True
 
@@ -130,6 +134,18 @@ class Publisher:
         self.ledger.append(OffsetsCommitted(attempt=attempt, bundle=bundle_key,
                                             update=manifest.counters.attempted_updates, recommit=recommit))
         return True
+
+    def commit_points(self, manifest: Manifest, bundle_key: str) -> None:
+        """Send the append-only sinks' points up to the bundle's update (published, or restored: the job
+        may have died between its publish and the send); on the committer's own thread."""
+        if self.points is not None:
+            self.points.commit(manifest, bundle_key)
+
+    def close(self, finished: bool) -> None:
+        """Wait for the points asked to be sent (the job ends here): a finished job until they are, a
+        stopped or failed one (it may be on a machine about to go) at most :data:`STOPPED_SEND_WAIT_S`."""
+        if self.points is not None:
+            self.points.close(finished, None if finished else STOPPED_SEND_WAIT_S)
 
     def retain(self) -> list[str]:
         """Delete superseded bundles; returns the keys deleted."""

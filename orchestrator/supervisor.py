@@ -33,6 +33,7 @@ from spotrun.orchestrator import interval, policy
 from spotrun.orchestrator.budgets import RestartBudgets, classify
 from spotrun.orchestrator.clouds import CloudWatcher
 from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WarmUnavailable, WorkerGroup
+from spotrun.orchestrator.history import history
 from spotrun.orchestrator.ledger import (
     AttemptStarted,
     BundleRejected,
@@ -53,6 +54,7 @@ from spotrun.orchestrator.ledger import (
     TopologyChanged,
     WorkerLost,
 )
+from spotrun.orchestrator.metric_commit import MetricCommitter
 from spotrun.orchestrator.notices import Notice, install_signal_notices
 from spotrun.orchestrator.offsets import OffsetsStore
 from spotrun.orchestrator.progress import NullProgress, Progress, echo_rank_output
@@ -191,7 +193,9 @@ class Supervisor:
                  room_for: Callable[[int], bool] = lambda extra: True,
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
                  progress: Progress | None = None, oracle_acts: bool = True,
-                 echo: Callable[[list[RankLine]], None] = echo_rank_output) -> None:
+                 echo: Callable[[list[RankLine]], None] = echo_rank_output, send_at_publish: bool = True) -> None:
+        """``send_at_publish``: False only for verify --mutate's build that sends MLflow points as they are
+        written (trainer/mlflow_sink.py)."""
         self.spec = spec
         self.echo = echo  # the lines the ranks' code wrote, each poll's (progress.echo_rank_output prints them)
         self.oracle_acts = oracle_acts  # False only for verify --mutate's deliberately broken build
@@ -235,9 +239,13 @@ class Supervisor:
         if spec.data.order == "sequential":  # a streaming reader: its offsets also go under the source
             source = OffsetsStore(open_source(spec.data.shards, spec.storage_endpoint_url), spec.job_id,
                                   under_source=True)
+        points = None
+        if "mlflow" in spec.metrics.sinks and send_at_publish:
+            points = MetricCommitter(self.storage, spec, restarts=lambda: history(
+                self.storage, spec.job_id, metrics_local_dir=spec.metrics.local_dir)["restarts"])
         self.publisher = Publisher(self.storage, self.ledger, spec.job_id, spec.checkpoint.keep_last,
                                    after_publish=self._after_publish,
-                                   source_offsets=source)
+                                   source_offsets=source, points=points)
 
     def _after_publish(self, update: int) -> None:
         """The after_publish fault site: the current attempt's injector, once there is one."""
@@ -256,6 +264,7 @@ class Supervisor:
                 state = self.step(state)
         finally:
             restore_signals()
+            self.publisher.close(finished=isinstance(state, Finished))
             self.progress.close()
             self.request_capacity(0)
             if self.trace:
@@ -449,6 +458,7 @@ class Supervisor:
             world_size_after=size, recovery_path=path, cold_because=cold_because))
         self.restored_from = self.restored_from or key
         self.publisher.commit_offsets(manifest, key, self.attempts, recommit=True)
+        self.publisher.commit_points(manifest, key)
         return update
 
     def _checked_restore(self, group: WorkerGroup, key: str) -> tuple[float, list[str]]:

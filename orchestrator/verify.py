@@ -65,6 +65,7 @@ from spotrun.orchestrator.specfile import SpecError
 from spotrun.orchestrator.supervisor import JobFailedError
 from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_sinks
+from spotrun.trainer.mlflow_sink import SEND_AT_WRITE, Tracker
 from spotrun.trainer.spec import FaultSpec, JobSpec
 from spotrun.trainer.storage import Storage, open_storage
 from spotrun.trainer.trace import UpdateRecord, last_update, latest_per_update, read_trace
@@ -310,6 +311,8 @@ class Verifier:
         storage.delete_prefix(job)
         # on non-file storage the local sinks live elsewhere: a previous verify's points must go too
         shutil.rmtree(metrics_dir(self.spec.storage, job, self.spec.metrics.local_dir), ignore_errors=True)
+        if "mlflow" in self.spec.metrics.sinks:  # and its MLflow runs (MLflow would otherwise show both)
+            Tracker.of(self.spec.metrics.mlflow, job).forget()
         trace.unlink(missing_ok=True)
         pending = list(removals)
         ledger = Ledger(storage, job)  # one for the whole job: it parses each event once
@@ -520,7 +523,8 @@ def restart_figures(hist: dict[str, Any]) -> dict[str, Any]:
 
 def read_sink(spec: JobSpec, storage: Storage, kind: str, job_id: str) -> list[MetricPoint]:
     """What the ``kind`` sink of ``job_id`` reads back (one point per key for an upserting sink)."""
-    sink = open_sinks([kind], metrics_dir(spec.storage, job_id, spec.metrics.local_dir), storage)
+    sink = open_sinks([kind], metrics_dir(spec.storage, job_id, spec.metrics.local_dir), storage,
+                      mlflow=spec.metrics.mlflow, job_id=job_id)
     try:
         return sink.read(job_id)
     finally:
@@ -604,7 +608,9 @@ def render(report: Report, console) -> None:
         else:
             outcome = ("[bold red]not tested[/]: no restart restored a bundle, so nothing was lost (the first "
                        "failure below says what to change)")
-        console.print(f"[bold]mutant build[/]: every restore of the chaos run lost {lost} on purpose: {outcome}")
+        broken = ("its mlflow sink sent each point as it was written instead of at publish" if lost == SEND_AT_WRITE
+                  else f"every restore of the chaos run lost {lost}")
+        console.print(f"[bold]mutant build[/]: {broken}, on purpose: {outcome}")
     # the contract can hold while verify fails on something else (metrics, counters, a site not hit):
     # the headline then says so, instead of two equal contracts under a FAIL
     held = (f"; the contract held, but {len(report.failures)} other check(s) failed (first: {report.failures[0]})"

@@ -17,6 +17,9 @@ lost attempt wrote instead of adding to them.
 - :class:`TensorBoardSink`: event files TensorBoard reads; each attempt opens its writer with
   ``purge_step`` at the first update it writes, so TensorBoard's reader drops what a lost
   attempt wrote from there on: its purge is the upsert.
+- ``MlflowSink`` (trainer/mlflow_sink.py): MLflow cannot upsert (it appends every point), so a
+  point is sent only once a published bundle covers its update, by the driver, from the s3 sink's
+  segments in the job's storage: no replay can reach it then.
 """
 
 from __future__ import annotations
@@ -319,8 +322,12 @@ def metrics_dir(storage_uri: str, job_id: str, local_dir: str) -> Path:
     return Path(local_dir).resolve() / job_id
 
 
-def open_sinks(kinds: Iterable[str], directory: Path, storage: Storage | None = None) -> MetricSink:
-    """The sinks named in ``kinds``; file sinks under ``directory``, ``s3`` in ``storage`` (the job's)."""
+def open_sinks(kinds: Iterable[str], directory: Path, storage: Storage | None = None, *,
+               mlflow: Any = None, job_id: str = "", at_write: bool = False) -> MetricSink:
+    """The sinks named in ``kinds``; file sinks under ``directory``, ``s3`` in ``storage`` (the job's);
+    ``mlflow`` buffers in ``storage`` too and reads from the tracking server ``mlflow`` (a
+    ``MlflowSpec``) names for job ``job_id`` (``at_write``: verify's broken build, trainer/mlflow_sink.py)."""
+    kinds = list(kinds)
     sinks: list[MetricSink] = []
     for kind in kinds:
         if kind == "sqlite":
@@ -334,6 +341,14 @@ def open_sinks(kinds: Iterable[str], directory: Path, storage: Storage | None = 
             sinks.append(S3Sink(storage))
         elif kind == "tensorboard":
             sinks.append(TensorBoardSink(directory / "tensorboard"))
+        elif kind == "mlflow":
+            from spotrun.trainer.mlflow_sink import MlflowSink
+
+            if storage is None or mlflow is None:
+                raise ValueError("metrics.sinks: the mlflow sink buffers in the job's storage and needs "
+                                 "metrics.mlflow")
+            sinks.append(MlflowSink(storage, mlflow, job_id, segments="s3" not in kinds, at_write=at_write))
         else:
-            raise ValueError(f"metrics.sinks: unknown sink {kind!r}; choose from sqlite, jsonl, s3, tensorboard")
+            raise ValueError(f"metrics.sinks: unknown sink {kind!r}; choose from sqlite, jsonl, s3, tensorboard, "
+                             "mlflow")
     return FanOut(sinks) if sinks else NullSink()

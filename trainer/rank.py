@@ -42,6 +42,7 @@ from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.manifest import Manifest
 from spotrun.trainer.metric_writer import BackgroundWriter
 from spotrun.trainer.metrics import MetricSink, NullSink, metrics_dir, open_sinks, points_of
+from spotrun.trainer.mlflow_sink import SEND_AT_WRITE
 from spotrun.trainer.overlap import WriteOverlap
 from spotrun.trainer.ranklog import RankLine
 from spotrun.trainer.session import TrainSession
@@ -105,6 +106,8 @@ class RankRunner:
         # first: a rank on storage the driver cannot see fails before it builds the job (seconds) or writes to it
         self.probe: Probe | None = answer_probe(self.storage, probe) if probe is not None else None
         self.trace = trace
+        at_write = SEND_AT_WRITE in drop  # verify --mutate's broken mlflow sink: not a state category
+        drop = tuple(d for d in drop if d != SEND_AT_WRITE)
         if session is not None:
             session.rejoin(rank=rank, world_size=world_size, attempt=attempt,
                            grad_sync=_grad_sync(spec, collective, world_size), record_ids=record_ids and rank == 0)
@@ -131,7 +134,8 @@ class RankRunner:
         self.metrics: MetricSink = NullSink()
         if rank == 0 and spec.metrics.sinks:
             self.metrics = BackgroundWriter(open_sinks(
-                spec.metrics.sinks, metrics_dir(spec.storage, spec.job_id, spec.metrics.local_dir), self.storage))
+                spec.metrics.sinks, metrics_dir(spec.storage, spec.job_id, spec.metrics.local_dir), self.storage,
+                mlflow=spec.metrics.mlflow, job_id=spec.job_id, at_write=at_write))
         self._lock = threading.Lock()
         self._news = threading.Event()  # set: the next poll holds what the supervisor acts on at once
         self._checkpoint_requested = False

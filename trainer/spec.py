@@ -418,17 +418,34 @@ class PreemptionSpec(_Strict):
                                  json_schema_extra={"unit": "factor"})
 
 
+class MlflowSpec(_Strict):
+    """The MLflow tracking server the `mlflow` sink sends to. MLflow appends every point it is sent, so
+    the sink sends a point only once a published bundle covers its update (no restart can replay it
+    then): points appear there up to one checkpoint interval late."""
+
+    model_config = _section("both")
+
+    tracking_uri: str | None = Field(None, description="the tracking server, e.g. http://mlflow.internal:5000 "
+                                                       "(none: the driver's `MLFLOW_TRACKING_URI`)")
+    experiment: str | None = Field(None, description="the MLflow experiment the job's run goes into, created "
+                                                     "when missing (none: one named after the job id)")
+    run_name: str | None = Field(None, description="the run's display name (none: the job id); the run is found "
+                                                   "again after a restart by its tags, never by this name")
+
+
 class MetricsSpec(_Strict):
     """Where metric points go. Local sink files sit beside the bundles on file storage,
     else under ``local_dir``."""
 
     model_config = _section("both")
 
-    sinks: tuple[Literal["sqlite", "jsonl", "s3", "tensorboard"], ...] = Field(
+    sinks: tuple[Literal["sqlite", "jsonl", "s3", "tensorboard", "mlflow"], ...] = Field(
         ("sqlite",), description="where metric points go: `sqlite` and `jsonl` files, `s3` into the job's s3:// "
-                                 "storage, `tensorboard` event files in `<sink dir>/tensorboard`")
+                                 "storage, `tensorboard` event files in `<sink dir>/tensorboard`, `mlflow` to a "
+                                 "tracking server once a published bundle covers them (`metrics.mlflow`)")
     local_dir: str = Field("./spotrun-metrics", description="where local sink files go when the job's storage is "
                                                             "not a local folder (else beside the bundles)")
+    mlflow: MlflowSpec = MlflowSpec()
 
 
 class CostSpec(_Strict):
