@@ -239,13 +239,23 @@ class Supervisor:
         if spec.data.order == "sequential":  # a streaming reader: its offsets also go under the source
             source = OffsetsStore(open_source(spec.data.shards, spec.storage_endpoint_url), spec.job_id,
                                   under_source=True)
+        self._rows: list[dict] = []
+        self._rows_at = -1  # the attempt count _rows were read at
         points = None
         if "mlflow" in spec.metrics.sinks and send_at_publish:
-            points = MetricCommitter(self.storage, spec, restarts=lambda: history(
-                self.storage, spec.job_id, metrics_local_dir=spec.metrics.local_dir)["restarts"])
+            points = MetricCommitter(self.storage, spec, restarts=self._restart_rows)
         self.publisher = Publisher(self.storage, self.ledger, spec.job_id, spec.checkpoint.keep_last,
                                    after_publish=self._after_publish,
                                    source_offsets=source, points=points)
+
+    def _restart_rows(self) -> list[dict]:
+        """History's restart rows (the MLflow run's restart tags), read again only once another attempt
+        began: history reads the whole ledger and metric log, and a send comes at every publish."""
+        if self._rows_at != self.attempts:
+            self._rows = history(self.storage, self.spec.job_id,
+                                 metrics_local_dir=self.spec.metrics.local_dir)["restarts"]
+            self._rows_at = self.attempts
+        return self._rows
 
     def _after_publish(self, update: int) -> None:
         """The after_publish fault site: the current attempt's injector, once there is one."""
