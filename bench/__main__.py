@@ -23,7 +23,8 @@ MODULES = {"1-checkpoint-stall": "bench.checkpoint_stall", "2-training-overhead"
            "3-restart-cost": "bench.restart_cost", "4-ray-train-side-by-side": "bench.ray_train_side_by_side",
            "5-grad-sync": "bench.grad_sync", "6-s3-metrics": "bench.s3_metrics", "7-trace-cost": "bench.trace_cost",
            "8-steady-speed": "bench.steady_speed", "9-sharded-bundles": "bench.sharded_bundles",
-           "10-ledger-week": "bench.ledger_week", "11-auto-interval": "bench.auto_interval"}
+           "10-ledger-week": "bench.ledger_week", "11-auto-interval": "bench.auto_interval",
+           "12-data-identity": "bench.data_identity"}
 
 
 def main() -> int:

@@ -1,18 +1,21 @@
 """What ``spotrun run`` settles before it starts anything (Ray, a rank, a process group): the facts
 that lie in the job's storage and in the driver's own copy of the job's code.
 
-- The job's newest published manifest cannot take this run: another ``world.size``, another code
-  fingerprint of the entrypoint's module, another value of a key that shapes the trajectory, or a
-  manifest schema this spotrun does not know. Refused (exit 2, one paragraph): the same
-  :func:`~spotrun.trainer.bundle.spec_problems` every rank checks when it restores, made here from
-  the manifest alone, so the answer comes at once and never from inside a started cluster.
+- The job's newest published manifest cannot take this run: another ``world.size``, changed code
+  (the entrypoint or any user module it imports, named file by file), another value of a key that
+  shapes the trajectory, a manifest schema this spotrun does not know, or other data (another
+  length or other contents: the driver builds the job's data to see it, only when there is a bundle
+  to resume). Refused (exit 2, one paragraph): the same
+  :func:`~spotrun.trainer.bundle.spec_problems` and :func:`~spotrun.trainer.bundle.data_problems`
+  every rank checks when it restores, so the answer comes at once and never from inside a started
+  cluster.
 - The job is finished: its ledger says so and its newest published bundle reached ``train.updates``.
   Nothing is started (exit 0); the message says how to go on (a higher ``train.updates``) or start
   anew (another ``--job-id``).
 
 Either way the ledger gets a ``run_refused`` event and nothing else, so a refused run never changes
 what the job's record says (a finished job stays finished). What only a built job knows (the data and
-tokenizer versions, parameter names and shapes, the ranks' runtime) is still checked by the ranks,
+parameter names and shapes, the ranks' runtime) is still checked by the ranks,
 at the restore; a bundle whose files are damaged is the restore's to pass over (it falls back to an
 older one), so only manifests are read here.
 """
@@ -24,13 +27,18 @@ from spotrun.orchestrator.ledger import Ledger, RefusalCheck, RunRefused
 from spotrun.trainer.bundle import (
     BundleCorrupt,
     bundle_address,
+    data_problems,
     incompatible,
     list_bundles,
     read_manifest,
     spec_problems,
 )
-from spotrun.trainer.job import code_fingerprint, entrypoint_of
-from spotrun.trainer.manifest import CodeInfo, Manifest, ManifestError, UnknownSchemaError
+from spotrun.trainer.code_identity import code_identity
+from spotrun.trainer.data.feed import bind
+from spotrun.trainer.data.identity import DataIdentity
+from spotrun.trainer.job import build_job
+from spotrun.trainer.manifest import Manifest, ManifestError, UnknownSchemaError
+from spotrun.trainer.rng import forked_streams, seed_all
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.storage import Storage, open_storage
 
@@ -53,10 +61,12 @@ def preflight(spec: JobSpec) -> str | None:
         return None
     key, manifest = newest
     where = f"bundle {key}"
-    problems = spec_problems(manifest, job_id=spec.job_id,
-                             code=CodeInfo(entrypoint=entrypoint_of(spec), fingerprint=code_fingerprint(spec)),
+    problems = spec_problems(manifest, job_id=spec.job_id, code=code_identity(spec),
                              spec_compat=spec.compat_view(), model_config_hash=spec.model_config_hash(),
                              world_size=spec.world.size, where=where, root=storage.uri)
+    if not problems:
+        problems = data_problems(manifest, data_identity(spec), sequential=spec.data.order == "sequential",
+                                 where=where, root=storage.uri)
     if problems:
         refusal = incompatible(where, problems)
         _record(Ledger(storage, spec.job_id), "incompatible", key, str(refusal))
@@ -74,6 +84,16 @@ def preflight(spec: JobSpec) -> str | None:
                f"with another --job-id (add --init-from {address} to begin from this job's weights).")
     _record(ledger, "finished", key, message)
     return message
+
+
+def data_identity(spec: JobSpec) -> DataIdentity:
+    """The identity of the job's data as a rank computes it: the job built here as rank 0 (its model,
+    optimizer and state are factories: not called), its data bound to the engine. The driver's own
+    random streams are given back as they were."""
+    with forked_streams():
+        seed_all(spec.seed)  # as a rank seeds before it builds: a dataset drawn at build is the same
+        job = build_job(spec, rank=0, world_size=spec.world.size, device="cpu")
+        return bind(job.data, spec).identity()
 
 
 def _newest_manifest(storage: Storage, job_id: str) -> tuple[str, Manifest] | None:

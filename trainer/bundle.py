@@ -36,15 +36,16 @@ import torch
 import torchdata
 
 from spotrun.trainer import __version__ as spotrun_version
-from spotrun.trainer.counters import LOOP_CONVENTION
-from spotrun.trainer.data.feed import TokenFeed
+from spotrun.trainer.code_identity import code_identity, code_problem
+from spotrun.trainer.counters import LOOP_CONVENTION, READABLE_CONVENTIONS
+from spotrun.trainer.data.identity import DataIdentity, fingerprint_difference
 from spotrun.trainer.data.listing import ShardInfo, changed_shards, version_of
 from spotrun.trainer.data.planner import Cursor
 from spotrun.trainer.device import gpu_facts
 from spotrun.trainer.digest import DEFAULT as DEFAULT_DIGEST
 from spotrun.trainer.digest import digest_of
 from spotrun.trainer.faults import FaultInjector
-from spotrun.trainer.job import check_weights_only, code_fingerprint, entrypoint_of
+from spotrun.trainer.job import check_weights_only
 from spotrun.trainer.manifest import (
     SCHEMA_VERSION,
     CodeInfo,
@@ -130,10 +131,7 @@ class Description:
     code: CodeInfo
     model: ModelInfo
     optimizer: OptimizerInfo
-    data_kind: str
-    dataset_version: str
-    tokenizer_version: str
-    shards: tuple[ShardInfo, ...]  # token data: the source as listed when the job started
+    data: DataIdentity
     policy: str  # world.policy: strict restores only on the runtime that wrote the bundle
     runtime: Versions  # this rank's device model and library versions (what its manifests record)
     world_size: int  # the spec's world.size (fixed for the job's life), not this attempt's
@@ -153,13 +151,10 @@ def describe(state: TrainState) -> Description:
     return Description(
         job_id=spec.job_id,
         spec_compat=spec.compat_view(),
-        code=CodeInfo(entrypoint=entrypoint_of(spec), fingerprint=code_fingerprint(spec)),
+        code=code_identity(spec),
         model=ModelInfo(kind=kind, config_hash=spec.model_config_hash(), params=params),
         optimizer=OptimizerInfo(type=type(state.optimizer).__name__, groups=_jsonable(groups)),
-        data_kind=feed.kind,
-        dataset_version=feed.dataset_version,
-        tokenizer_version=feed.tokenizer_version,
-        shards=tuple(feed.listing.infos()) if isinstance(feed, TokenFeed) else (),
+        data=feed.identity(),
         policy=spec.world.policy,
         runtime=versions(state.device),
         world_size=spec.world.size,
@@ -188,7 +183,7 @@ def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lin
         bundle_id=bundle_key.rsplit("/", 1)[-1],
         lineage_id=lineage_id,
         attempt=attempt,
-        loop_convention=LOOP_CONVENTION,
+        loop_convention=LOOP_CONVENTION if state.feed.seed_globals else 1,
         counters=state.counters.value.model_copy(),  # a snapshot: the loop goes on counting
         recovery_label=recovery_label,
         train_mode=state.model.training,
@@ -198,9 +193,10 @@ def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lin
         code=desc.code,
         model=desc.model,
         optimizer=desc.optimizer,
-        data=DataInfo(kind=desc.data_kind,
-                      dataset_version=version_of(shards) if desc.data_kind == "token" else desc.dataset_version,
-                      tokenizer_version=desc.tokenizer_version, records=state.planner_state["records"],
+        data=DataInfo(kind=desc.data.kind,
+                      dataset_version=version_of(shards) if desc.data.kind == "token" else desc.data.dataset_version,
+                      fingerprint=desc.data.fingerprint, cautions=desc.data.cautions,
+                      tokenizer_version=desc.data.tokenizer_version, records=state.planner_state["records"],
                       shards=tuple(shards), cursor=Cursor(**state.planner_state["cursor"]),
                       prefetched_ahead=prefetched_ahead, source_offsets=source_offsets or {},
                       repeats_on_restore=state.planner_state["low_water"]["repeats"]),
@@ -215,11 +211,12 @@ def build_manifest(desc: Description, state: TrainState, *, bundle_key: str, lin
 
 
 def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_job: bool = True,
-                     root: str | None = None) -> None:
+                     root: str | None = None, reset: tuple[str, ...] = ()) -> None:
     """Raise :class:`BundleIncompatible` naming both sides of every difference: first those the spec
-    alone decides (:func:`spec_problems`, which the driver also checks before it starts anything),
-    then those only a built job knows (runtime, data, tokenizer, parameters). ``root``: the storage
-    URI the bundle lies under, so that a hint names the bundle's real address."""
+    and code alone decide (:func:`spec_problems`, which the driver also checks before it starts
+    anything), then those only a built job knows (runtime, data, parameters). ``root``: the storage
+    URI the bundle lies under, so that a hint names the bundle's real address. ``reset``: what a new
+    lineage (``same_job=False``) starts afresh (``data``: it may train on other data)."""
     problems = spec_problems(manifest, job_id=desc.job_id, code=desc.code, spec_compat=desc.spec_compat,
                              model_config_hash=desc.model.config_hash, world_size=desc.world_size, where=where,
                              root=root, same_job=same_job)
@@ -230,18 +227,9 @@ def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_
             "only on the same device model with the same library versions. Restore it on a runtime that matches "
             "the bundle's, or declare world.policy: elastic (it restores across them, labelled exact-data: the same "
             "occurrences, close parameters)")
-    if manifest.data.kind != desc.data_kind:
-        problems.append(f"data kind: bundle {manifest.data.kind}, job {desc.data_kind}")
-    elif desc.spec_compat["data"]["order"] == "sequential" and manifest.data.shards:
-        # a streaming source may have grown: the shards the bundle read must be there, unchanged
-        problems += changed_shards(manifest.data.shards, desc.shards)
-    elif manifest.data.dataset_version != desc.dataset_version:
-        problems.append(f"dataset version: bundle {manifest.data.dataset_version}, job {desc.dataset_version} "
-                        "(the shards changed; restore against the data it was trained on)")
-    if manifest.data.tokenizer_version != desc.tokenizer_version:
-        problems.append(f"tokenizer: bundle {manifest.data.tokenizer_version}, job {desc.tokenizer_version} "
-                        "(another vocabulary or tokenizer file; restore with the tokenizer the bundle was trained "
-                        "with)")
+    if not (not same_job and "data" in reset):
+        problems += data_problems(manifest, desc.data, sequential=desc.spec_compat["data"]["order"] == "sequential",
+                                  where=where, root=root, same_job=same_job)
     saved = {p.name: p for p in manifest.model.params}
     ours = {p.name: p for p in desc.model.params}
     if saved.keys() != ours.keys():
@@ -253,6 +241,55 @@ def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_
             problems.append(f"parameter {name}: bundle {p.shape} {p.dtype}, model {q.shape} {q.dtype}")
     if problems:
         raise incompatible(where, problems)
+
+
+def data_problems(manifest: Manifest, data: DataIdentity, *, sequential: bool, where: str, root: str | None,
+                  same_job: bool = True) -> list[str]:
+    """How the data ``data`` differs from what the bundle of ``manifest`` was trained on, each in one
+    sentence that names the dataset and what differs, with the ways forward (empty: the same data).
+    The one definition: the ranks check it at every restore, the driver before it starts anything.
+    ``sequential``: a streaming token source, which may have grown (its read shards must be unchanged)."""
+    recorded = manifest.data
+    if recorded.kind != data.kind:
+        return [f"data kind: the bundle was trained on {recorded.kind} data, the job now has {data.label} "
+                f"({data.kind}); {_data_ways(where, root, same_job)}"]
+    problems: list[str] = []
+    if recorded.tokenizer_version != data.tokenizer_version:
+        problems.append(f"tokenizer: bundle {recorded.tokenizer_version}, job {data.tokenizer_version} "
+                        "(another vocabulary or tokenizer file; restore with the tokenizer the bundle was trained "
+                        "with)")
+    if data.kind == "token" and sequential and recorded.shards:
+        # a streaming source may have grown: the shards the bundle read must be there, unchanged
+        changed = changed_shards(recorded.shards, data.shards)
+        if changed:
+            problems.append(f"dataset ({data.label}): " + "; ".join(changed))
+        return problems
+    if recorded.dataset_version == data.dataset_version or recorded.dataset_version in data.legacy_versions:
+        return problems
+    if data.kind == "token":
+        added = sorted({s.name for s in data.shards} - {s.name for s in recorded.shards})
+        what = "; ".join([*changed_shards(recorded.shards, data.shards, sentence_end=False),
+                          *([f"shards {', '.join(added)} were added (a permuted order spans every shard)"]
+                            if added else [])]) or (
+            f"its shards are not the ones the bundle read (version {recorded.dataset_version}, now "
+            f"{data.dataset_version})")
+    elif recorded.fingerprint is not None and data.fingerprint is not None:
+        what = fingerprint_difference(recorded.fingerprint, data.fingerprint) or "its identity differs"
+    else:
+        what = (f"its identity is {data.dataset_version}, the bundle was trained on {recorded.dataset_version} "
+                "(another declared version=, another length or another class)")
+    problems.append(f"dataset: the job's {data.label} is not the data the bundle was trained on: {what}; "
+                    + _data_ways(where, root, same_job))
+    return problems
+
+
+def _data_ways(where: str, root: str | None, same_job: bool) -> str:
+    if not same_job:
+        return "to train this new lineage on other data, add --reset data (its data then starts afresh)"
+    key = where.removeprefix("bundle ")
+    return ("restore the data the bundle was trained on and run again, or start a new lineage on this data from "
+            f"the bundle: spotrun run CONFIG --job-id NEW_ID --init-from {bundle_address(root, key)} --reset data "
+            "(labelled new-experiment)")
 
 
 def incompatible(where: str, problems: list[str]) -> BundleIncompatible:
@@ -273,8 +310,9 @@ def spec_problems(manifest: Manifest, *, job_id: str, code: CodeInfo, spec_compa
                   model_config_hash: str, world_size: int, where: str, root: str | None,
                   same_job: bool = True) -> list[str]:
     """The differences between ``manifest`` and a job that the job's spec and code alone decide, each
-    naming both sides (empty: none): the job id, the entrypoint's code fingerprint, the world size, the
-    model config and every other key of :meth:`JobSpec.compat_view`.
+    naming both sides (empty: none): the job id, the job's code (the entrypoint and every user module it
+    imports, :mod:`~spotrun.trainer.code_identity`), the loop convention, the world size, the model
+    config and every other key of :meth:`JobSpec.compat_view`.
 
     This is the one definition of these checks: the ranks make them as part of
     :func:`check_compatible`, and the driver makes them before it starts anything, from the newest
@@ -287,11 +325,13 @@ def spec_problems(manifest: Manifest, *, job_id: str, code: CodeInfo, spec_compa
                    "optimizer,scheduler to start those afresh)")
     if same_job and manifest.job_id != job_id:
         problems.append(f"it belongs to job {manifest.job_id!r}, this job is {job_id!r}")
-    if same_job and manifest.code != code:  # a new lineage (--init-from) is how code moves on
-        problems.append(
-            f"job code: bundle {manifest.code.entrypoint} (fingerprint {manifest.code.fingerprint}), job "
-            f"{code.entrypoint} (fingerprint {code.fingerprint}): the entrypoint's module changed since "
-            f"the bundle was written, and other code may not take the same next updates; {new_lineage}")
+    changed = code_problem(manifest.code, code) if same_job else None  # a new lineage is how code moves on
+    if changed is not None:
+        problems.append(f"job code: {changed} since the bundle was written, and other code may not take the same "
+                        f"next updates; put the code back as it was, or {new_lineage}")
+    if manifest.loop_convention not in READABLE_CONVENTIONS:
+        problems.append(f"loop convention {manifest.loop_convention}: written by another spotrun release (this one "
+                        f"trains under {', '.join(map(str, READABLE_CONVENTIONS))}); use the release that wrote it")
     world = world_problem(manifest, world_size) if same_job else None  # a new lineage: the spec keys say it
     if world is not None:
         problems.append(world)
@@ -481,7 +521,8 @@ def read_manifest(storage: Storage, bundle_key: str) -> Manifest:
 
 
 def load_bundle(storage: Storage, bundle_key: str, desc: Description | None, *,
-                same_job: bool = True, want: Callable[[Manifest], Callable[[str], bool]] | None = None
+                same_job: bool = True, want: Callable[[Manifest], Callable[[str], bool]] | None = None,
+                reset: tuple[str, ...] = ()
                 ) -> LoadedBundle:
     """Verify then deserialise a published bundle. Raises a :class:`BundleError` or ``ManifestError``.
 
@@ -490,7 +531,7 @@ def load_bundle(storage: Storage, bundle_key: str, desc: Description | None, *,
     against the manifest first."""
     manifest = read_manifest(storage, bundle_key)
     if desc is not None:
-        check_compatible(manifest, desc, f"bundle {bundle_key}", same_job=same_job, root=storage.uri)
+        check_compatible(manifest, desc, f"bundle {bundle_key}", same_job=same_job, root=storage.uri, reset=reset)
     keep = want(manifest) if want is not None else None
     blobs = {}
     for f in manifest.files:

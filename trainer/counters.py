@@ -13,7 +13,11 @@ from spotrun.trainer.stateful import check_version
 # v1: per microstep: microsteps+1, samples+B, tokens+B*(seq_len+1);
 #     per update: attempted+1, then applied+1 iff the optimizer changed the parameters,
 #     then the scheduler steps iff its declared counter advanced.
-LOOP_CONVENTION = 1
+# v2: v1, and while data is fetched the global generators (python, numpy, torch CPU) are seeded from
+#     each occurrence and the rank's own streams given back as they were
+#     (spotrun.trainer.data.transform.OccurrenceStreams). A lineage begun under v1 goes on under v1.
+LOOP_CONVENTION = 2
+READABLE_CONVENTIONS = (1, 2)
 
 
 class Counters(BaseModel):

@@ -7,13 +7,11 @@ without ``job`` runs the built-in character LM, :data:`BUILTIN`, written on this
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import io
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -172,13 +170,6 @@ def build_job(spec: JobSpec, *, rank: int, world_size: int, device: str, read: s
 def entrypoint_of(spec: JobSpec) -> str:
     return spec.job.entrypoint if spec.job else BUILTIN
 
-
-def code_fingerprint(spec: JobSpec) -> str:
-    """sha256 of the entrypoint module's source: a bundle restores only into the code that wrote it."""
-    module = sys.modules[entrypoint_of(spec).partition(":")[0]]
-    file = getattr(module, "__file__", None)
-    source = Path(file).read_bytes() if file else b""
-    return hashlib.sha256(source).hexdigest()[:16]
 
 
 def check_weights_only(owner: str, state: Any) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from spotrun.trainer.counters import Counters
+from spotrun.trainer.data.identity import DataFingerprint
 from spotrun.trainer.data.listing import ShardInfo
 from spotrun.trainer.data.planner import Cursor
 from spotrun.trainer.digest import SHA256, chunk_bytes_of
@@ -22,13 +23,14 @@ from spotrun.trainer.storage import UnsafeKeyError, check_key
 
 # 2: the job's code (entrypoint, fingerprint) and data kind; 3: tensors in <stem>.safetensors;
 # 4: world.parallelism, and sharded bundles (every rank's model.pt/optimizer.pt with a layout);
-# 5: each file's digest algorithm (FileEntry.digest: the chunked sha256 tree, hashed on every core)
-SCHEMA_VERSION = 5
+# 5: each file's digest algorithm (FileEntry.digest: the chunked sha256 tree, hashed on every core);
+# 6: the data's content fingerprint and cautions, the code identity's files, loop convention 2
+SCHEMA_VERSION = 6
 # Schemas this release reads: a schema-2 bundle holds its tensors inside the .pt files, which the
 # loader reads as before (a .pt without a tensor file beside it is a whole payload); schemas 2 and 3
 # are replicated bundles (no world.parallelism: "ddp"); schemas 2 to 4 have no digest field, so
 # their files verify with plain sha256 (the field's default).
-READABLE_SCHEMAS = (2, 3, 4, 5)
+READABLE_SCHEMAS = (2, 3, 4, 5, 6)
 _RANK_DIR = re.compile(r"^rank-(\d+)/")
 # The world side (fresh | exact | exact-data | fresh-epoch | new-experiment), then "+<data side>"
 # when the data side is not exact, e.g. "exact+bounded-repetition".
@@ -75,10 +77,14 @@ class TensorInfo(_M):
 
 
 class CodeInfo(_M):
-    """The job's code: a bundle restores only into the entrypoint module that wrote it."""
+    """The job's code: a bundle restores only into the code that wrote it
+    (:mod:`spotrun.trainer.code_identity`)."""
 
     entrypoint: str
     fingerprint: str  # sha256 (16 hex) of the entrypoint module's source
+    # every user module the entrypoint imports (itself included), by module name: sha256 (16 hex) of
+    # its source. Empty for the built-in recipe, and in manifests written before schema 6.
+    files: dict[str, str] = {}
 
 
 class ModelInfo(_M):
@@ -94,7 +100,12 @@ class OptimizerInfo(_M):
 
 class DataInfo(_M):
     kind: str = "token"  # map | token | stream: the job's data kind
-    dataset_version: str  # token data: over the listed shards, in order; map/stream: declared identity
+    dataset_version: str  # token data: over the listed shards' contents, in order; map: class, length and
+    # declared version or content fingerprint; stream: class and declared version
+    fingerprint: DataFingerprint | None = None  # map data without a declared version (schema 6 on)
+    # what spotrun cannot capture of this data (a stream's own loader workers): said at start, kept here
+    # so that verify's reading of a divergence can name it
+    cautions: tuple[str, ...] = ()
     tokenizer_version: str  # "" without a tokenizer
     records: int  # token/map: listed when the boundary's last update was planned; stream: elements read
     shards: tuple[ShardInfo, ...] = ()  # those records' shards, in the order they were discovered

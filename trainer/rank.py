@@ -157,7 +157,7 @@ class RankRunner:
         # Another job's storage is assumed to sit behind the same endpoint as this job's.
         storage = open_storage(storage_uri, self.spec.storage_endpoint_url) if storage_uri else self.storage
         bundle = load_bundle(storage, bundle_key, self.session.desc, same_job=storage_uri is None,
-                             want=self.session.wants)
+                             want=self.session.wants, reset=reset)
         seconds = self.session.restore(bundle)
         if storage_uri is not None:
             self.session.start_new_lineage(reset)

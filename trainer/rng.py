@@ -14,7 +14,9 @@ because building them draws from these streams too), for whatever draws outside 
 from __future__ import annotations
 
 import base64
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -40,6 +42,31 @@ def seed_all(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
     if torch.cuda.is_initialized():
         torch.cuda.manual_seed_all(seed)
+
+
+@contextlib.contextmanager
+def forked_streams() -> Iterator[None]:
+    """Run a block that may draw from (or seed) the global streams, then give them back as they were:
+    Python, NumPy's global and torch's CPU generator (what a driver's check draws from)."""
+    saved = save_streams()
+    try:
+        yield
+    finally:
+        restore_streams(saved)
+
+
+SavedStreams = tuple[Any, Any, torch.Tensor]
+
+
+def save_streams() -> SavedStreams:
+    """Python's, NumPy's global and torch's CPU generator states, to give back with :func:`restore_streams`."""
+    return random.getstate(), np.random.get_state(legacy=True), torch.get_rng_state()
+
+
+def restore_streams(saved: SavedStreams) -> None:
+    random.setstate(saved[0])
+    np.random.set_state(saved[1])
+    torch.set_rng_state(saved[2])
 
 
 _WORD = (1 << 64) - 1

@@ -14,12 +14,14 @@ after seeding every global stream, binds its data to the engine, and builds the 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, Description, LoadedBundle, describe
 from spotrun.trainer.counters import CountersState
 from spotrun.trainer.data.feed import TokenFeed, bind
+from spotrun.trainer.data.kinds import DataCaution
 from spotrun.trainer.data.listing import ShardInfo
 from spotrun.trainer.data.loader import PlanDataset, PlanSampler, make_loader
 from spotrun.trainer.data.planner import RestoreMode
@@ -54,6 +56,9 @@ class TrainSession:
         self.state = TrainState(spec, self.job, self.feed, rank, world_size,
                                 restore_mode or spec.checkpoint.restore_mode, device)
         self.desc: Description = describe(self.state)
+        if rank == 0:  # said once, where the rank's output reaches the terminal of spotrun run
+            for caution in self.desc.data.cautions:
+                warnings.warn(caution, DataCaution, stacklevel=1)
         self.drop = tuple(drop)
         known = categories_of(self.state)
         unknown = [d for d in self.drop if d not in known or known[d].drop is None]
@@ -108,6 +113,8 @@ class TrainSession:
     def restore(self, bundle: LoadedBundle) -> float:
         """Load a verified bundle; returns the seconds it took. Must precede :meth:`start`."""
         t0 = time.perf_counter()
+        # the lineage goes on under the loop convention it began with (counters.py): never mixed
+        self.feed.seed_globals = bundle.manifest.loop_convention >= 2
         if isinstance(self.feed, TokenFeed) and self.spec.data.order == "sequential" and bundle.manifest.data.shards:
             self.feed.resume(bundle.manifest.data.shards)  # the shards in the order it read them
         known = categories_of(self.state)
@@ -221,6 +228,7 @@ class TrainSession:
             raise ValueError(f"--reset {','.join(unknown)}: can reset only {', '.join(self.RESETTABLE)}")
         st = self.state
         st.counters.load_state_dict(CountersState().state_dict())
+        self.feed.seed_globals = True  # a new lineage trains under this release's loop convention
         if "optimizer" in reset:
             st.optimizer.state.clear()  # torch optimizers create their state lazily, as in a fresh job
         if "scheduler" in reset and self.job.scheduler is not None:

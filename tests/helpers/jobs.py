@@ -6,6 +6,7 @@ import random
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -106,19 +107,50 @@ class Points:
 
 
 def jitter_from_global_random(sample: tuple[torch.Tensor, torch.Tensor], generator: torch.Generator):
-    """The broken augmentation: noise from Python's global ``random`` instead of ``generator``. In a
-    prefetch worker (data.workers >= 1) that stream is the worker's own, seeded by the loader when
-    the worker starts: a restarted worker draws it from its beginning again, where the
-    uninterrupted run's worker had moved on, and no bundle holds it."""
+    """Augmentation as most code is written: noise from the global generators (Python's, NumPy's and
+    torch's) instead of ``generator``. spotrun seeds them from each occurrence before it fetches and
+    transforms it, in a prefetch worker and in the rank's process alike: exact."""
     x, y = sample
-    return x + random.gauss(0.0, 0.1), y
+    return x + random.gauss(0.0, 0.1) + float(np.random.normal(0.0, 0.1)) + 0.1 * torch.randn(x.shape), y
 
 
-def global_random_augmentation(ctx: spotrun.BuildContext) -> spotrun.Job:
+class NaivelyAugmentedPoints(Points):
+    """:class:`Points` whose ``__getitem__`` itself augments from the global generators (a flip, noise)."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = super().__getitem__(i)
+        if random.random() < 0.5:
+            x = x.flip(0)
+        return x + 0.05 * float(np.random.standard_normal()) + 0.05 * torch.rand(x.shape), y
+
+
+def naive_global_augmentation(ctx: spotrun.BuildContext) -> spotrun.Job:
+    """Random augmentation from the global generators in the dataset and the transform: exact under
+    spotrun whatever ``data.workers`` and the world size."""
+    return spotrun.Job(
+        model=lambda: nn.Linear(8, 1),
+        data=spotrun.MapData(NaivelyAugmentedPoints(ctx.seed), transform=jitter_from_global_random),
+        step=regression,
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
+    )
+
+
+# A generator of the job's own, made when the module is imported: no bundle holds it, and a restarted
+# process (or a prefetch worker forked from it) draws it from its beginning again.
+_OWN_RNG = np.random.default_rng(0)
+
+
+def jitter_from_own_generator(sample: tuple[torch.Tensor, torch.Tensor], generator: torch.Generator):
+    """The broken augmentation: noise from a generator the job keeps itself instead of ``generator``."""
+    x, y = sample
+    return x + float(_OWN_RNG.normal(0.0, 0.1)), y
+
+
+def own_generator_augmentation(ctx: spotrun.BuildContext) -> spotrun.Job:
     """Diverges at the batch: the same records, transformed with other noise after a restart."""
     return spotrun.Job(
         model=lambda: nn.Linear(8, 1),
-        data=spotrun.MapData(Points(ctx.seed), transform=jitter_from_global_random),
+        data=spotrun.MapData(Points(ctx.seed), transform=jitter_from_own_generator),
         step=regression,
         optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
     )

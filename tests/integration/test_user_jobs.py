@@ -47,6 +47,21 @@ def test_each_example_verifies_bitwise_on_two_ranks_with_four_kills(tmp_path, ex
     assert report["restore_oracle"] == [] and report["metric_mismatches"] == 0
 
 
+def test_augmentation_from_the_global_generators_in_two_loader_workers_verifies_bitwise(tmp_path, ray_address):
+    """Augmentation written as most code is (random, numpy.random and torch.rand in the dataset's
+    __getitem__ and in the transform), two prefetch workers per rank, two ranks, three kills: bitwise.
+    spotrun seeds the global generators from each occurrence in the workers; without that, a restarted
+    worker draws them afresh and the first update after a restore differs at the batch."""
+    code, report, err = verify(tmp_path, str(ROOT / "configs/tiny.yaml"), "--kills", "3", "--seed", "2",
+                               "--address", ray_address,
+                               sets=("train.updates=12", "checkpoint.every_updates=3", "world.size=2",
+                                     "data.workers=2", "job.entrypoint=tests.helpers.jobs:naive_global_augmentation"))
+    assert code == 0, err[-3000:]
+    assert report["verdict"] == "pass" and report["observed_contract"] == "exact"
+    assert report["faults_delivered"] == 3 and report["restores_from_bundle"] > 0
+    assert report["params_bitwise_equal"] is True and report["first_divergence"] is None
+
+
 def test_losing_registered_objects_at_restore_fails_verify_naming_each(tmp_path):
     """Both of center_loss's registered objects lost at every restore, in one chaos run: the restore
     oracle names each of them (each is compared on its own, so one found does not hide the other)."""

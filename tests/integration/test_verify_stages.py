@@ -1,5 +1,5 @@
 """verify names the stage where a broken job's restart first differs, on real runs (subprocesses,
-no Ray, one rank): a transform drawing from a generator spotrun does not capture -> batch; an
+no Ray, one rank): a transform drawing from a generator of the job's own -> batch; an
 optimizer state dropped at restore (the mutant build) -> parameters. (The unregistered loss-scale
 counter -> loss is in test_user_jobs.py; the elastic world change -> gradient in test_node_loss.py.)
 
@@ -38,11 +38,10 @@ def restored_bundle_4(report: Report) -> dict:
     return d
 
 
-def test_global_random_in_a_prefetch_worker_diverges_at_the_batch(tmp_path):
-    """Python's global random in the transform: the loop seeds the rank process's global streams
-    per micro-batch, but the transform runs in a prefetch worker (tiny: data.workers=1), whose
-    streams the loader seeds afresh at every start."""
-    report = verify(tmp_path, "tests.helpers.jobs:global_random_augmentation")
+def test_a_generator_of_the_jobs_own_in_a_transform_diverges_at_the_batch(tmp_path):
+    """A NumPy generator the job made at import, drawn in the transform: no bundle holds it, and the
+    restarted process (and its prefetch worker, tiny: data.workers=1) draws it from its beginning."""
+    report = verify(tmp_path, "tests.helpers.jobs:own_generator_augmentation")
     assert report.verdict == "fail" and report.restore_oracle == []  # nothing registered was lost
     d = restored_bundle_4(report)
     assert (d["stage"], d["microstep"]) == ("batch", 0)

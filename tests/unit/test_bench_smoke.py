@@ -27,6 +27,7 @@ from tests.conftest import ROOT
     ("bench.trace_cost", []),
     ("bench.sharded_bundles", []),
     ("bench.auto_interval", []),
+    ("bench.data_identity", []),
 ])
 def test_bench_runs_in_quick_mode(tmp_path, module, extra):
     r = subprocess.run([sys.executable, "-m", module, "--quick", "--out", str(tmp_path), *extra],

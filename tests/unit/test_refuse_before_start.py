@@ -190,7 +190,7 @@ def test_a_changed_code_fingerprint_is_refused_before_ray_with_the_real_address(
     code): refused before anything starts, and the hint's --init-from address is one the command takes."""
     refingerprint(runs, "0123456789abcdef")
     message = refused(runs, capsys)
-    assert "fingerprint 0123456789abcdef" in message and "the entrypoint's module changed" in message
+    assert "fingerprint 0123456789abcdef" in message and "module spotrun.recipes.char_lm changed" in message
     assert "<storage>" not in message
     hint = re.search(r"--init-from (\S+)", message)
     assert hint is not None and hint.group(1) == f"{runs}/{NEWEST}"
@@ -228,18 +228,19 @@ def test_the_command_line_refuses_in_one_paragraph(runs):
 
 
 def test_a_refusal_by_the_ranks_leaves_the_job_finished_too(runs, tmp_path):
-    """What only a built job knows (here the dataset version) is refused at the restore, after the
-    start: recorded as a refusal of its own too, never as the job's failure."""
+    """What a built job knows (here the dataset's contents) is refused by the ranks at the restore when
+    the run started without the driver's check (launched directly): recorded as a refusal of its own
+    too, never as the job's failure."""
     data = tmp_path / "data"
     shutil.copytree(ROOT / "configs/data/tiny", data)
     with open(data / "shard-001.jsonl", "a") as f:
         f.write(json.dumps({"text": "One more record changes the dataset version."}) + "\n")
     before = record(runs)
-    with pytest.raises(BundleIncompatible, match="dataset version"):
+    with pytest.raises(BundleIncompatible, match="dataset: the job's spotrun.TokenData"):
         launch.run_in_process(make_spec(runs.parent, *REF, "train.updates=6", f"data.shards={data}", job_id=JOB))
     assert record(runs) == before
     [refusal] = refusals(runs)
-    assert refusal.check == "start" and "dataset version" in refusal.reason
+    assert refusal.check == "start" and "shard shard-001.jsonl changed" in refusal.reason
     assert not [e for e in Ledger(LocalStorage(runs), JOB).read() if isinstance(e, JobFailed)]
 
 

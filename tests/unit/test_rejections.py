@@ -104,8 +104,9 @@ def manifest_bytes(storage: LocalStorage, bundle: str, path: str) -> int:
 # -- (a)-(d) incompatible specs: refused with both sides named ---------------------------
 
 
-def test_other_dataset_version_is_refused_naming_both_versions(tmp_path, storage):
-    """(a) One more record in one shard: a new dataset version; the message names both."""
+def test_other_dataset_version_is_refused_naming_the_changed_shard(tmp_path, storage):
+    """(a) One more record in one shard: a new dataset version; the message names the shard that
+    changed, both digests, and the ways forward."""
     data = tmp_path / "data"
     shutil.copytree(ROOT / "configs/data/tiny", data)
     with open(data / "shard-001.jsonl", "a") as f:
@@ -113,8 +114,10 @@ def test_other_dataset_version_is_refused_naming_both_versions(tmp_path, storage
     old, new = scan(ROOT / "configs/data/tiny").version, scan(data).version
     assert old != new
     msg = refused(spec_for(tmp_path, f"data.shards={data}"), storage)
-    assert "dataset version" in msg
-    assert old in msg and new in msg
+    assert "dataset: the job's spotrun.TokenData" in msg
+    assert "shard shard-001.jsonl changed" in msg
+    recorded = scan(ROOT / "configs/data/tiny").infos()[1].sha256
+    assert recorded[:12] in msg and "--init-from" in msg and "--reset data" in msg
 
 
 def test_other_tokenizer_vocabulary_is_refused_naming_both_versions(tmp_path, storage):

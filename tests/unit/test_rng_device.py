@@ -66,7 +66,7 @@ def test_the_session_refuses_such_a_bundle_as_incompatible_naming_the_reason(tmp
     payloads = session.state.capture().files()
     session.state.rng.device = "cuda:0"  # as a GPU rank would restore it
     rng = dict(payloads["rank-0/rng.json"], torch_cuda=["AAAA", "AAAA"])
-    manifest = SimpleNamespace(data=SimpleNamespace(shards=[]))
+    manifest = SimpleNamespace(data=SimpleNamespace(shards=[]), loop_convention=2)
     bundle = LoadedBundle("u0000000001-a1", manifest, {**payloads, "rank-0/rng.json": rng})  # type: ignore[arg-type]
     with pytest.raises(BundleIncompatible) as e:
         session.restore(bundle)

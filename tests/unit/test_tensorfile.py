@@ -169,7 +169,7 @@ def test_a_job_writes_tensor_files_and_a_schema_2_bundle_of_the_same_state_resto
     schema 2 (whole payloads in .pt, no tensor file) load to bitwise the same payloads, and a session
     restores from the old one."""
     bundle = load_bundle(storage, NEWEST, None)
-    assert bundle.manifest.schema_version == SCHEMA_VERSION == 5
+    assert bundle.manifest.schema_version == SCHEMA_VERSION == 6
     paths = [f.path for f in bundle.manifest.files]
     assert "rank-0/model.safetensors" in paths and "rank-0/optimizer.safetensors" in paths
     old = {p: _saved(v) if p.endswith(".pt") else json.dumps(v).encode() for p, v in bundle.payloads.items()}

@@ -7,7 +7,12 @@ Each data kind (:mod:`spotrun.trainer.data.kinds`) becomes a *feed* with one sma
   (token data: shard and byte offset; stream data: the element; map data: nothing);
 - ``worker()``: a picklable callable ``(WorkOrder) -> batch``, run in prefetch workers;
 - ``occurrence_id(span)``: the stable name of an occurrence in traces (``<epoch>/<key>[a:b]``);
-- ``dataset_version`` / ``tokenizer_version``: what a bundle records and a restore checks.
+- ``identity()``: what a bundle records and a restore checks (:mod:`spotrun.trainer.data.identity`).
+
+Under loop convention 2 every worker (and a stream's planner) seeds the global generators from each
+occurrence before it reads and transforms it (:class:`~spotrun.trainer.data.transform.OccurrenceStreams`);
+a lineage begun under convention 1 goes on without (the session sets ``seed_globals`` to False before
+the loader starts), never mixing the two.
 
 Map and token data share the planner of :mod:`~spotrun.trainer.data.planner` (epoch order, shuffle
 buffer, packer; a map sample is a record of one unit, so each sequence is one occurrence);
@@ -25,13 +30,14 @@ import numpy as np
 import torch
 
 from spotrun.trainer.data.growth import GrowthRecords
+from spotrun.trainer.data.identity import DataIdentity, map_fingerprint
 from spotrun.trainer.data.kinds import DataError, MapData, StreamData, TokenData
 from spotrun.trainer.data.listing import ShardInfo, read_line, scan
 from spotrun.trainer.data.loader import WorkOrder
 from spotrun.trainer.data.packer import Span
 from spotrun.trainer.data.planner import Planner, RestoreMode
 from spotrun.trainer.data.stream import StreamPlanner
-from spotrun.trainer.data.transform import occurrence_generator
+from spotrun.trainer.data.transform import OccurrenceStreams, occurrence_generator
 from spotrun.trainer.spec import JobSpec
 
 
@@ -43,21 +49,39 @@ def _planner(spec: JobSpec, units: np.ndarray, seq_len: int, restore_mode: Resto
 
 
 def identity_version(kind: str, source: object, *declared: object) -> str:
-    """A dataset version from what spotrun can see of a map dataset or stream: its class, and what the
-    job declares (a length, a ``version``). Declare a version to have changed contents refused."""
+    """A dataset version from a map dataset's or stream's class and what the job declares (a length, a
+    ``version``); a map dataset without a version adds its content fingerprint's digests."""
     identity = "/".join([f"{type(source).__module__}.{type(source).__qualname__}", *map(str, declared)])
     return f"{kind}-" + hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
+def _label(kind: str, source: object) -> str:
+    return f"spotrun.{kind} over a {type(source).__qualname__}"
+
+
 class MapFeed:
     kind = "map"
+    seed_globals = True  # loop convention 2 (set False to continue a lineage under 1)
     units_per_sequence = 1
     tokenizer_version = ""
 
     def __init__(self, data: MapData, spec: JobSpec) -> None:
         self.data = data
         self.spec = spec
-        self.dataset_version = identity_version("map", data.dataset, len(data), data.version)
+        if data.version is not None:  # the job owns the identity
+            self.fingerprint = None
+            self.dataset_version = identity_version("map", data.dataset, len(data), data.version)
+        else:
+            self.fingerprint = map_fingerprint(data.dataset, spec.seed)
+            self.dataset_version = identity_version("map", data.dataset, len(data), None,
+                                                    *self.fingerprint.records.values())
+
+    def identity(self) -> DataIdentity:
+        # before the fingerprint, a map dataset without a version was known by its class and length alone
+        legacy = {identity_version("map", self.data.dataset, len(self.data), None)} if self.fingerprint else set()
+        return DataIdentity(kind=self.kind, dataset_version=self.dataset_version, tokenizer_version="",
+                            fingerprint=self.fingerprint, legacy_versions=frozenset(legacy),
+                            label=_label("MapData", self.data.dataset))
 
     def planner(self, restore_mode: RestoreMode) -> Planner:
         return _planner(self.spec, np.ones(len(self.data), dtype=np.int64), 0, restore_mode)
@@ -66,32 +90,38 @@ class MapFeed:
         return None
 
     def worker(self) -> MapWorker:
-        return MapWorker(self.data, self.spec.seed)
+        return MapWorker(self.data, self.spec.seed, self.seed_globals)
 
     def occurrence_id(self, span: Span) -> str:
         return f"{span.epoch}/{span.record}[0:1]"
 
 
 class MapWorker:
-    """Samples by index, each transformed with its occurrence's own generator, then collated."""
+    """Samples by index, each read and transformed with its occurrence's own generator and the global
+    generators seeded from it, then collated (after the last occurrence's draws: the same for the same
+    micro-batch)."""
 
-    def __init__(self, data: MapData, seed: int) -> None:
+    def __init__(self, data: MapData, seed: int, seed_globals: bool = True) -> None:
         self.data = data
         self.seed = seed
+        self.seed_globals = seed_globals
 
     def __call__(self, order: WorkOrder) -> Any:
         samples = []
-        for seq in order.sequences:
-            for s in seq:
-                sample = self.data.dataset[s.record]
-                if self.data.transform is not None:
-                    sample = self.data.transform(sample, occurrence_generator(self.seed, s.epoch, s.record))
-                samples.append(sample)
-        return self.data.collate(samples)
+        with OccurrenceStreams(self.seed, self.seed_globals) as streams:
+            for seq in order.sequences:
+                for s in seq:
+                    streams.seed(s.epoch, s.record)
+                    sample = self.data.dataset[s.record]
+                    if self.data.transform is not None:
+                        sample = self.data.transform(sample, occurrence_generator(self.seed, s.epoch, s.record))
+                    samples.append(sample)
+            return self.data.collate(samples)
 
 
 class TokenFeed:
     kind = "token"
+    seed_globals = True  # loop convention 2 (set False to continue a lineage under 1)
 
     def __init__(self, data: TokenData, spec: JobSpec) -> None:
         self.data = data
@@ -106,6 +136,11 @@ class TokenFeed:
     @property
     def dataset_version(self) -> str:
         return self.listing.version
+
+    def identity(self) -> DataIdentity:
+        return DataIdentity(kind=self.kind, dataset_version=self.dataset_version,
+                            tokenizer_version=self.tokenizer_version, shards=tuple(self.listing.infos()),
+                            label=f"spotrun.TokenData from {self.listing.root}")
 
     def planner(self, restore_mode: RestoreMode) -> Planner:
         sequential = self.spec.data.order == "sequential"
@@ -132,7 +167,7 @@ class TokenFeed:
 
     def worker(self) -> TokenWorker:
         return TokenWorker(self.listing.root, self.listing.endpoint_url, self.tokenizer, self.spec.seed,
-                           self.data.transform)
+                           self.data.transform, self.seed_globals)
 
     def occurrence_id(self, span: Span) -> str:
         return f"{span.epoch}/{self.listing.record_key(span.record)}[{span.start}:{span.end}]"
@@ -141,12 +176,14 @@ class TokenFeed:
 class TokenWorker:
     """Turns a plan into ``inputs``/``targets`` of shape ``[micro_batch, seq_len]``."""
 
-    def __init__(self, root: str, endpoint_url: str | None, tokenizer, seed: int, transform) -> None:
+    def __init__(self, root: str, endpoint_url: str | None, tokenizer, seed: int, transform,
+                 seed_globals: bool = True) -> None:
         self.root = root
         self.endpoint_url = endpoint_url
         self.tokenizer = tokenizer
         self.seed = seed
         self.transform = transform
+        self.seed_globals = seed_globals
         self._cache: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
     def occurrence_tokens(self, epoch: int, record: int, where: tuple[str, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -154,11 +191,13 @@ class TokenWorker:
         key = (epoch, record)
         hit = self._cache.get(key)
         if hit is None:
-            original = self.tokenizer.encode(read_line(self.root, self.endpoint_url, *where))
-            changed = original
-            if self.transform is not None:
-                changed = np.asarray(self.transform(torch.from_numpy(original.copy()),
-                                                    occurrence_generator(self.seed, epoch, record)))
+            with OccurrenceStreams(self.seed, self.seed_globals) as streams:
+                streams.seed(epoch, record)
+                original = self.tokenizer.encode(read_line(self.root, self.endpoint_url, *where))
+                changed = original
+                if self.transform is not None:
+                    changed = np.asarray(self.transform(torch.from_numpy(original.copy()),
+                                                        occurrence_generator(self.seed, epoch, record)))
                 if changed.shape != original.shape:
                     raise DataError(f"the TokenData transform changed an occurrence's length from "
                                     f"{len(original)} to {len(changed)} tokens; it may rewrite tokens, not "
@@ -181,6 +220,7 @@ class TokenWorker:
 
 class StreamFeed:
     kind = "stream"
+    seed_globals = True  # loop convention 2 (set False to continue a lineage under 1)
     units_per_sequence = 1
     tokenizer_version = ""
 
@@ -190,8 +230,13 @@ class StreamFeed:
         self.dataset_version = identity_version("stream", data.stream, data.version)
         self._planner: StreamPlanner | None = None
 
+    def identity(self) -> DataIdentity:
+        return DataIdentity(kind=self.kind, dataset_version=self.dataset_version, tokenizer_version="",
+                            label=_label("StreamData", self.data.stream), cautions=stream_cautions(self.data))
+
     def planner(self, restore_mode: RestoreMode) -> StreamPlanner:
-        self._planner = StreamPlanner(self.data, self.spec.global_sequences, restore_mode)
+        self._planner = StreamPlanner(self.data, self.spec.global_sequences, restore_mode,
+                                      lambda: OccurrenceStreams(self.spec.seed, self.seed_globals))
         return self._planner
 
     def locate(self, record: int) -> Any:
@@ -199,18 +244,43 @@ class StreamFeed:
         return self._planner.element(record)
 
     def worker(self) -> StreamWorker:
-        return StreamWorker(self.data.collate)
+        return StreamWorker(self.data.collate, self.spec.seed, self.seed_globals)
 
     def occurrence_id(self, span: Span) -> str:
         return f"0/s{span.record}[0:1]"
 
 
 class StreamWorker:
-    def __init__(self, collate) -> None:
+    """Collates the elements the rank read from the stream (with the global generators seeded from
+    the micro-batch's first element, for a collate that draws)."""
+
+    def __init__(self, collate, seed: int, seed_globals: bool = True) -> None:
         self.collate = collate
+        self.seed = seed
+        self.seed_globals = seed_globals
 
     def __call__(self, order: WorkOrder) -> Any:
-        return self.collate([order.records[s.record] for seq in order.sequences for s in seq])
+        spans = [s for seq in order.sequences for s in seq]
+        with OccurrenceStreams(self.seed, self.seed_globals) as streams:
+            if spans:
+                streams.seed(spans[0].epoch, spans[0].record)
+            return self.collate([order.records[s.record] for s in spans])
+
+
+def stream_cautions(data: StreamData) -> tuple[str, ...]:
+    """What spotrun cannot capture of a stream: the random state inside its own worker processes (a
+    torch ``DataLoader`` or torchdata ``StatefulDataLoader`` with ``num_workers > 0``, or any iterator
+    that says it runs workers)."""
+    workers = getattr(data.stream, "num_workers", 0)
+    if not isinstance(workers, int) or workers <= 0:
+        return ()
+    return (f"spotrun.StreamData over a {type(data.stream).__qualname__} with {workers} worker processes of its "
+            "own: spotrun saves and restores the stream's state_dict(), not the random state inside those "
+            "workers, so what its dataset or transforms draw there from the global generators (random, "
+            "numpy.random, torch.rand) can differ after a restore and the resumed run is not the "
+            "uninterrupted one. For random augmentation use spotrun.MapData (its transform gets a generator "
+            "seeded per occurrence, and spotrun seeds the global generators per occurrence in its own "
+            "loader workers), or give this loader num_workers=0 (data.workers then prefetches for it)",)
 
 
 Feed = MapFeed | TokenFeed | StreamFeed

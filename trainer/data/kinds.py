@@ -35,6 +35,11 @@ class DataError(JobError):
     """The data cannot be trained on as given; the message names the problem and the fix."""
 
 
+class DataCaution(UserWarning):
+    """Something of the job's data that spotrun cannot capture, so a restore may not be exact (said on
+    rank 0 at start, and kept in every bundle's manifest)."""
+
+
 class MapData:
     """Any dataset with ``__len__`` and ``__getitem__(i)``: one occurrence is one sample."""
 

@@ -238,9 +238,11 @@ class Listing:
         self._set([by_name[r.name] for r in recorded])
 
 
-def changed_shards(recorded: Sequence[ShardInfo], listed: Sequence[ShardInfo], root: str = "the source") -> list[str]:
+def changed_shards(recorded: Sequence[ShardInfo], listed: Sequence[ShardInfo], root: str = "the source",
+                   sentence_end: bool = True) -> list[str]:
     """What keeps a bundle that read ``recorded`` from resuming on a source that lists ``listed``:
-    a shard gone or changed (new shards are fine: they are read after the recorded ones)."""
+    a shard gone or changed (new shards are fine for a streaming reader: they are read after the
+    recorded ones). ``sentence_end``: end the last with the way forward."""
     by_name = {s.name: s for s in listed}
     problems = []
     for r in recorded:
@@ -249,7 +251,7 @@ def changed_shards(recorded: Sequence[ShardInfo], listed: Sequence[ShardInfo], r
             problems.append(f"shard {r.name} is gone from {root}")
         elif s.sha256 != r.sha256:
             problems.append(f"shard {r.name} changed (sha256 {s.sha256[:12]}..., the bundle read {r.sha256[:12]}...)")
-    if problems:
+    if problems and sentence_end:
         problems[-1] += (". Shards are immutable once written: put the original shards back, or start a new job "
                          "(--job-id) on the new data")
     return problems

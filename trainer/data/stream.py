@@ -9,16 +9,20 @@ from the batch that carried it, never from elements prefetched beyond it).
 
 Restore modes: ``snapshot`` loads that state; ``replay`` loads the stream's initial state and reads
 again up to the saved position (O(position)). Both must give the same next elements — a stream
-whose state does not determine the rest is caught by ``spotrun verify``.
+whose state does not determine the rest is caught by ``spotrun verify``. Each element is read with
+the global generators seeded from its position (``streams``), so a stream that draws from them while
+it makes an element gives the same element after a restore.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 from spotrun.trainer.data.kinds import DataError, StreamData
 from spotrun.trainer.data.packer import Span
+from spotrun.trainer.data.transform import OccurrenceStreams
 from spotrun.trainer.stateful import check_version
 
 
@@ -27,8 +31,10 @@ class StreamPlanner:
 
     VERSION = 1
 
-    def __init__(self, data: StreamData, global_sequences: int, restore_mode: str = "snapshot") -> None:
+    def __init__(self, data: StreamData, global_sequences: int, restore_mode: str = "snapshot",
+                 streams: Callable[[], OccurrenceStreams] = lambda: OccurrenceStreams(0)) -> None:
         self.stream = data.stream
+        self.streams = streams
         self.global_sequences = global_sequences
         self.restore_mode = restore_mode
         self.initial = copy.deepcopy(self.stream.state_dict())  # what a replay starts from
@@ -40,13 +46,15 @@ class StreamPlanner:
         """The next update's elements, one per sequence, in global order."""
         self._elements = {}
         out: list[tuple[Span, ...]] = []
-        for _ in range(self.global_sequences):
-            self._elements[self.consumed] = self._next()
-            out.append((Span(0, self.consumed, 0, 1),))
-            self.consumed += 1
+        with self.streams() as streams:
+            for _ in range(self.global_sequences):
+                self._elements[self.consumed] = self._next(streams)
+                out.append((Span(0, self.consumed, 0, 1),))
+                self.consumed += 1
         return out
 
-    def _next(self) -> Any:
+    def _next(self, streams: OccurrenceStreams) -> Any:
+        streams.seed(0, self.consumed)
         try:
             return next(self._it)
         except StopIteration:
@@ -73,9 +81,10 @@ class StreamPlanner:
             self.stream.load_state_dict(copy.deepcopy(self.initial))
             self._it = iter(self.stream)
             self.consumed = 0
-            for _ in range(int(state["records"])):
-                self._next()
-                self.consumed += 1
+            with self.streams() as streams:
+                for _ in range(int(state["records"])):
+                    self._next(streams)
+                    self.consumed += 1
         else:  # snapshot (a stream has no epochs to start afresh, nor offsets to repeat from)
             self.stream.load_state_dict(copy.deepcopy(state["stream"]))
             self._it = iter(self.stream)
