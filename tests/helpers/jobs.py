@@ -135,6 +135,20 @@ def naive_global_augmentation(ctx: spotrun.BuildContext) -> spotrun.Job:
     )
 
 
+def stream_over_loader_workers(ctx: spotrun.BuildContext) -> spotrun.Job:
+    """A StreamData over torchdata's StatefulDataLoader with two worker processes of its own: spotrun
+    restores its state_dict() but cannot capture the random state inside its workers (a caution)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(Points(ctx.seed), batch_size=None, num_workers=2)
+    return spotrun.Job(
+        model=lambda: nn.Linear(8, 1),
+        data=spotrun.StreamData(loader),
+        step=regression,
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
+    )
+
+
 # A generator of the job's own, made when the module is imported: no bundle holds it, and a restarted
 # process (or a prefetch worker forked from it) draws it from its beginning again.
 _OWN_RNG = np.random.default_rng(0)

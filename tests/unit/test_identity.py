@@ -14,16 +14,20 @@ from __future__ import annotations
 import random
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
 from spotrun.orchestrator import launch
+from spotrun.trainer.bundle import list_bundles, read_manifest
 from spotrun.trainer.code_identity import code_problem, user_modules
 from spotrun.trainer.data.identity import SPREAD, fingerprint_difference, map_fingerprint, record_digest, spread
+from spotrun.trainer.data.kinds import DataCaution
 from spotrun.trainer.data.transform import OccurrenceStreams
 from spotrun.trainer.manifest import CodeInfo
+from spotrun.trainer.storage import LocalStorage
 from spotrun.trainer.trace import read_trace
 from tests.conftest import make_spec
 
@@ -169,3 +173,23 @@ def test_naive_augmentation_is_bitwise_the_same_with_0_1_and_2_workers(naive_tra
     assert len(params[0]) == 8
     assert params[0] == params[1] == params[2]
     assert len({r.loss for r in naive_traces[0]}) > 1  # it trained
+
+
+def test_a_stream_over_a_loader_with_its_own_workers_is_cautioned_at_start_and_in_the_bundle(tmp_path):
+    spec = make_spec(tmp_path, "job.entrypoint=tests.helpers.jobs:stream_over_loader_workers", "train.updates=2",
+                     "checkpoint.every_updates=2", "metrics.sinks=[]", "data.workers=0", job_id="cautioned")
+    with pytest.warns(DataCaution, match="StatefulDataLoader with 2 worker processes of its own"):
+        assert launch.run_in_process(spec).state == "finished"
+    storage = LocalStorage(tmp_path / "runs")
+    [bundle] = list_bundles(storage, "cautioned")
+    [caution] = read_manifest(storage, bundle.key).data.cautions
+    assert "cannot" not in caution and "not the random state inside those workers" in caution
+    assert "use spotrun.MapData" in caution and "num_workers=0" in caution
+
+
+def test_a_map_dataset_is_not_cautioned(tmp_path):
+    spec = make_spec(tmp_path, "job.entrypoint=tests.helpers.jobs:naive_global_augmentation", "train.updates=1",
+                     "checkpoint.every_updates=1", "metrics.sinks=[]", job_id="plain")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DataCaution)
+        assert launch.run_in_process(spec).state == "finished"
