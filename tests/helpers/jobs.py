@@ -346,3 +346,19 @@ def does_the_engines_part(ctx: spotrun.BuildContext) -> spotrun.Job:
 
     return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.MapData(Points(ctx.seed)), step=step,
                        optimizer=optimizer)
+
+
+def raises_at_a_call(ctx: spotrun.BuildContext) -> spotrun.Job:
+    """A regression whose step raises at its ``job.config.at_call``-th call of the lineage: the count is
+    registered state, so every attempt, restored from any bundle, raises at the same update (a bad
+    record, say: an error no restart can get past)."""
+    calls = Calls()
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        calls.n += 1
+        if calls.n == ctx.config["at_call"]:
+            raise RuntimeError(f"a record the step cannot take (call {calls.n})")
+        return regression(model, batch)
+
+    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.MapData(Points(ctx.seed)), step=step,
+                       optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01), state={"calls": calls})
