@@ -16,6 +16,11 @@ them end the job at once with the last error (a bug that fails every attempt fai
 after the whole budget). An OOM kill is a failure: the restart replays exactly the same data, so the
 same update needs the same memory again.
 
+The job's own error that comes back at the same update is deterministic (:func:`repeated`): a restart
+replays exactly the same state and data, so once the job's code raised at update U, restarted, and
+raised at U again with no attempt in between completing U, the job fails at once with that error,
+whatever is left of the budget and whether or not bundles were published during the replay.
+
 The backoff before a restart doubles with each loss since the last published bundle and starts
 again from ``world.restart_backoff_s`` once an attempt publishes one: six preemptions spread over
 days do not make every later restart wait the maximum.
@@ -23,6 +28,7 @@ days do not make every later restart wait the maximum.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from tenacity import RetryCallState, Retrying, wait_exponential_jitter
@@ -42,6 +48,27 @@ def classify(cause: str, noticed: bool) -> LossClass:
     return "failure"
 
 
+@dataclass(frozen=True)
+class ErrorAt:
+    """Where the job's own code raised (a loss of cause ``error``): in ``update`` (the attempt had
+    completed the one before), in an attempt that started from ``bundle`` (None: from the beginning)."""
+
+    update: int
+    bundle: str | None
+
+
+def repeated(previous: ErrorAt | None, reached: int, now: ErrorAt) -> str | None:
+    """Why the job's error ``now`` ends the job at once, or None: it raised at the same update as its
+    previous error, and no attempt since completed that update (``reached``: the furthest update an
+    attempt completed since ``previous``). A restart gives the step the same state and the same data,
+    so the next one would raise there again: the error is deterministic."""
+    if previous is None or now.update != previous.update or reached >= now.update:
+        return None
+    start = f"bundle {now.bundle}" if now.bundle else "the beginning (no bundle was published before it)"
+    return (f"the job's code raised at update {now.update} again after a restart from {start}, as the attempt "
+            f"before did: the error is deterministic, and another restart would only repeat it")
+
+
 class RestartBudgets:
     """What this run of the supervisor has used of each budget (a job run again starts with both whole)."""
 
@@ -51,9 +78,19 @@ class RestartBudgets:
         self.preemptions = 0
         self.failures_in_a_row = 0  # since the last published bundle: the crash loop
         self.losses_in_a_row = 0  # since the last published bundle: the backoff's exponent
+        self.last_error: ErrorAt | None = None  # the job's own last error (repeated)
+        self.reached = 0  # the furthest update an attempt completed since last_error
 
-    def count(self, loss: LossClass) -> str | None:
-        """Count one loss; returns why the job cannot go on (a budget used up, a crash loop), or None."""
+    def count(self, loss: LossClass, last_update: int = 0, error: ErrorAt | None = None) -> str | None:
+        """Count one loss, after its attempt completed update ``last_update``; ``error`` where the job's
+        own code raised. Returns why the job cannot go on (its error repeated, a budget used up, a crash
+        loop), or None."""
+        again = None
+        if error is not None:
+            again = repeated(self.last_error, max(self.reached, last_update), error)
+            self.last_error, self.reached = error, last_update
+        else:
+            self.reached = max(self.reached, last_update)
         self.losses_in_a_row += 1
         w = self.world
         if loss == "preemption":
@@ -63,6 +100,8 @@ class RestartBudgets:
             return None
         self.failures += 1
         self.failures_in_a_row += 1
+        if again is not None:
+            return again
         if self.failures > w.max_restarts:
             return (f"{self.failures} failures, more than world.max_restarts={w.max_restarts} (preemptions "
                     f"do not count toward it)")

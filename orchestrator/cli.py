@@ -31,6 +31,8 @@ from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError, open_
 
 # soft_wrap: a sentence piped to a file or a pager stays one line (rich would break it at 80 columns)
 err = Console(stderr=True, soft_wrap=True)
+# Every command that reads a job's storage takes the S3-compatible service it lives on the same way.
+ENDPOINT_HELP = "an S3-compatible service for s3:// storage (a spec's storage_endpoint_url)"
 
 
 def _out(doc: Any) -> None:
@@ -126,7 +128,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     from spotrun.trainer.explain import read_next
 
     root, key = _split_bundle_uri(a.bundle)
-    storage = open_storage(root, check=False)  # read only: no write probe
+    storage = open_storage(root, a.endpoint_url, check=False)  # read only: no write probe
     bundle = load_bundle(storage, key, None)  # checksums, JSON and weights-only tensors: no code runs
     m = bundle.manifest
     doc: dict[str, Any] = {"bundle": key, "manifest": json.loads(m.model_dump_json()), "next": read_next(bundle)}
@@ -181,7 +183,7 @@ def _print_inspect(key: str, m: Manifest, nxt: dict[str, Any]) -> None:
 
 
 def _storage_for(a: argparse.Namespace):
-    return open_storage(a.storage)
+    return open_storage(a.storage, a.endpoint_url)
 
 
 def cmd_history(a: argparse.Namespace) -> int:
@@ -346,6 +348,7 @@ def parser() -> argparse.ArgumentParser:
                         "spec (runs your code; the bundle's own factory/entrypoint is never imported)")
     i.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --explain: override a key")
     i.add_argument("--job-id", help="with --explain: the job id (default: the bundle's)")
+    i.add_argument("--endpoint-url", help=ENDPOINT_HELP)
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_inspect)
 
@@ -354,6 +357,7 @@ def parser() -> argparse.ArgumentParser:
         h = sub.add_parser(name, help=help_)
         h.add_argument("job_id", metavar="JOB_ID")
         h.add_argument("--storage", default="file://./runs")
+        h.add_argument("--endpoint-url", help=ENDPOINT_HELP)
         h.add_argument("--json", action="store_true")
         h.set_defaults(func=func)
         if name == "history":
@@ -394,7 +398,7 @@ def parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("dashboard", help="a read-only web dashboard of every job under a storage root")
     d.add_argument("--storage", default="file://./runs")
-    d.add_argument("--endpoint-url", help="an S3-compatible service for s3:// storage")
+    d.add_argument("--endpoint-url", help=ENDPOINT_HELP)
     d.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     d.add_argument("--port", type=int, default=8263)
     d.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --host (needs a token)")

@@ -195,13 +195,12 @@ class InProcessGroup:
         self.runner.request(checkpoint, stop)
 
     def salvage(self) -> list[Report]:
-        """Only what the rank printed before it raised (a lost in-process rank took this whole process
-        with it: there is no loss to salvage from)."""
-        lines = self.output.take()
-        if not lines:
-            return []
-        return [Report(rank=0, last_update=0, output=lines,
-                       storage_retries=getattr(self.runner.storage, "retries", 0))]
+        """After the rank raised, its last report: how far it got (the update the job's code raised in
+        follows it), what it wrote and printed since the last poll. A lost in-process rank took this
+        whole process with it: there is no loss to salvage from."""
+        report = self.runner.poll()
+        report.output = self.output.take()
+        return [report]
 
     def take_notices(self) -> list[Notice]:
         return []  # in this process, the supervisor's own watchers see everything

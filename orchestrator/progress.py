@@ -17,13 +17,16 @@ The ranks' own output (what the job's code prints, warns and logs) is not progre
 ``--quiet`` too, leaves it to :func:`echo_rank_output`, which prints each line prefixed with its rank.
 
 The figures are for reading only: rates come from this process's clock and nothing is recorded.
+The updates/s rate is measured over a window of wall time (:class:`UpdateRate`), never over one
+interval between two reports, and starts again with each attempt.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import IO, Protocol
 
@@ -75,19 +78,51 @@ def _name(bundle: str) -> str:
     return bundle.rsplit("/", 1)[-1]
 
 
+class UpdateRate:
+    """Updates per second over the last ``window_s`` of wall time, from (clock, last completed update)
+    at each report.
+
+    Reports come when the supervisor polls, not when updates complete, and one poll can follow another
+    by a millisecond (a bundle written wakes it): a rate over one interval between reports would read
+    one update in a millisecond as 1000 updates/s. So the rate spans the reports of the last
+    ``window_s`` (the oldest report kept is the last one at least that old), and none is measured over
+    less than ``min_span_s``: until then the last rate measured stands. :meth:`restart` begins a new
+    window (a new attempt: a restore moves the update count without computing an update, and neither
+    that jump nor the time the restart took is a rate)."""
+
+    def __init__(self, window_s: float = 10.0, min_span_s: float = 2.0) -> None:
+        self.window_s = window_s
+        self.min_span_s = min_span_s
+        self.value: float | None = None
+        self._reports: deque[tuple[float, int]] = deque()
+
+    def restart(self) -> None:
+        self._reports.clear()
+
+    def add(self, now: float, update: int) -> None:
+        if self._reports and update < self._reports[-1][1]:  # back to a restored update: a new window
+            self.restart()
+        self._reports.append((now, update))
+        while len(self._reports) > 2 and now - self._reports[1][0] >= self.window_s:
+            self._reports.popleft()
+        since, first = self._reports[0]
+        if now - since >= self.min_span_s:
+            self.value = (update - first) / (now - since)
+
+
 class _Figures:
     """What both renderers show, kept up to date from events and records."""
 
-    def __init__(self, total: int, samples_per_update: int) -> None:
+    def __init__(self, total: int, samples_per_update: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.total = total
         self.samples_per_update = samples_per_update
+        self.clock = clock
         self.done = 0
         self.attempt = 0
         self.world_size: int | None = None
         self.loss: float | None = None
         self.bundle = "none yet"
-        self.rate: float | None = None  # updates per second, smoothed
-        self._seen: tuple[float, int] | None = None  # (clock, update) at the last report
+        self._rate = UpdateRate()
         self._restarting = False  # a loss was seen and no restart line followed yet
         self._rejected: list[str] = []  # bundles refused before the restore that follows
         self._loss: WorkerLost | None = None  # the last loss, for a restart that finds no bundle
@@ -118,7 +153,8 @@ class _Figures:
     def line(self, e: _Event) -> str | None:
         """The log line an event deserves (None: it only changes the figures)."""
         if isinstance(e, AttemptStarted):
-            self.attempt, self.world_size, self._seen = e.attempt, e.world_size, None
+            self.attempt, self.world_size = e.attempt, e.world_size
+            self._rate.restart()
             if self._restarting and self._loss is not None:
                 self._fresh = (f"restart: attempt {e.attempt} started from the beginning (no bundle was published "
                                f"before the loss); cause {self._loss.cause}; lost updates {self._loss.last_update}; "
@@ -159,14 +195,16 @@ class _Figures:
             self._rejected.append(f"{_name(e.bundle)} ({e.reason})")
         return None
 
+    @property
+    def rate(self) -> float | None:
+        """Updates per second (:class:`UpdateRate`); None until one was measured."""
+        return self._rate.value
+
     def absorb(self, records: Sequence[UpdateRecord], world_size: int) -> None:
         if not records:
             return
-        now, last = time.monotonic(), records[-1]
-        if self._seen is not None and last.update > self._seen[1] and now > self._seen[0]:
-            rate = (last.update - self._seen[1]) / (now - self._seen[0])
-            self.rate = rate if self.rate is None else 0.7 * self.rate + 0.3 * rate
-        self._seen = (now, last.update)
+        last = records[-1]
+        self._rate.add(self.clock(), last.update)
         self.done, self.loss, self.world_size = last.update, last.loss, world_size
 
     def summary(self) -> str:
@@ -181,8 +219,9 @@ class _Figures:
 class PlainProgress:
     """One line every ``every`` updates (and at the last), one per notable event; never redrawn."""
 
-    def __init__(self, total: int, samples_per_update: int, out: IO[str], every: int | None = None) -> None:
-        self.figures = _Figures(total, samples_per_update)
+    def __init__(self, total: int, samples_per_update: int, out: IO[str], every: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.figures = _Figures(total, samples_per_update, clock)
         self.out = out
         self.every = every or max(1, total // 20)
         self._printed = 0  # the update of the last progress line

@@ -18,10 +18,19 @@ What travels, and what does not
     needs no copy of the file, so a laptop can submit through a forwarded
     dashboard port. A job with its own entrypoint (``job.entrypoint``) also
     ships this command's working directory as Ray's ``runtime_env``
-    ``working_dir`` (without ``.git``, virtual environments, caches and run
-    outputs, see :data:`EXCLUDES`), so the entrypoint imports on the driver and
-    on every rank; it is imported here first, so one that cannot be is refused
-    before anything is submitted. The built-in job ships nothing. spotrun and
+    ``working_dir``, so the entrypoint imports on the driver and on every rank;
+    it is imported here first, so one that cannot be is refused before anything
+    is submitted. The built-in job ships nothing. Left out of it
+    (:func:`runtime_env`): ``.git``, virtual environments, caches and the usual
+    run outputs (:data:`EXCLUDES`); the job's own local storage folder and
+    ``metrics.local_dir`` when they lie inside it, whatever their names (a run
+    writing there while the folder is packed can make the package unfetchable);
+    and what git ignores there. Ray reads the ``.gitignore`` (and
+    ``.rayignore``) files inside the working directory itself unless
+    ``RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1``; spotrun adds what git ignores
+    through the rest: a ``.gitignore`` above the working directory (a project
+    in a subfolder of its repository), ``.git/info/exclude`` and the user's
+    global excludes file (also skipped with ``RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1``). spotrun and
     its dependencies must already be installed on every node (the cluster image
     carries them), and ``python`` on the head's ``PATH`` must be that
     environment's interpreter (activate the environment before ``ray start``,
@@ -52,8 +61,9 @@ Token authentication (Ray 2.60 turns it on by default)
 Output and exit status
     The Ray submission id is printed on stderr as soon as the job is accepted.
     With ``--wait`` (the default) the job's log is streamed to stderr until the
-    job ends, the final status is printed on stderr, and the exit status is 0
-    only when the job SUCCEEDED (1 when it FAILED or was STOPPED; 130 when the
+    job ends, the final status is printed on stderr (a runtime environment the
+    cluster could not set up names the package it could not fetch and the
+    likely cause), and the exit status is 0 only when the job SUCCEEDED (1 when it FAILED or was STOPPED; 130 when the
     wait is interrupted, which leaves the job running). With ``--no-wait`` the
     command exits 0 once the job is accepted. ``--json`` prints
     ``{"submission_id", "status", "job_id"}`` on stdout and nothing else there
@@ -67,11 +77,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import re
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, TextIO
 
 from spotrun.orchestrator.specfile import load_spec
@@ -89,14 +102,84 @@ EXCLUDES = [".git", ".venv", "venv", "env", "__pycache__", "*.pyc", ".pytest_cac
             ".ruff_cache", "*.egg-info", "node_modules", "runs", "runs-*", "spotrun-metrics"]
 
 
+# A package a runtime environment names (``gcs://_ray_pkg_<hash>.zip``, or a remote URI).
+PACKAGE = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+?\.(?:zip|whl|tar\.gz|tgz|jar)\b")
+
+
 def runtime_env(spec: JobSpec) -> dict[str, Any] | None:
-    """The working directory for a job with its own entrypoint (checked importable here); None otherwise."""
+    """The working directory for a job with its own entrypoint (checked importable here), without what
+    the module doc lists; None for the built-in job."""
     if spec.job is None:
         return None
     from spotrun.orchestrator.launch import check_entrypoint
 
     check_entrypoint(spec)  # a JobError (exit 2) before anything is uploaded
-    return {"working_dir": str(Path.cwd()), "excludes": EXCLUDES}
+    here = Path.cwd().resolve()
+    excludes = [*EXCLUDES, *own_folders(spec, here), *ignored_by_git(here)]
+    return {"working_dir": str(here), "excludes": list(dict.fromkeys(excludes))}
+
+
+def _anchored(path: PurePosixPath) -> str:
+    """An ``excludes`` line (Ray reads them as .gitignore lines) that matches ``path``, relative to the
+    working directory, and nothing else: anchored at its root, glob characters escaped."""
+    text = re.sub(r"([\\*?\[\]!#])", r"\\\1", path.as_posix())
+    return "/" + (text[:-1] + "\\ " if text.endswith(" ") else text)
+
+
+def own_folders(spec: JobSpec, working_dir: Path) -> list[str]:
+    """The job's own local folders inside ``working_dir`` as excludes: its storage (``file://`` or a plain
+    path; only the job's folder when the storage is the working directory itself) and
+    ``metrics.local_dir`` (relative paths are this command's, as for a local run)."""
+    folders = [Path(spec.metrics.local_dir)]
+    if spec.storage.startswith("file://") or "://" not in spec.storage:
+        storage = Path(spec.storage.removeprefix("file://"))
+        folders.append(storage / spec.job_id if (working_dir / storage).resolve() == working_dir else storage)
+    out = []
+    for folder in folders:
+        full = (working_dir / folder).resolve()
+        if full != working_dir and full.is_relative_to(working_dir):
+            out.append(_anchored(PurePosixPath(full.relative_to(working_dir).as_posix())))
+    return out
+
+
+def ignored_by_git(working_dir: Path) -> list[str]:
+    """What git ignores under ``working_dir`` (every .gitignore up to the repository's root,
+    ``.git/info/exclude``, the global excludes file) as excludes; none outside a git work tree, without
+    git, or with Ray's ``RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1`` (which ships ignored files on purpose)."""
+    if os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE") == "1":
+        return []
+    try:  # --directory: an ignored folder is one line, never its files
+        done = subprocess.run(["git", "ls-files", "--others", "--ignored", "--exclude-standard", "--directory", "-z"],
+                              cwd=working_dir, capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if done.returncode != 0:  # not a work tree
+        return []
+    names = done.stdout.decode(errors="surrogateescape").split("\0")
+    return [_anchored(PurePosixPath(n.rstrip("/"))) for n in names if n]
+
+
+def runtime_env_failure(message: str, working_dir: str | None) -> str:
+    """What a job whose runtime environment the cluster could not set up (Ray's
+    ``RUNTIME_ENV_SETUP_FAILURE``) says after its status: the package it could not fetch, what that
+    package is, and the likely cause, then Ray's own reason."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    found = PACKAGE.search(message)
+    # Ray's message: "runtime_env setup failed: Failed to set up runtime environment.", then the node's
+    # traceback, whose last line naming the package (else its last line) is the reason; its first sentence
+    # is enough (the rest is Ray's advice, which the likely cause below replaces)
+    said = next((line for line in reversed(lines) if found and found.group(0) in line), lines[-1] if lines else "")
+    reason = said.split(". ")[0].rstrip(".") or "no reason given"
+    package = f"package {found.group(0)}" if found else "a package of the job's runtime environment"
+    shipped = (f" (this command's working directory, {working_dir}, packed and uploaded at submit)"
+               if working_dir and (found is None or "_ray_pkg_" in found.group(0)) else "")
+    likely = ("a folder in the working directory was written to while it was packed (a run writing its storage "
+              "or outputs there: spotrun leaves out the job's own storage and what git ignores, so add any other "
+              "output folder to .gitignore or move it out), or the package is so large that its upload outlived "
+              "its pin in the cluster (Ray's RAY_RUNTIME_ENV_URI_PIN_EXPIRATION_S); resubmit once nothing writes "
+              "there" if shipped else "the package is missing or unreachable from the cluster")
+    return (f"the cluster could not set up the job's runtime environment: it could not fetch {package}{shipped}. "
+            f"Likely cause: {likely}. Ray said: {reason}.")
 
 
 class SubmitError(ValueError):
@@ -207,8 +290,12 @@ def submit(spec_path: str | Path, overrides: Sequence[str] = (), job_id: str | N
         except Exception as e:
             raise _explain(address, e) from e
         info: Any = client.get_job_info(submission_id)
-        # Ray's failure message repeats the log tail already streamed above: its first sentence is enough.
-        first = ((getattr(info, "message", None) or "").splitlines() or [""])[0].split(", last available logs")[0]
+        text = getattr(info, "message", None) or ""
+        # Ray's failure message repeats the log tail already streamed above: its first sentence is enough
+        # (a runtime environment's is a bare "Failed to set up runtime environment.": its reason follows).
+        first = (text.splitlines() or [""])[0].split(", last available logs")[0]
+        if getattr(getattr(info, "error_type", None), "value", None) == "RUNTIME_ENV_SETUP_FAILURE":
+            first = runtime_env_failure(text, env["working_dir"] if env else None)
         message = f": {first}" if status != "SUCCEEDED" and first else ""
         err.write(f"Ray job {submission_id} ({spec.job_id}) {status}{message}\n")
         code = 0 if status == "SUCCEEDED" else 1
@@ -219,4 +306,5 @@ def submit(spec_path: str | Path, overrides: Sequence[str] = (), job_id: str | N
     return code
 
 
-__all__ = ["EXCLUDES", "SubmitError", "connect", "entrypoint", "follow", "runtime_env", "submit"]
+__all__ = ["EXCLUDES", "SubmitError", "connect", "entrypoint", "follow", "ignored_by_git", "own_folders", "runtime_env",
+           "runtime_env_failure", "submit"]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from spotrun.orchestrator import interval, policy
-from spotrun.orchestrator.budgets import RestartBudgets, classify
+from spotrun.orchestrator.budgets import ErrorAt, RestartBudgets, classify
 from spotrun.orchestrator.clouds import CloudWatcher
 from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WarmUnavailable, WorkerGroup
 from spotrun.orchestrator.history import history
@@ -217,6 +217,7 @@ class Supervisor:
         self.lineage_id: str | None = None
         self.published: list[Manifest] = []
         self.restored_from: str | None = None
+        self.attempt_bundle: str | None = None  # the bundle the current attempt started from (None: fresh)
         self._faults: FaultInjector | None = None
         self.notices: queue.Queue[Notice] = queue.Queue()  # the driver's own watchers and tests feed it
         self._woken = threading.Event()  # set with each notice: ends the wait between two polls
@@ -417,8 +418,10 @@ class Supervisor:
         The attempt is recorded as started only once its state is loaded: a refused restore
         leaves the job as it was, with the refusal (and any rejected bundle) in the ledger."""
 
+        self.attempt_bundle = None
         if not candidates and self.init_from:
             uri, init_key = self.init_from
+            self.attempt_bundle = f"{uri}/{init_key}"
             seconds, _ = group.restore(init_key, storage_uri=uri, reset=self.reset)
             self._started(group, size)
             self.ledger.append(InitializedFrom(attempt=self.attempts, bundle=f"{uri}/{init_key}",
@@ -467,6 +470,7 @@ class Supervisor:
             world_size_before=world_before if world_before is not None else manifest.world.size,
             world_size_after=size, recovery_path=path, cold_because=cold_because))
         self.restored_from = self.restored_from or key
+        self.attempt_bundle = key
         self.publisher.commit_offsets(manifest, key, self.attempts, recommit=True)
         self.publisher.commit_points(manifest, key)
         return update
@@ -777,7 +781,10 @@ class Supervisor:
         lost = st.lost
         noticed = lost.node_id in self._noticed or lost.rank in self._noticed
         loss = classify(lost.cause, noticed)
-        verdict = self.budgets.count(loss)
+        # the job's own error (not a collective's), where the attempt was (the update it raised in)
+        error = (ErrorAt(st.last_update + 1, self.attempt_bundle)
+                 if st.error is not None and lost.cause == "error" and loss == "failure" else None)
+        verdict = self.budgets.count(loss, st.last_update, error)
         cold_because = self._why_cold(st)
         t0 = self.clock()
         if cold_because is not None or verdict is not None:

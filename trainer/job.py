@@ -78,7 +78,9 @@ class Job:
       sum (multiply by ``accum_steps × world_size`` for the total).
       It must not call ``backward()``, ``step()`` or ``zero_grad()``: spotrun does backward,
       accumulation over ``train.accum_steps`` microsteps, gradient sync, the fp16 grad scaler,
-      clipping to ``train.grad_clip``, the optimizer and scheduler steps and ``zero_grad``.
+      clipping to ``train.grad_clip``, the optimizer and scheduler steps and ``zero_grad``. A step
+      that does any of them is refused with a :class:`JobError` at the first microstep that does (it
+      would do it again after any restart, so the job fails once and is not restarted).
     - ``optimizer(model)``: builds the optimizer from the model it is given; its state is saved by
       parameter name.
     - ``scheduler(optimizer, total_updates)``: builds the LR scheduler, or None; it steps once per

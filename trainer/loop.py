@@ -23,6 +23,7 @@ from spotrun.trainer.job import RESERVED_METRICS, JobError
 from spotrun.trainer.rng import microbatch_seed, seed_all
 from spotrun.trainer.sharding import gathered
 from spotrun.trainer.state import TrainState, wait_for_copies
+from spotrun.trainer.step_guard import StepGuard
 from spotrun.trainer.trace import (
     TRACE_VERSION,
     BlockDigests,
@@ -114,6 +115,7 @@ class TrainLoop:
         # The flags every rank agreed on at the last update's gradient sync (None: no sync carried them).
         self.agreed_flags: list[bool] | None = None
         self._grad_digest = ""  # set by _step when digests are on
+        self.guard = StepGuard(state.model, state.optimizer)  # the step does not do the engine's part
 
     def grad_digest(self) -> str:
         # whole tensors (sharded ones gathered: every rank calls this), so a digest is the model's, not a shard's
@@ -159,7 +161,8 @@ class TrainLoop:
             if st.wrapped:  # FSDP: reduce-scatter once, after the last microstep's backward
                 trained.set_requires_gradient_sync(m == self.accum_steps - 1)  # type: ignore[operator]
             with sync:
-                loss, metrics = forward(st, batch)
+                with self.guard.watching(update):
+                    loss, metrics = forward(st, batch)
                 self.faults.hit("backward", update, m)
                 st.scaler.scale(loss / self.accum_steps).backward()
             self._check_names(metrics)

@@ -364,3 +364,47 @@ def raises_every_attempt(ctx: spotrun.BuildContext) -> spotrun.Job:
 
     return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.StreamData(NoiseStream(ctx.seed)), step=step,
                        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01))
+
+
+def does_the_engines_part(ctx: spotrun.BuildContext) -> spotrun.Job:
+    """A regression whose step also does part of what spotrun does after it (``job.config.misuse``):
+    ``backward`` (the loss's backward), ``backward-retained`` (the same, keeping the graph, so that
+    spotrun's own backward would silently double the gradients), ``optimizer-step`` or ``zero-grad`` (in
+    place, which drops what the update's earlier microsteps accumulated)."""
+    misuse = ctx.config["misuse"]
+    built: dict[str, torch.optim.Optimizer] = {}
+
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        built["optimizer"] = torch.optim.SGD(model.parameters(), lr=0.01)
+        return built["optimizer"]
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        loss = regression(model, batch)
+        if misuse == "backward":
+            loss.backward()
+        elif misuse == "backward-retained":
+            loss.backward(retain_graph=True)
+        elif misuse == "optimizer-step":
+            built["optimizer"].step()
+        elif misuse == "zero-grad":
+            model.zero_grad(set_to_none=False)  # in place: the same gradient tensors, zeroed
+        return loss
+
+    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.MapData(Points(ctx.seed)), step=step,
+                       optimizer=optimizer)
+
+
+def raises_at_a_call(ctx: spotrun.BuildContext) -> spotrun.Job:
+    """A regression whose step raises at its ``job.config.at_call``-th call of the lineage: the count is
+    registered state, so every attempt, restored from any bundle, raises at the same update (a bad
+    record, say: an error no restart can get past)."""
+    calls = Calls()
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        calls.n += 1
+        if calls.n == ctx.config["at_call"]:
+            raise RuntimeError(f"a record the step cannot take (call {calls.n})")
+        return regression(model, batch)
+
+    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.MapData(Points(ctx.seed)), step=step,
+                       optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01), state={"calls": calls})

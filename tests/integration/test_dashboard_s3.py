@@ -92,3 +92,28 @@ def test_a_refresh_gets_only_the_metric_segments_that_are_new(moto, bucket):
     sink.write(points_of("seg", 61, 1, "L", {"loss": 1 / 61, "lr": 0.1, "applied": 1.0}))
     sink.close()
     assert refresh() == {"points": 61, "gets": 1, "lists": 1}
+
+
+def test_history_bundles_and_inspect_read_a_job_on_s3_through_the_endpoint(moto, bucket, tmp_path, capsys):
+    """`--endpoint-url`, as `spotrun dashboard` takes it: a job trained on the moto server is read back by
+    history, bundles and inspect (each --json document names the job's own bundle)."""
+    import json
+
+    from spotrun.orchestrator.cli import main
+    from spotrun.orchestrator.launch import run_in_process
+    from tests.conftest import make_spec
+
+    uri = f"s3://{bucket}/runs"
+    spec = make_spec(tmp_path, f"storage={uri}", f"storage_endpoint_url={moto.url}", "train.updates=2",
+                     "checkpoint.every_updates=2", "data.workers=0", f"metrics.local_dir={tmp_path / 'm'}",
+                     job_id="cli")
+    [key] = run_in_process(spec).published
+    capsys.readouterr()
+    endpoint = ["--endpoint-url", moto.url, "--json"]
+    assert main(["history", "cli", "--storage", uri, "--metrics-dir", str(tmp_path / "m"), *endpoint]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["state"] == "finished" and [a["published"] for a in doc["attempts"]] == [1]
+    assert main(["bundles", "cli", "--storage", uri, *endpoint]) == 0
+    assert [b["bundle"] for b in json.loads(capsys.readouterr().out)] == [key]
+    assert main(["inspect", f"{uri}/{key}", *endpoint]) == 0
+    assert json.loads(capsys.readouterr().out)["bundle"] == key

@@ -263,29 +263,31 @@ def test_strict_survives_three_preemptions_with_one_failure_allowed_and_resumes_
     assert first_divergence(ref_trace, list(final.values())) is None and len(final) == 30
 
 
-def test_a_step_that_raises_on_every_attempt_fails_after_max_restarts_failures(cluster, tmp_path, capsys):
-    """The job's own error is a failure: restarted within world.max_restarts (here 1, after a short
-    backoff), then the job fails with that error; no node was lost, so no preemption is counted.
-    What the ranks printed and warned before they raised reached the driver, each line prefixed with
-    its rank, and is in each attempt's rank log beside the job's storage."""
+def test_a_step_that_raises_at_the_same_update_on_every_attempt_fails_at_the_second(cluster, tmp_path, capsys):
+    """The job's own error is a failure: restarted once (after a short backoff); when the restarted attempt
+    raises at the same update again, having started from the same place, the error is deterministic and
+    the job fails with it at once, whatever is left of world.max_restarts; no node was lost, so no
+    preemption is counted. What the ranks printed and warned before they raised reached the driver, each
+    line prefixed with its rank, and is in each attempt's rank log beside the job's storage."""
     two_workers(cluster)
-    spec = make_spec(tmp_path, *SETS, "world.max_restarts=1", "world.crash_loop_failures=5",
+    spec = make_spec(tmp_path, *SETS, "world.max_restarts=5", "world.crash_loop_failures=5",
                      "job.entrypoint=tests.helpers.jobs:raises_every_attempt", job_id="raises")
-    with pytest.raises(RankFailed, match=r"the step's own bug .*not restarted: 2 failures, more than "
-                                         r"world.max_restarts=1") as raised:
+    with pytest.raises(RankFailed, match=r"the step's own bug .*not restarted: the job's code raised at update 2 "
+                                         r"again after a restart from the beginning") as raised:
         run_on_ray(spec)
     said = capsys.readouterr()
     assert_rank_output(said.out, said.err, open_storage(spec.storage), "raises", attempts=[1, 2], ranks=[0, 1])
     events = Ledger(open_storage(spec.storage), spec.job_id).read()
     losses = [e for e in events if isinstance(e, WorkerLost)]
-    assert [(e.attempt, e.cause, e.loss) for e in losses] == [(1, "error", "failure"), (2, "error", "failure")]
+    assert [(e.attempt, e.cause, e.loss, e.last_update) for e in losses] == [(1, "error", "failure", 1),
+                                                                             (2, "error", "failure", 1)]
     assert [(e.budget.failures, e.budget.preemptions) for e in losses] == [(1, 0), (2, 0)]
     # world.restart_backoff_s=0.1: the first restart waits 0.1-0.2 s, nowhere near the 30 s cap; the
     # last failure ends the job with no wait at all
     first, last = losses
     assert first.backoff_seconds is not None and first.backoff_seconds < 1 and last.backoff_seconds is None
     failed = [e for e in events if isinstance(e, JobFailed)]
-    assert len(failed) == 1 and "2 failures, more than world.max_restarts=1" in failed[0].reason
+    assert len(failed) == 1 and "deterministic" in failed[0].reason
     assert "RuntimeError" in str(raised.value)
 
 

@@ -158,3 +158,23 @@ def test_without_ray_what_a_rank_prints_and_warns_reaches_the_terminal_prefixed_
     assert done.returncode == 2 and "the step's own bug" in done.stderr, done.stderr[-3000:]
     runs = open_storage(f"file://{tmp_path / 'runs'}")
     assert_rank_output(done.stdout, done.stderr, runs, "said", attempts=[1], ranks=[0])
+
+
+def test_a_step_that_calls_backward_fails_once_on_ray_naming_the_contract(tmp_path, ray_address):
+    """loss.backward() in the step, on 2 Ray ranks: one attempt, which fails at update 1 with the JobError
+    naming the contract; bad input, so nothing restarts (no loss recorded, no failure budget used)."""
+    from spotrun.orchestrator.groups import RankFailed
+    from spotrun.orchestrator.launch import run_on_ray
+    from spotrun.orchestrator.ledger import AttemptStarted, JobFailed, Ledger, WorkerLost
+    from tests.conftest import make_spec
+
+    spec = make_spec(tmp_path, "world.size=2", "train.updates=4", "data.workers=0", "world.max_restarts=3",
+                     "job.entrypoint=tests.helpers.jobs:does_the_engines_part", "job.config={misuse: backward}",
+                     job_id="backward")
+    with pytest.raises(RankFailed, match=r"raised JobError: update 1: the job's step changed the gradients") as e:
+        run_on_ray(spec, address=ray_address)
+    assert e.value.refusal and "a job's step only computes and returns the loss" in str(e.value)
+    events = Ledger(open_storage(spec.storage), spec.job_id).read()
+    assert [type(ev) for ev in events if isinstance(ev, AttemptStarted | WorkerLost | JobFailed)] == [
+        AttemptStarted, JobFailed]
+    assert "the job's step changed the gradients" in next(ev for ev in events if isinstance(ev, JobFailed)).reason

@@ -56,3 +56,29 @@ def test_state_that_stops_being_saveable_is_refused_at_the_checkpoint_naming_it(
     spec = job_spec(tmp_path, "tests.helpers.jobs:state_turns_unsaveable")
     with pytest.raises(Exception, match=r"spotrun.Job\(state=\{'late': \.\.\.\}\) \(at a checkpoint\)"):
         run_in_process(spec)
+
+
+@pytest.mark.parametrize("misuse,message", [
+    ("backward", "changed the gradients of ['weight', 'bias'] while it ran (a backward() or zero_grad()"),
+    ("backward-retained", "changed the gradients of ['weight', 'bias'] while it ran (a backward() or zero_grad()"),
+    ("optimizer-step", "called optimizer.step()"),
+    ("zero-grad", "changed the gradients of ['weight', 'bias'] while it ran (a backward() or zero_grad()"),
+])
+def test_a_step_that_does_spotruns_part_is_refused_at_the_first_update(tmp_path, misuse, message):
+    """backward (plain, or keeping the graph so that spotrun's own backward would double every gradient),
+    optimizer.step() or zero_grad() inside the step (zero_grad at the second microstep, where it would
+    drop the first's gradients): a JobError naming the contract at update 1, before any update counts."""
+    from spotrun.trainer.session import TrainSession
+
+    spec = job_spec(tmp_path, "tests.helpers.jobs:does_the_engines_part", "data.workers=0", "train.accum_steps=2",
+                    f"job.config={{misuse: {misuse}}}")
+    session = TrainSession(spec)
+    session.start()
+    try:
+        with pytest.raises(JobError) as e:
+            session.run_update()
+    finally:
+        session.close()
+    assert str(e.value).startswith("update 1: the job's step ") and message in str(e.value)
+    assert "a job's step only computes and returns the loss" in str(e.value)
+    assert session.counters.attempted_updates == 0
