@@ -193,3 +193,30 @@ def test_a_map_dataset_is_not_cautioned(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", DataCaution)
         assert launch.run_in_process(spec).state == "finished"
+
+
+def test_a_lineage_begun_under_loop_convention_1_goes_on_under_it(tmp_path, monkeypatch):
+    """Bundles written by a spotrun that did not seed the global generators in the data path (loop
+    convention 1) are continued that way by this one, never mixed: the continued run is bitwise the
+    uninterrupted run under convention 1, and its new bundles say convention 1. (With data.workers: 0
+    convention 1 is exact: the data draws from the rank's own streams, which the bundle holds; its draws
+    differ from convention 2's, so a mixed run would differ.)"""
+    from spotrun.trainer.data.feed import MapFeed
+
+    def spec(job: str, updates: int):
+        return make_spec(tmp_path, "job.entrypoint=tests.helpers.jobs:naive_global_augmentation", "data.workers=0",
+                         f"train.updates={updates}", "checkpoint.every_updates=3", "metrics.sinks=[]", job_id=job)
+
+    storage = LocalStorage(tmp_path / "runs")
+    with monkeypatch.context() as old:  # the earlier release
+        old.setattr(MapFeed, "seed_globals", False)
+        assert launch.run_in_process(spec("ref", 6), trace_path=str(tmp_path / "ref.jsonl")).state == "finished"
+        assert launch.run_in_process(spec("job", 3)).state == "finished"
+    assert read_manifest(storage, "job/bundles/u0000000003-a1").loop_convention == 1
+    assert launch.run_in_process(spec("job", 6), trace_path=str(tmp_path / "job.jsonl")).state == "finished"
+    reference = {r.update: r.params_sha256 for r in read_trace(tmp_path / "ref.jsonl")}
+    continued = {r.update: r.params_sha256 for r in read_trace(tmp_path / "job.jsonl")}
+    assert set(continued) == {4, 5, 6} and all(continued[u] == reference[u] for u in continued)
+    assert read_manifest(storage, "job/bundles/u0000000006-a2").loop_convention == 1
+    fresh = launch.run_in_process(spec("new", 3))
+    assert fresh.state == "finished" and read_manifest(storage, "new/bundles/u0000000003-a1").loop_convention == 2
