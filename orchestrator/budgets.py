@@ -1,4 +1,5 @@
-"""Restart budgets: every loss is a preemption or a failure, and each class has a budget of its own.
+"""Restart budgets: every loss is a preemption or a failure (:attr:`~spotrun.orchestrator.recovery.Loss.loss_class`),
+and each class has a budget of its own.
 
 | class      | the loss                                                       | budget                    |
 |------------|----------------------------------------------------------------|---------------------------|
@@ -29,23 +30,14 @@ days do not make every later restart wait the maximum.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from tenacity import RetryCallState, Retrying, wait_exponential_jitter
 
 from spotrun.orchestrator.ledger import Budget
+from spotrun.orchestrator.recovery import LossClass
 from spotrun.trainer.spec import WorldSpec
 
-LossClass = Literal["preemption", "failure"]
 MAX_BACKOFF_S = 30.0
-
-
-def classify(cause: str, noticed: bool) -> LossClass:
-    """The class of a loss from its cause (``RankLost.cause``) and whether a notice for the lost
-    rank's node (or the rank itself) preceded it in the same attempt."""
-    if noticed or cause == "node-lost" or cause.startswith("notice:"):
-        return "preemption"
-    return "failure"
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,16 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from spotrun.orchestrator.ledger import RecoveryPath
 from spotrun.orchestrator.notices import Notice
 from spotrun.trainer.collective import LocalCollective
 from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.device import rank_device
-from spotrun.trainer.manifest import Versions
+from spotrun.trainer.manifest import Manifest, Versions
 from spotrun.trainer.rank import RankRunner, Report
 from spotrun.trainer.ranklog import RankLog
 from spotrun.trainer.redirect import working_for
@@ -86,6 +87,7 @@ class WorkerGroup(Protocol):
     node_ids: list[str]
     runtimes: list[Versions]  # each rank's device model and library versions, as its manifests record them
     poll_interval_s: float  # how long the supervisor waits between polls (a poll's cost differs by group)
+    timings: dict[str, float]  # how long the attempt's start took, by phase (the ledger's attempt_started)
 
     def restore(self, bundle_key: str, storage_uri: str | None = None,
                 reset: tuple[str, ...] = ()) -> tuple[float, list[str]]:
@@ -121,6 +123,19 @@ class WorkerGroup(Protocol):
     def teardown(self) -> None: ...
 
 
+@runtime_checkable
+class WarmGroup(Protocol):
+    """What a group that can restart warm has besides :class:`WorkerGroup` (a Ray group): the supervisor
+    asks ``isinstance(group, WarmGroup)``, never which attributes a group happens to have."""
+
+    def reform(self, lost: set[int], bundle_key: str, manifest: Manifest, shipped_files: dict[str, bytes],
+               sizes: list[int], attempt: int, lineage_id: str, label_for: Callable[[int], str]) -> Reformed:
+        """Restart from ``bundle_key`` keeping the survivors (orchestrator/recovery.py plans the path)."""
+
+    def spares_ready(self) -> int:
+        """Spares placed, built and waiting."""
+
+
 class InProcessGroup:
     """World size 1, in this process, training on a background thread (``spotrun run --no-ray``).
 
@@ -129,6 +144,7 @@ class InProcessGroup:
     routed (:func:`~spotrun.trainer.redirect.routed`, which ``spotrun run --no-ray`` sets up)."""
 
     poll_interval_s = 0.02  # a poll is a lock and a swap: polling often costs nothing
+    timings: dict[str, float] = {}  # nothing to place: the rank is a thread of this process
 
     def __init__(self, spec: JobSpec, *, attempt: int, lineage_id: str, recovery_label: str,
                  restore_mode: RestoreMode | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,

@@ -31,6 +31,7 @@ from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLos
 from spotrun.orchestrator.ledger import RecoveryPath
 from spotrun.orchestrator.notices import Notice
 from spotrun.orchestrator.rankactor import RankActor, this_node
+from spotrun.orchestrator.recovery import LossCause, WarmPlan, plan_warm
 from spotrun.trainer.bundle import BundleError
 from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.manifest import Manifest, ManifestError
@@ -309,33 +310,36 @@ class RayGroup:
                                   f"(they hold {sorted({str(held.get(r)) for r in stale})})")
         if not survivors:
             raise WarmUnavailable("no rank survived")
+        # which path is plan_warm's to say (orchestrator/recovery.py); this only carries it out
         spares = self._ready_spares(len(lost)) if self.world_size in sizes else []
-        replacing = sorted(lost)[len(spares):] if self.world_size in sizes else []
-        if replacing and all(_placed(self.slots[r][0]) for r in replacing):
+        plan = plan_warm(sorted(lost), survivors, len(spares), self.world_size, sizes,
+                         {r: _placed(self.slots[r][0]) for r in lost})
+        if isinstance(plan, WarmPlan) and plan.replace:
             # no spare for them: new processes where the lost ranks were (the slot is still held: a process
             # that died on a live node, or a node already replaced), built while nothing else runs
             first_new = len(self.spares)
-            for r in replacing:
+            for r in plan.replace:
                 self._add_spare(*self.slots[r], attempt)
-            spares += self._ready_spares(len(replacing), among=self.spares[first_new:])
-        if self.world_size in sizes and len(spares) >= len(lost):
-            world_size = self.world_size
-            path: RecoveryPath = "warm-replace" if replacing else "warm-spare"
+            spares += self._ready_spares(len(plan.replace), among=self.spares[first_new:])
+            if len(spares) < len(lost):  # not every new process came up: the survivors alone, if allowed
+                plan = plan_warm(sorted(lost), survivors, len(spares), self.world_size, sizes, {})
+        if isinstance(plan, str):
+            raise WarmUnavailable(plan)
+        path: RecoveryPath = plan.path
+        replacing = list(plan.replace) if path == "warm-replace" else []
+        world_size = plan.world_size
+        if path != "warm-shrink":
             filling = dict(zip(sorted(lost), spares, strict=False))
             members = [self.actors[r] if r not in lost else filling[r].actor for r in range(world_size)]
             slots = [self.slots[r] if r not in lost else filling[r].slot for r in range(world_size)]
             wheres = [self.where[r] if r not in lost else filling[r].where for r in range(world_size)]
             for spare in filling.values():
                 self.spares.remove(spare)
-        elif len(survivors) in sizes:
-            world_size = len(survivors)
-            path, filling = "warm-shrink", {}
+        else:
+            filling = {}
             members = [self.actors[r] for r in survivors]
             slots = [self.slots[r] for r in survivors]
             wheres = [self.where[r] for r in survivors]
-        else:
-            raise WarmUnavailable(f"{len(survivors)} ranks survived and {len(spares)} spares are ready; the "
-                                  f"policy allows {sizes or 'no'} ranks (world.spares places spares)")
         replica = self.actors[survivors[0]].replica.remote(bundle_key) if filling else None
         freed = {r: self.slots[r] for r in lost}
         self.actors, self.slots, self.where = members, slots, wheres
@@ -402,13 +406,13 @@ class RayGroup:
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         if (isinstance(e, ActorUnavailableError) or (node is not None and node not in alive)
                 or (isinstance(e, RayActorError) and e.preempted)):  # preempted: Ray drained the node for it
-            cause = "node-lost"
+            cause = LossCause.NODE_LOST
         elif isinstance(e, GetTimeoutError):
-            cause = "unresponsive"
-        elif OOM_KILL.search(str(e)):
-            cause = "oom"
+            cause = LossCause.UNRESPONSIVE
+        elif OOM_KILL.search(str(e)):  # Ray says so only in the error's text
+            cause = LossCause.OOM
         else:
-            cause = "process-exit"
+            cause = LossCause.PROCESS_EXIT
         return RankLost(rank, cause, str(e).splitlines()[0] if str(e) else type(e).__name__, node)
 
     def restore(self, bundle_key: str, storage_uri: str | None = None,
@@ -474,7 +478,7 @@ class RayGroup:
                 continue
         if re.search(r"[Tt]imed out", str(failure)):
             node = self.node_ids[failure.rank] if failure.rank is not None else None
-            return RankLost(failure.rank, "collective-timeout", str(failure).splitlines()[0], node)
+            return RankLost(failure.rank, LossCause.COLLECTIVE_TIMEOUT, str(failure).splitlines()[0], node)
         return failure
 
     def take_notices(self) -> list[Notice]:

@@ -30,9 +30,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from spotrun.orchestrator import interval, policy
-from spotrun.orchestrator.budgets import ErrorAt, RestartBudgets, classify
+from spotrun.orchestrator.budgets import ErrorAt, RestartBudgets
 from spotrun.orchestrator.clouds import CloudWatcher
-from spotrun.orchestrator.groups import CapacityUnavailable, RankFailed, RankLost, WarmUnavailable, WorkerGroup
+from spotrun.orchestrator.groups import (
+    CapacityUnavailable,
+    RankFailed,
+    RankLost,
+    WarmGroup,
+    WarmUnavailable,
+    WorkerGroup,
+)
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.ledger import (
     AttemptStarted,
@@ -59,6 +66,7 @@ from spotrun.orchestrator.notices import Notice, install_signal_notices
 from spotrun.orchestrator.offsets import OffsetsStore
 from spotrun.orchestrator.progress import NullProgress, Progress, echo_rank_output
 from spotrun.orchestrator.publisher import Publisher, PublishError
+from spotrun.orchestrator.recovery import Cold, Fail, GroupCan, Loss, LossCause, Warm, notice_cause, plan_recovery
 from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, first_that_loads, list_bundles, read_manifest
 from spotrun.trainer.counters import Counters
 from spotrun.trainer.data.listing import open_source
@@ -69,13 +77,9 @@ from spotrun.trainer.ranklog import RankLine
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import TraceWriter
-from spotrun.trainer.warm import ineligible
 
 log = logging.getLogger("spotrun.supervisor")
 CAPACITY_POLL_S = 0.25
-# Losses after which the survivors may restart warm: a rank's process or node is gone. After a failure
-# (the job raised, a collective failed or hung) every rank starts anew.
-WARM_CAUSES = ("node-lost", "process-exit", "oom", "notice:")
 
 # make_group(world_size, attempt, lineage_id, recovery_label, restore_mode) -> a started-to-be group
 GroupFactory = Callable[[int, int, str, str, RestoreMode], WorkerGroup]
@@ -397,7 +401,7 @@ class Supervisor:
         failure placed again within the budgets (:meth:`_start_lost`)."""
         if e.refusal:
             return Failed(str(e), e, refused=True)
-        return self._start_lost(st, RankLost(e.rank, "start-failed", str(e)), e)
+        return self._start_lost(st, RankLost(e.rank, LossCause.START_FAILED, str(e)), e)
 
     def _start_lost(self, st: Placing, lost: RankLost, error: RankFailed | None = None) -> State:
         """A rank was lost, or could not start, before the attempt trained: nothing ran, so the attempt
@@ -405,7 +409,7 @@ class Supervisor:
         or an import that keeps failing, must not loop forever). No ``worker_lost`` is recorded (the
         ledger has no attempt it ended); the next attempt's ``budget`` counts it."""
         log.warning("a rank was lost while starting attempt %d (%s): %s", self.attempts, lost.cause, lost.detail)
-        verdict = self.budgets.count(classify(lost.cause, noticed=False))
+        verdict = self.budgets.count(Loss(lost.cause, lost.rank).loss_class)
         if verdict is not None:
             return Failed(f"{verdict}; the last, while starting attempt {self.attempts}: {lost.detail}",
                           None if error is None else _with_budget(error, verdict))
@@ -445,7 +449,7 @@ class Supervisor:
         self._began = True
         self.ledger.append(AttemptStarted(attempt=self.attempts, world_size=size, node_ids=group.node_ids,
                                           rank_pids=group.pids(), pid=os.getpid(), lineage_id=self.lineage_id,
-                                          budget=self.budgets.record(), **getattr(group, "timings", {})))
+                                          budget=self.budgets.record(), **group.timings))
 
     def _restored(self, group: WorkerGroup, key: str, manifest: Manifest, seconds: float, mismatches: list[str],
                   wall: float, label: str, cause: str | None, last_update: int | None, world_before: int | None,
@@ -504,7 +508,7 @@ class Supervisor:
                 return Failed(str(e), e)
             self._absorb(st, st.group.salvage())
             node = st.group.node_ids[e.rank] if e.rank is not None and e.rank < len(st.group.node_ids) else None
-            lost = RankLost(e.rank, "collective-error" if e.collective else "error", str(e), node)
+            lost = RankLost(e.rank, LossCause.COLLECTIVE_ERROR if e.collective else LossCause.ERROR, str(e), node)
             return Recovering(st.group, st.attempt, st.world_size, st.last_update, lost, error=e)
         except PublishError as e:
             st.group.teardown()
@@ -677,7 +681,7 @@ class Supervisor:
                       f"~{needed:.1f}s: falling back to the newest published bundle")
             record("fallback", reason, remaining, needed)
             return Recovering(st.group, st.attempt, st.world_size, st.last_update,
-                              RankLost(n.rank, f"notice:{n.source}", reason, n.node_id))
+                              RankLost(n.rank, notice_cause(n.source), reason, n.node_id))
         record("emergency-checkpoint", f"checkpoint at the next boundary, then stop ({remaining:.1f}s left)",
                remaining, needed)
         st.group.request(checkpoint=True, stop=True)
@@ -748,7 +752,7 @@ class Supervisor:
             st.group.teardown()
             return Stopped(f"stopped by {n.source} after publishing {key}; run the same command to resume")
         return Recovering(st.group, st.attempt, st.world_size, st.last_update,
-                          RankLost(n.rank, f"notice:{n.source}", f"drained after publishing {key}", n.node_id))
+                          RankLost(n.rank, notice_cause(n.source), f"drained after publishing {key}", n.node_id))
 
     def _absorb(self, st: Running, reports: list) -> None:
         """The ranks' output, progress and trace lines from rank reports; publish every bundle all ranks
@@ -778,33 +782,36 @@ class Supervisor:
         self.published += new
 
     def _recovering(self, st: Recovering) -> State:
+        """Carry out what :func:`~spotrun.orchestrator.recovery.plan_recovery` decides for this loss."""
         lost = st.lost
-        noticed = lost.node_id in self._noticed or lost.rank in self._noticed
-        loss = classify(lost.cause, noticed)
+        loss = Loss(lost.cause, lost.rank, noticed=lost.node_id in self._noticed or lost.rank in self._noticed)
         # the job's own error (not a collective's), where the attempt was (the update it raised in)
         error = (ErrorAt(st.last_update + 1, self.attempt_bundle)
-                 if st.error is not None and lost.cause == "error" and loss == "failure" else None)
-        verdict = self.budgets.count(loss, st.last_update, error)
-        cold_because = self._why_cold(st)
+                 if st.error is not None and loss.kind is LossCause.ERROR and loss.loss_class == "failure" else None)
+        verdict = self.budgets.count(loss.loss_class, st.last_update, error)
+        newest = self.publisher.newest[0] if self.publisher.newest is not None else None
+        decision = plan_recovery(loss, verdict, self.spec, newest,
+                                 GroupCan(reform=isinstance(st.group, WarmGroup), world_size=st.world_size),
+                                 self.budgets.losses_in_a_row, self.budgets.backoff)
         t0 = self.clock()
-        if cold_because is not None or verdict is not None:
+        if not isinstance(decision, Warm):
             st.group.teardown()
         teardown = self.clock() - t0
-        # warm: the first loss since the last bundle restarts at once (the backoff is for losses in a row)
-        backoff = None if verdict is not None else (
-            0.0 if cold_because is None and self.budgets.losses_in_a_row <= 1 else self.budgets.backoff())
+        backoff = None if isinstance(decision, Fail) else decision.backoff_s
         self.ledger.append(WorkerLost(attempt=st.attempt, rank=lost.rank, node_id=lost.node_id, cause=lost.cause,
                                       detail=lost.detail, last_update=st.last_update, detected_at=st.detected_at,
-                                      teardown_seconds=round(teardown, 4), loss=loss, budget=self.budgets.record(),
+                                      teardown_seconds=round(teardown, 4), loss=loss.loss_class,
+                                      budget=self.budgets.record(),
                                       backoff_seconds=None if backoff is None else round(backoff, 4)))
         self.restarts += 1
         log.warning("attempt %d lost rank %s on node %s (%s, a %s) at update %d: %s", st.attempt, lost.rank,
-                    lost.node_id, lost.cause, loss, st.last_update, lost.detail)
-        if verdict is not None:
-            return Failed(f"{verdict}; the last: rank {lost.rank} {lost.cause}: {lost.detail}",
-                          None if st.error is None else _with_budget(st.error, verdict))
-        self.sleep(backoff or 0.0)
-        if cold_because is None:
+                    lost.node_id, lost.cause, loss.loss_class, st.last_update, lost.detail)
+        if isinstance(decision, Fail):
+            return Failed(f"{decision.reason}; the last: rank {lost.rank} {lost.cause}: {lost.detail}",
+                          None if st.error is None else _with_budget(st.error, decision.reason))
+        self.sleep(decision.backoff_s)
+        cold_because = decision.reason if isinstance(decision, Cold) else None
+        if isinstance(decision, Warm):
             warm = self._warm(st)
             if not isinstance(warm, str):
                 return warm
@@ -818,30 +825,20 @@ class Supervisor:
 
     def _count_spares(self, st: Running) -> None:
         """Record in the ledger each change in how many spares are ready."""
-        if not self.spec.world.spares or not hasattr(st.group, "spares_ready"):
+        if not self.spec.world.spares or not isinstance(st.group, WarmGroup):
             return
         ready = st.group.spares_ready()
         if ready != self._spares_ready:
             self._spares_ready = ready
             self.ledger.append(SparesReady(attempt=st.attempt, ready=ready, wanted=self.spec.world.spares))
 
-    def _why_cold(self, st: Recovering) -> str | None:
-        """Why the restart after this loss cannot be warm (trainer/warm.py); None when it may be."""
-        reason = ineligible(self.spec)
-        if reason is not None:
-            return reason
-        if not hasattr(st.group, "reform") or st.world_size < 2:
-            return "one rank: no other process holds its state"
-        if st.lost.rank is None or not st.lost.cause.startswith(WARM_CAUSES):
-            return f"a loss of cause {st.lost.cause}: the job restarts in new processes"
-        if self.publisher.newest is None:
-            return "no bundle published since the driver started: the newest is in storage only"
-        return None
-
     def _warm(self, st: Recovering) -> State | str:
         """Restart from the newest published bundle with the surviving processes (and spares), from
         memory. Returns the running attempt, or why it could not be done (the restart goes cold)."""
-        assert self.publisher.newest is not None and st.lost.rank is not None  # _why_cold saw to both
+        # plan_recovery saw to these: a bundle this driver published (so a lineage), one rank lost, a group
+        # that re-forms
+        assert self.publisher.newest is not None and st.lost.rank is not None and isinstance(st.group, WarmGroup)
+        assert self.lineage_id is not None
         key, manifest, shipped_files = self.publisher.newest
         group = st.group
         # The policy chooses the world as for any restart (the largest the capacity holds); warm is how,
@@ -854,8 +851,7 @@ class Supervisor:
         attempt = self.ledger.next_attempt()
         t0 = self.clock()
         try:
-            done = group.reform({st.lost.rank}, key, manifest, shipped_files, sizes, attempt,  # type: ignore[attr-defined]
-                                self.lineage_id,
+            done = group.reform({st.lost.rank}, key, manifest, shipped_files, sizes, attempt, self.lineage_id,
                                 lambda size: policy.recovery_label(self.spec, st.world_size, size))
         except WarmUnavailable as e:
             return str(e)

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from spotrun.orchestrator.budgets import ErrorAt, RestartBudgets, classify, repeated
+from spotrun.orchestrator.budgets import ErrorAt, RestartBudgets, repeated
 from spotrun.orchestrator.groups import RankFailed
 from spotrun.orchestrator.ledger import JobFailed, Ledger, WorkerLost
 from spotrun.orchestrator.notices import Notice
@@ -15,22 +15,6 @@ from spotrun.trainer.rank import Report
 from spotrun.trainer.storage import open_storage
 from tests.conftest import make_spec
 from tests.helpers.groups import ScriptedGroup
-
-
-@pytest.mark.parametrize(("cause", "noticed", "loss"), [
-    ("node-lost", False, "preemption"),
-    ("notice:aws", False, "preemption"),
-    ("process-exit", True, "preemption"),  # a notice for its node came first: the machine was taken
-    ("process-exit", False, "failure"),
-    ("oom", False, "failure"),
-    ("error", False, "failure"),
-    ("collective-error", False, "failure"),
-    ("collective-timeout", False, "failure"),
-    ("unresponsive", False, "failure"),
-    ("start-failed", False, "failure"),
-])
-def test_each_cause_has_its_class(cause, noticed, loss):
-    assert classify(cause, noticed) == loss
 
 
 def test_preemptions_never_touch_the_failure_budget_and_a_crash_loop_needs_failures_in_a_row(tmp_path):
