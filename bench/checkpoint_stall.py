@@ -197,7 +197,7 @@ def staging_copy() -> Iterator[None]:
     tensor on a block boundary), so direct I/O copies every byte into staging buffers, and direct I/O
     only from 256 MiB. The same digest, threads and capture."""
     import spotrun.trainer.aligned as aligned_module
-    import spotrun.trainer.storage as storage_module
+    import spotrun.trainer.storage.local as storage_module
 
     saved = storage_module.DIRECT_MIN_BYTES, aligned_module.padded_view
     storage_module.DIRECT_MIN_BYTES, aligned_module.padded_view = 256 << 20, lambda t: None
@@ -332,7 +332,7 @@ def variant_write(storage: Storage, capture: Capture, variant: str) -> tuple[flo
 
 
 def measure_s3(state: TrainState, reps: int, server) -> dict[str, list[float]]:
-    from spotrun.trainer.s3 import S3Storage
+    from spotrun.trainer.storage.s3 import S3Storage
 
     bucket = server.new_bucket()
     storage = S3Storage(f"s3://{bucket}/bench", server.url)

@@ -41,7 +41,7 @@ from spotrun.orchestrator.ledger import (
     TopologyChanged,
     WorkerLost,
 )
-from spotrun.trainer.s3 import S3Storage
+from spotrun.trainer.storage.s3 import S3Storage
 
 JOB = "week"
 EVERY_S = 30  # seconds between checkpoints

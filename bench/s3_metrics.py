@@ -25,7 +25,7 @@ from spotrun.orchestrator.dashboard.access import open_readonly
 from spotrun.orchestrator.dashboard.views import Reader
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger
 from spotrun.trainer.metrics import S3Sink, points_of
-from spotrun.trainer.s3 import S3Storage
+from spotrun.trainer.storage.s3 import S3Storage
 
 EVERY = 200  # the deploy spec's checkpoint.every_updates
 

@@ -31,9 +31,9 @@ PARTS: dict[str, list[tuple[str, str]]] = {
     "seeding the global streams per microstep": [("trainer/rng.py", "seed_all")],
     "loss mean and boundary flags (collective)": [("trainer/collective.py", "mean_and_agree"),
                                                   ("trainer/collective.py", "mean")],
-    "metric points: build": [("trainer/metrics.py", "points_of")],
+    "metric points: build": [("trainer/metrics/points.py", "points_of")],
     "metric points: write (training thread)": [("trainer/metric_writer.py", "write"),
-                                               ("trainer/metrics.py", "write")],
+                                               ("trainer/metrics/sinks.py", "write")],
 }
 TOTAL = ("trainer/rank.py", "run")
 

@@ -70,7 +70,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     from spotrun.orchestrator.launch import check_entrypoint, run_in_process, run_on_ray
     from spotrun.orchestrator.preflight import preflight
     from spotrun.orchestrator.progress import for_terminal
-    from spotrun.trainer.mlflow_sink import check_tracker
+    from spotrun.trainer.metrics.mlflow_sink import check_tracker
 
     if (a.config is None) == (a.spec_json is None):
         raise SpecError("spotrun run takes a CONFIG file or --spec-json TEXT (one of them)")

@@ -27,7 +27,7 @@ from spotrun.orchestrator.progress import Progress
 from spotrun.orchestrator.ray_internals import quiet_auth_notice, quiet_worker_deaths, shutdown_without_grace
 from spotrun.orchestrator.supervisor import Outcome, Supervisor
 from spotrun.trainer.job import entrypoint_of, load_entrypoint
-from spotrun.trainer.mlflow_sink import SEND_AT_WRITE
+from spotrun.trainer.metrics.mlflow_sink import SEND_AT_WRITE
 from spotrun.trainer.redirect import routed
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.storage import open_storage

@@ -32,7 +32,7 @@ from typing import Any
 
 from spotrun.trainer.manifest import Manifest
 from spotrun.trainer.metrics import SEGMENTS, MetricPoint, read_object_points, upsert
-from spotrun.trainer.mlflow_sink import Tracker, as_metrics, spec_params
+from spotrun.trainer.metrics.mlflow_sink import Tracker, as_metrics, spec_params
 from spotrun.trainer.spec import JobSpec
 from spotrun.trainer.storage import Storage
 

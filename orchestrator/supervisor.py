@@ -199,7 +199,7 @@ class Supervisor:
                  progress: Progress | None = None, oracle_acts: bool = True,
                  echo: Callable[[list[RankLine]], None] = echo_rank_output, send_at_publish: bool = True) -> None:
         """``send_at_publish``: False only for verify --mutate's build that sends MLflow points as they are
-        written (trainer/mlflow_sink.py)."""
+        written (trainer/metrics/mlflow_sink.py)."""
         self.spec = spec
         self.echo = echo  # the lines the ranks' code wrote, each poll's (progress.echo_rank_output prints them)
         self.oracle_acts = oracle_acts  # False only for verify --mutate's deliberately broken build

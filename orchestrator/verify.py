@@ -65,7 +65,7 @@ from spotrun.orchestrator.specfile import SpecError
 from spotrun.orchestrator.supervisor import JobFailedError
 from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_sinks
-from spotrun.trainer.mlflow_sink import SEND_AT_WRITE, Tracker
+from spotrun.trainer.metrics.mlflow_sink import SEND_AT_WRITE, Tracker
 from spotrun.trainer.spec import FaultSpec, JobSpec
 from spotrun.trainer.storage import Storage, open_storage
 from spotrun.trainer.trace import UpdateRecord, last_update, latest_per_update, read_trace

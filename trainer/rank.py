@@ -42,7 +42,7 @@ from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.manifest import Manifest
 from spotrun.trainer.metric_writer import BackgroundWriter
 from spotrun.trainer.metrics import MetricSink, NullSink, metrics_dir, open_sinks, points_of
-from spotrun.trainer.mlflow_sink import SEND_AT_WRITE
+from spotrun.trainer.metrics.mlflow_sink import SEND_AT_WRITE
 from spotrun.trainer.overlap import WriteOverlap
 from spotrun.trainer.ranklog import RankLine
 from spotrun.trainer.session import TrainSession

@@ -114,7 +114,7 @@ def open_readonly(uri: str, endpoint_url: str | None = None) -> Storage:
         return ReadOnlyLocalStorage(uri[len("file://"):] if uri.startswith("file://") else uri)
     if parsed.scheme == "s3":
         try:
-            from spotrun.trainer.s3 import S3Storage  # boto3 only when S3 is used
+            from spotrun.trainer.storage.s3 import S3Storage  # boto3 only when S3 is used
         except ImportError as e:
             raise StorageError(f"storage={redact(uri)}: S3 storage is not available here ({e})") from e
         return ReadOnlyView(S3Storage(uri, endpoint_url))

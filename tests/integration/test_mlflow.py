@@ -20,7 +20,7 @@ from spotrun.trainer.bundle import list_bundles, read_manifest
 from spotrun.trainer.counters import Counters
 from spotrun.trainer.manifest import CodeInfo, Manifest, Versions
 from spotrun.trainer.metrics import SEGMENTS, JsonlSink, metrics_dir, open_sinks, points_of
-from spotrun.trainer.mlflow_sink import ATTEMPT, SEND_AT_WRITE, Tracker
+from spotrun.trainer.metrics.mlflow_sink import ATTEMPT, SEND_AT_WRITE, Tracker
 from spotrun.trainer.spec import FaultSpec
 from spotrun.trainer.storage import open_storage
 from tests.conftest import ROOT, make_spec

@@ -17,8 +17,8 @@ from boto3.s3.transfer import TransferConfig
 
 from spotrun.orchestrator.launch import run_in_process
 from spotrun.trainer.metrics import S3Sink, open_sinks, points_of
-from spotrun.trainer.s3 import MiB, RetryPolicy, S3Storage
 from spotrun.trainer.storage import StorageError, UnsafeKeyError, open_storage
+from spotrun.trainer.storage.s3 import MiB, RetryPolicy, S3Storage
 from tests.conftest import make_spec
 from tests.helpers.s3 import FaultProxy, MotoServer, bucket, moto, s3_env  # noqa: F401 - fixtures
 
@@ -66,7 +66,7 @@ def test_a_large_body_goes_in_parts_gathered_from_the_chunks_never_joined_whole(
     the file (the old path joined every chunk into one, then copied each part out of it)."""
     import os
 
-    from spotrun.trainer import s3
+    from spotrun.trainer.storage import s3
 
     reads: list[int] = []
     read = s3._Slices.read
@@ -245,7 +245,7 @@ def test_wrong_credentials_fail_fast(authed, monkeypatch, caplog):
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
         return open_storage(uri, server.url)
 
-    caplog.set_level(logging.DEBUG, logger="spotrun.trainer.s3")
+    caplog.set_level(logging.DEBUG, logger="spotrun.trainer.storage.s3")
     key_id, secret = keys["writer"]
     ok = use(key_id, secret)
     ok.put("job/x", b"1")

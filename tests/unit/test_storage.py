@@ -241,7 +241,7 @@ def test_open_storage_file_uri_and_plain_path_address_the_same_root(tmp_path):
 
 def test_large_files_go_to_disk_with_direct_io_and_read_back_exactly(tmp_path, monkeypatch):
     """Direct I/O writes whole aligned blocks: the padding of the last one must be cut off again."""
-    import spotrun.trainer.storage as storage_module
+    import spotrun.trainer.storage.local as storage_module
 
     used = []
     real = storage_module._write_direct
@@ -261,7 +261,7 @@ def test_put_chunks_writes_the_concatenation_and_returns_its_digest(tmp_path, mo
     """Chunks of uneven sizes, straddling the two 16 MiB staging buffers (filled three times, so one
     is reused after the other was written) and the digest's 4 MiB chunks: the file is their
     concatenation, the digest the reference's (and plain sha256 when asked for)."""
-    import spotrun.trainer.storage as storage_module
+    import spotrun.trainer.storage.local as storage_module
 
     monkeypatch.setattr(storage_module, "DIRECT_MIN_BYTES", 1 if direct else 1 << 40)
     rng = random.Random(7)
@@ -279,7 +279,7 @@ def test_aligned_chunks_go_to_os_write_from_their_own_memory(tmp_path, monkeypat
     """A tensor file's aligned tensors (memory, length and place in the file block-aligned) are
     written with no staging copy; the chunks around them are gathered into the staging buffers;
     the file is exactly the concatenation and its digest the reference's."""
-    import spotrun.trainer.storage as storage_module
+    import spotrun.trainer.storage.local as storage_module
 
     monkeypatch.setattr(storage_module, "DIRECT_MIN_BYTES", 1)
     big = aligned.empty(((20 << 20) + 12,), torch.uint8).random_(0, 255)  # beyond a staging buffer
@@ -306,7 +306,7 @@ def test_a_direct_write_that_fails_on_the_write_thread_fails_the_put(tmp_path, m
     """Writes after the first run on a thread: an error there must fail the file, even when it is
     not the last write and no staging buffer waits for it (aligned chunks go straight to os.write):
     a failed write in the middle would leave a hole, and the digest is of the chunks, not the file."""
-    import spotrun.trainer.storage as storage_module
+    import spotrun.trainer.storage.local as storage_module
 
     monkeypatch.setattr(storage_module, "DIRECT_MIN_BYTES", 1)
     real_write, calls = os.write, []
@@ -326,7 +326,7 @@ def test_a_direct_write_that_fails_on_the_write_thread_fails_the_put(tmp_path, m
 
 
 def test_direct_io_refused_falls_back_to_the_page_cache(tmp_path, monkeypatch):
-    import spotrun.trainer.storage as storage_module
+    import spotrun.trainer.storage.local as storage_module
 
     real_open = os.open
 
@@ -348,7 +348,7 @@ def _short_writes(monkeypatch, short, lie: bool = False):
     """Every ``os.write`` writes ``short(asked)`` bytes of what it is asked and returns that count
     (``lie``: writes it all but returns the short count, as a kernel's unaligned short count looks
     to the caller: O_DIRECT itself refuses an unaligned length)."""
-    import spotrun.trainer.storage as storage_module
+    import spotrun.trainer.storage.local as storage_module
 
     real_write, calls = os.write, []
 

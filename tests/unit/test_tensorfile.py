@@ -243,7 +243,7 @@ def test_a_bundle_of_aligned_tensors_written_by_direct_io_restores_bitwise_and_d
     from those buffers: the tensor files carry the aligned layout, a session restores from the bundle
     with an empty restore oracle (every category bitwise the bundle's), and a flipped byte inside an
     aligned tensor is refused naming its file."""
-    import spotrun.trainer.storage as storage_module
+    import spotrun.trainer.storage.local as storage_module
 
     monkeypatch.setattr(storage_module, "DIRECT_MIN_BYTES", 1)
     sets = ("model.n_embd=256", "train.updates=2", "checkpoint.every_updates=2", "data.workers=0")

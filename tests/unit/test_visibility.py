@@ -101,7 +101,7 @@ def test_a_probe_left_behind_is_neither_a_bundle_nor_retained_as_one(spec_factor
 def test_s3_storage_is_named_with_the_endpoint_this_process_resolved(monkeypatch):
     """A node whose environment points S3 elsewhere (``AWS_ENDPOINT_URL``) resolves the same URI to
     another service: the refusal's storage names the endpoint each side really talks to."""
-    from spotrun.trainer.s3 import S3Storage
+    from spotrun.trainer.storage.s3 import S3Storage
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     assert resolved(S3Storage("s3://bucket/prefix")) == "s3://bucket/prefix (endpoint http://127.0.0.1:9)"

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from spotrun.trainer.metrics import MetricPoint, S3Sink
+from spotrun.trainer.metrics.points import MetricPoint
+from spotrun.trainer.metrics.s3_sink import S3Sink
 from spotrun.trainer.spec import MlflowSpec
 from spotrun.trainer.storage import Storage
 
@@ -195,7 +196,7 @@ def as_metrics(points: Iterable[MetricPoint]) -> list[Any]:
     return out
 
 
-class MlflowSink(S3Sink):
+class MlflowSink:
     """The rank's side of the mlflow sink: points wait in the job's storage (the s3 sink's segments,
     written at each checkpoint before its bundle can be published) until the driver sends them.
     ``segments=False`` when the s3 sink is listed too and writes the same segments. ``read`` is MLflow's
@@ -204,7 +205,7 @@ class MlflowSink(S3Sink):
 
     def __init__(self, storage: Storage, settings: MlflowSpec, job_id: str, *, segments: bool = True,
                  at_write: bool = False) -> None:
-        super().__init__(storage)
+        self._buffer = S3Sink(storage)  # writes the segments: its buffer, flushed at each checkpoint
         self.settings, self.job_id = settings, job_id
         self.segments, self.at_write = segments, at_write
         self._tracker: Tracker | None = None
@@ -224,7 +225,13 @@ class MlflowSink(S3Sink):
                     self._run_ids[lineage] = self.tracker.open_run(lineage, {})
                 self.tracker.send(self._run_ids[lineage], as_metrics(p for p in points if p.lineage_id == lineage), {})
         elif self.segments:
-            super().write(points)
+            self._buffer.write(points)
+
+    def flush(self) -> None:
+        self._buffer.flush()
 
     def read(self, job_id: str) -> list[MetricPoint]:
         return self.tracker.read() if job_id == self.job_id else Tracker.of(self.settings, job_id).read()
+
+    def close(self) -> None:
+        self._buffer.close()

@@ -1,9 +1,5 @@
-"""Storage backends behind one small protocol, addressed by relative keys.
-
-Keys are ``/``-separated paths under the storage root (``<job>/bundles/...``).
-A key that is absolute or climbs out of the root (``..``) is refused, so a
-hostile manifest can never make spotrun read or write outside its root.
-"""
+"""The local storage backend: a directory behind the :class:`~spotrun.trainer.storage.base.Storage`
+protocol, big files written with direct I/O."""
 
 from __future__ import annotations
 
@@ -13,68 +9,12 @@ import os
 import tempfile
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path, PurePosixPath
-from typing import BinaryIO, Protocol
-from urllib.parse import urlparse
+from pathlib import Path
+from typing import BinaryIO
 
 from spotrun.trainer.aligned import BLOCK, address, round_up
 from spotrun.trainer.digest import DEFAULT, FileDigest
-
-
-class StorageError(RuntimeError):
-    """The storage root is unusable (missing, unwritable, unreachable)."""
-
-
-class UnsafeKeyError(ValueError):
-    """A key would address something outside the storage root."""
-
-
-def check_key(key: str) -> str:
-    """Return ``key`` if it is a plain relative path inside the root, else raise."""
-    p = PurePosixPath(key)
-    if not key or p.is_absolute() or ".." in p.parts or "\\" in key or key != p.as_posix():
-        raise UnsafeKeyError(f"storage key {key!r} escapes or is not a plain relative path")
-    return key
-
-
-class Storage(Protocol):
-    uri: str
-
-    def put(self, key: str, data: bytes) -> None:
-        """Write ``data`` atomically (readers see the old or the new bytes, never a torn file)."""
-
-    def put_new(self, key: str, data: bytes) -> bool:
-        """Create ``key`` only if it does not exist; True if this call created it."""
-
-    def put_chunks(self, key: str, chunks: Sequence[bytes | memoryview], algorithm: str = DEFAULT) -> str:
-        """Write the concatenation of ``chunks`` as :meth:`put` does, without joining them in memory
-        first; returns its digest under ``algorithm`` (:mod:`spotrun.trainer.digest`, hex), computed
-        on threads while the bytes are written. The chunks must not change until the call returns."""
-
-    def get(self, key: str) -> bytes: ...
-
-    def read_chunks(self, key: str, chunk_bytes: int) -> Iterator[bytes]:
-        """The object's bytes in order, at most ``chunk_bytes`` at a time: for hashing a file of any
-        size in bounded memory. ``FileNotFoundError`` if there is no such key (on the first chunk)."""
-
-    def exists(self, key: str) -> bool: ...
-
-    def list(self, prefix: str) -> list[str]:
-        """Every key under ``prefix`` (recursive), sorted."""
-
-    def delete_prefix(self, prefix: str) -> None: ...
-
-    def delete(self, keys: Sequence[str]) -> None:
-        """Remove each of ``keys`` (one already gone is no error), in as few requests as the backend allows."""
-
-
-def list_versions(storage: Storage, prefix: str) -> dict[str, str | None]:
-    """Every key under ``prefix`` with its version where the storage lists one in the same requests
-    (S3's ETag), else None: a reader that keeps parsed objects by key sees one that was replaced."""
-    lister = getattr(storage, "list_etags", None)  # S3, and the dashboard's read-only view of S3
-    etags: dict[str, str] | None = lister(prefix) if lister else None
-    return dict(etags) if etags is not None else dict.fromkeys(storage.list(prefix))
-
+from spotrun.trainer.storage.base import StorageError, check_key
 
 # From this size a file goes to disk with direct I/O. Measured here, bundle write / dd direct, with the
 # tensors written from aligned host buffers (medians of 3-7 interleaved repetitions, a loaded machine):
@@ -316,22 +256,3 @@ class LocalStorage:
     def delete(self, keys: Sequence[str]) -> None:
         for key in keys:
             self._path(key).unlink(missing_ok=True)
-
-
-def open_storage(uri: str, endpoint_url: str | None = None, *, check: bool = True) -> Storage:
-    """``file://path`` (relative paths are relative to the working directory), a plain path, or
-    ``s3://bucket/prefix`` (``endpoint_url`` for S3-compatible services), checked before it is returned
-    (``check=False``: for reading only, without the write probe)."""
-    parsed = urlparse(uri)
-    if parsed.scheme in ("", "file"):
-        path = uri[len("file://"):] if uri.startswith("file://") else uri
-        return LocalStorage(path)
-    if parsed.scheme == "s3":
-        from spotrun.trainer.s3 import S3Storage  # boto3 is imported only when S3 is used
-
-        s3 = S3Storage(uri, endpoint_url)
-        if check:
-            s3.check()
-        return s3
-    raise StorageError(f"storage={uri!r}: scheme {parsed.scheme!r} is not supported; "
-                       "use file://PATH or s3://BUCKET/PREFIX")
