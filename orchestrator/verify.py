@@ -3,7 +3,10 @@
 1. Run the job uninterrupted (the reference), recording per update the occurrence
    ids and the stage digests (batch and loss per micro-batch, gradient and parameters
    per rank: :mod:`spotrun.trainer.trace`).
-2. Run it again with N faults at seeded random points, cycling through every
+2. Run it again with N faults spread over the run from seeded random points (the first
+   after the second checkpoint, one in its last third, one whose restore goes back across an
+   epoch boundary where the reference's trace shows one: :mod:`spotrun.orchestrator.faultplan`;
+   the seed is reported, ``--seed`` plans the same faults again), cycling through every
    fault site: a rank's process SIGKILLed mid-accumulation, mid-microstep (after
    the forward pass) and during a background bundle write; a kill between
    manifest publish and offsets commit; a preemption notice (SIGTERM). A killed
@@ -39,7 +42,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,7 +60,7 @@ from spotrun.orchestrator.comparison import (
     span_balance,
 )
 from spotrun.orchestrator.divergence import Divergence, Stage, divergence_rows, explain, first_stage
-from spotrun.orchestrator.faultplan import NodeRemoval, fixed_interval, plan_faults, sure_restore
+from spotrun.orchestrator.faultplan import NodeRemoval, fault_rows, fixed_interval, plan_faults, sure_restore
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import embedded_cpus
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored
@@ -68,7 +71,7 @@ from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_si
 from spotrun.trainer.mlflow_sink import SEND_AT_WRITE, Tracker
 from spotrun.trainer.spec import FaultSpec, JobSpec
 from spotrun.trainer.storage import Storage, open_storage
-from spotrun.trainer.trace import UpdateRecord, last_update, latest_per_update, read_trace
+from spotrun.trainer.trace import UpdateRecord, last_update, latest_per_update, read_trace, update_epochs
 from spotrun.trainer.warm import ineligible
 
 if TYPE_CHECKING:
@@ -87,6 +90,7 @@ class Report:
     failures: list[str]  # one line per check that did not hold; empty on a pass
     declared_contract: str
     observed_contract: str
+    seed: int  # the fault plan's seed (drawn when --seed was not given): --seed SEED plans the same faults
     faults_planned: int
     faults_delivered: int  # recorded by the fault as it fired (or a node removal verify carried out)
     kills_injected: int  # delivered SIGKILLs and node removals
@@ -122,6 +126,8 @@ class Report:
     first_divergence: dict[str, Any] | None
     reference_job: str
     chaos_job: str
+    # every planned fault in plan order: site, planned update, attempt, rank, the epoch its update's data
+    # reached, whether it was delivered and whether its restore is sure to cross an epoch boundary
     faults: list[dict[str, Any]] = field(default_factory=list)
     mutated: list[str] = field(default_factory=list)  # a deliberately broken build lost these at every restore
     # with ``mutated``: whether verify failed the broken build after faults and restores that exercised it
@@ -257,16 +263,15 @@ class Verifier:
         them (tests that need a restore from a given bundle); by default :func:`plan_faults`."""
         ref_job, chaos_job = f"{self.spec.job_id}.verify-ref", f"{self.spec.job_id}.verify-chaos"
         ref_trace, chaos_trace = self.workdir / f"{ref_job}.jsonl", self.workdir / f"{chaos_job}.jsonl"
-        if faults is None:
-            faults, removals = plan_faults(self.spec, self.kills, self.seed, nodes=self.nodes > 0,
-                                           warm=not self.no_ray)
-        else:
-            removals = []
-        fault_set = "faults=[" + ", ".join(f.model_dump_json() for f in faults) + "]"
+        removals: list[NodeRemoval] = []
         if not self.no_ray and not self.address:
             self._start_cluster()
         try:
             self._run(ref_job, ref_trace, [], max_runs=1)
+            if faults is None:  # planned once the reference has shown where its epochs begin
+                faults, removals = plan_faults(self.spec, self.kills, self.seed, nodes=self.nodes > 0,
+                                               warm=not self.no_ray, epochs=update_epochs(_final_trace(ref_trace)))
+            fault_set = "faults=[" + ", ".join(f.model_dump_json() for f in faults) + "]"
             # Every planned fault may end an attempt as a failure, several before one bundle is published:
             # the chaos run's budgets leave room for all of them (they are verify's doing, not the job's)
             n = len(faults) + len(removals)
@@ -303,6 +308,7 @@ class Verifier:
         spec = self.spec
         storage = open_storage(spec.storage, spec.storage_endpoint_url)
         ref, chaos = _final_trace(ref_trace), _final_trace(chaos_trace)
+        epochs = update_epochs(ref)
         short = reach(ref, chaos, spec.train.updates)
         gaps, dups = span_balance(ref, chaos)
         occurrences_equal = not short and all(ref[u].occurrences_sha256 == chaos[u].occurrences_sha256 for u in ref)
@@ -326,13 +332,14 @@ class Verifier:
         figures = restart_figures(history(storage, chaos_job))
         restores = figures["restores_from_bundle"]
         unproven = proof_failures(spec, self.kills, self.seed, self.nodes > 0, delivery.planned, delivery.delivered,
-                                  restores, warm=not self.no_ray)
+                                  restores, warm=not self.no_ray, epochs=epochs)
         failures = unproven + verdict_failures(declared, observed, short, metrics, counters_equal,
                                                delivery.sites_missed)
         return Report(
             verdict="fail" if failures else "pass", failures=failures,
             declared_contract=declared, observed_contract=observed,
-            faults_planned=delivery.planned, faults_delivered=delivery.delivered, kills_injected=delivery.kills,
+            seed=self.seed, faults_planned=delivery.planned, faults_delivered=delivery.delivered,
+            kills_injected=delivery.kills,
             notices_injected=delivery.notices, fault_sites_planned=delivery.sites_planned,
             fault_sites_hit=delivery.sites_hit,
             fault_sites_not_applicable=self._not_applicable(faults, removals),
@@ -349,7 +356,7 @@ class Verifier:
             restore_oracle=oracle,
             first_divergence=None if divergence is None else divergence.as_dict(),
             reference_job=ref_job, chaos_job=chaos_job,
-            faults=[f.model_dump() for f in faults],
+            faults=fault_rows(faults, removals, fired, self.removed, fixed_interval(spec), epochs),
             mutated=list(self.mutate),
             # caught: it failed, and not only because nothing was exercised (that proves nothing either way)
             mutation_caught=bool(failures) and not unproven if self.mutate else None,
@@ -432,11 +439,12 @@ def read_sink(spec: JobSpec, storage: Storage, kind: str, job_id: str) -> list[M
 
 
 def proof_failures(spec: JobSpec, kills: int, seed: int, nodes: bool, planned: int, delivered: int,
-                   restores: int, warm: bool = False) -> list[str]:
+                   restores: int, warm: bool = False, epochs: Mapping[int, int] | None = None) -> list[str]:
     """Why the interrupted run proved nothing, if it did not (empty: it did). A pass needs at least
     one fault that fired and one restart that restored a published bundle: without them no restore
     was compared with anything, and a run that nothing interrupted passes every other check. Each
-    line names the numbers to change (``--kills``, ``checkpoint.every_updates``, ``train.updates``)."""
+    line names the numbers to change (``--kills``, ``checkpoint.every_updates``, ``train.updates``).
+    ``epochs``: the reference's, which the plan it names is planned with (:func:`plan_faults`)."""
     every, last = fixed_interval(spec), spec.train.updates
     if kills < 1:
         return ["no fault was planned (--kills 0), so no restore was tested: run verify with --kills 1 or more"]
@@ -451,7 +459,7 @@ def proof_failures(spec: JobSpec, kills: int, seed: int, nodes: bool, planned: i
     if restores == 0:
         return [f"no restart restored a published bundle: the {delivered} fault(s) that fired all came before the "
                 f"first bundle (update {every}) was published, so every restart began from nothing and no restore "
-                f"was tested; {sure_restore(spec, kills, seed, nodes, warm)}"]
+                f"was tested; {sure_restore(spec, kills, seed, nodes, warm, epochs)}"]
     return []
 
 
@@ -503,7 +511,7 @@ def render(report: Report, console) -> None:
     console.print(f"[bold]{'PASS' if ok else 'FAIL'}[/]: declared contract [bold]{report.declared_contract}[/], "
                   f"observed [bold]{report.observed_contract}[/] ({report.faults_delivered} of "
                   f"{report.faults_planned} planned faults delivered, {report.restarts} restarts, "
-                  f"{report.updates_compared} updates compared){held}")
+                  f"{report.updates_compared} updates compared; fault seed {report.seed}){held}")
     t = Table(title="comparison with the uninterrupted run")
     t.add_column("check")
     t.add_column("result")
@@ -532,6 +540,8 @@ def render(report: Report, console) -> None:
     ):
         t.add_row(name, value)
     console.print(t)
+    if report.faults:
+        console.print(fault_table(report))
     for line in report.failures:
         console.print(f"[red]failed[/]: {line}", highlight=False)
     if report.first_divergence:
@@ -545,3 +555,18 @@ def render(report: Report, console) -> None:
         if report.restore_oracle:
             console.print("state categories lost at a restore: " + ", ".join(report.restore_oracle)
                           + " (`spotrun inventory` gives each category's owner and restore action)")
+
+
+def fault_table(report: Report):
+    """The planned faults, one row each: where, when (update and the epoch its data reached), whether
+    it was delivered and whether its restore crosses an epoch boundary."""
+    from rich.table import Table
+
+    t = Table(title=f"faults planned with seed {report.seed} (verify --seed {report.seed} plans the same ones)")
+    for name in ("#", "site", "update", "epoch", "attempt", "rank", "delivered", "restore crosses an epoch"):
+        t.add_column(name)
+    for i, f in enumerate(report.faults, start=1):
+        crosses = {True: "yes", False: "no", None: "-"}[f.get("restore_crosses_epoch")]
+        t.add_row(str(i), f["name"], str(f["update"]), "-" if f.get("epoch") is None else str(f["epoch"]),
+                  str(f["attempt"]), str(f["rank"]), "yes" if f["delivered"] else "no", crosses)
+    return t

@@ -64,7 +64,7 @@ def test_losing_registered_objects_at_restore_fails_verify_naming_each(tmp_path)
 def test_state_outside_the_registered_objects_fails_verify_naming_the_update(tmp_path):
     """A loss-scale counter kept outside ``state``: a restart resets it, so the same batch gives
     another loss, and verify names that stage (nothing registered was lost: the oracle is silent)."""
-    code, report, err = verify(tmp_path, str(ROOT / "configs/tiny.yaml"), "--kills", "4", "--no-ray",
+    code, report, err = verify(tmp_path, str(ROOT / "configs/tiny.yaml"), "--kills", "4", "--no-ray", "--seed", "0",
                                sets=(*SHORT, "job.entrypoint=tests.helpers.jobs:unregistered_counter"))
     assert code == 1, err[-3000:]
     assert report["verdict"] == "fail" and report["restore_oracle"] == []

@@ -74,6 +74,10 @@ def test_the_untouched_pair_passes_and_counts_what_replays_wrote_twice(runs):
     assert report.verdict == "pass", report.failures
     assert (report.faults_planned, report.faults_delivered, report.kills_injected) == (2, 2, 2)
     assert report.fault_sites_planned == report.fault_sites_hit == ["mid-accumulation", "publish-to-offsets"]
+    # each fault listed with its update, the epoch its data reached (8 updates: tiny's first) and its delivery
+    assert report.seed == 0
+    assert [(f["name"], f["update"], f["attempt"], f["epoch"], f["delivered"]) for f in report.faults] == [
+        ("mid-accumulation", 6, 1, 0, True), ("publish-to-offsets", 8, 2, 0, True)]
     assert (report.reference_updates, report.chaos_last_update, report.updates_compared) == (8, 8, 8)
     assert report.metric_sinks == ["sqlite", "jsonl"]
     assert report.metric_duplicates == report.metric_missing == report.metric_mismatches == report.metric_stale == 0
@@ -162,6 +166,7 @@ def test_a_fault_that_never_fired_fails(runs, tmp_path):
     assert report.fault_sites_planned == ["bundle-write", "mid-accumulation", "publish-to-offsets"]
     assert report.fault_sites_hit == ["mid-accumulation", "publish-to-offsets"]
     assert [f["name"] for f in report.faults_not_delivered] == ["bundle-write"]
+    assert [f["delivered"] for f in report.faults] == [True, True, False]
     assert report.failures == ["planned fault sites never hit: bundle-write (no fault there fired)"]
     # the kills themselves count only because they recorded themselves as they fired: without the
     # records nothing was delivered, and a run that no fault interrupted proves nothing
