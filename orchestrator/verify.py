@@ -59,14 +59,16 @@ from spotrun.orchestrator.comparison import (
     reach,
     span_balance,
 )
-from spotrun.orchestrator.divergence import Divergence, Stage, divergence_rows, explain, first_stage
+from spotrun.orchestrator.divergence import Divergence, Stage, divergence_rows, explain, first_stage, restore_before
 from spotrun.orchestrator.faultplan import NodeRemoval, fault_rows, fixed_interval, plan_faults, sure_restore
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import embedded_cpus
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored
 from spotrun.orchestrator.specfile import SpecError
 from spotrun.orchestrator.supervisor import JobFailedError
+from spotrun.trainer.bundle import BundleError, list_bundles, read_manifest
 from spotrun.trainer.faults import FaultLog
+from spotrun.trainer.manifest import DataInfo, ManifestError
 from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_sinks
 from spotrun.trainer.mlflow_sink import SEND_AT_WRITE, Tracker
 from spotrun.trainer.spec import FaultSpec, JobSpec
@@ -389,8 +391,13 @@ class Verifier:
                 continue
             if stage.stage == "parameters":
                 stage.detail += "; " + first_differing_tensor(storage, ref_job, chaos_job, u)
+            attempt = c.attempt if c else 0
+            data = None
+            if stage.stage == "batch":  # what the bundle says of the data may name the cause
+                restore = restore_before(attempt, events, fired)
+                data = data_info(storage, chaos_job, restore["bundle"] if restore else None)
             return explain(u, stage, declared=declared, world_sizes=(r.world_size, c.world_size if c else None),
-                           attempt=c.attempt if c else 0, events=events, fired=fired)
+                           attempt=attempt, events=events, fired=fired, data=data)
         return None
 
     def _where_occurrences_differ(self, r: UpdateRecord, c: UpdateRecord) -> tuple[int | None, str]:
@@ -415,6 +422,19 @@ class Verifier:
         finals: dict[str, list[MetricPoint]] = {kind: read_sink(spec, storage, kind, chaos_job) for kind in kinds}
         log = metrics_dir(spec.storage, chaos_job, spec.metrics.local_dir) / "metrics.jsonl"
         return compare_metrics(reference, finals, JsonlSink(log).writes(chaos_job), tolerance)
+
+
+def data_info(storage: Storage, job: str, restored: str | None) -> DataInfo | None:
+    """The job's data as the manifest of the bundle ``restored`` records it, else as the newest published
+    bundle of ``job`` does (retention may have removed the restored one by the end of the run; the data's
+    kind and cautions are the job's, the same in every bundle of a run). None: no manifest to read."""
+    keys = ([restored] if restored else []) + [b.key for b in list_bundles(storage, job) if b.published]
+    for key in keys:
+        try:
+            return read_manifest(storage, key).data
+        except (BundleError, ManifestError):  # purged after the run, or unreadable: the next one
+            continue
+    return None
 
 
 def restart_figures(hist: dict[str, Any]) -> dict[str, Any]:

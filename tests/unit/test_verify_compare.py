@@ -179,6 +179,29 @@ def test_a_fault_that_never_fired_fails(runs, tmp_path):
     assert unrecorded.failures[0].startswith("none of the 2 planned faults fired")
 
 
+def test_a_batch_divergence_reads_the_data_cautions_from_the_bundles(runs, tmp_path):
+    """The manifests say the job's data is a StreamData over a loader with worker processes (hand-made
+    here: the chaos run's manifests rewritten), and update 7's first micro-batch differs: verify
+    reads the cautions from the bundles and names them as the likely cause."""
+    import json
+
+    where = copy_of(runs, tmp_path)
+    caution = "StreamData over a DataLoader with 2 worker processes"
+    for manifest in (where / "runs" / "chaos" / "bundles").glob("*/manifest.json"):
+        doc = json.loads(manifest.read_text())
+        doc["data"] |= {"kind": "stream", "cautions": [caution]}
+        manifest.write_text(json.dumps(doc))
+    trace = where / "chaos.jsonl"
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    last_7 = max((x for x in lines if x["update"] == 7), key=lambda x: x["attempt"])
+    last_7["blocks"][0]["batch_sha256"] = "0" * 64
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    d = compare(where).first_divergence
+    assert d is not None and (d["update"], d["stage"]) == (7, "batch")
+    assert d["data_cautions"] == [caution] and f"Likely here: {caution}" in d["reading"]
+    assert "num_workers=0" in d["reading"]
+
+
 s3_helpers = pytest.importorskip("tests.helpers.s3")
 moto, s3_env, bucket = s3_helpers.moto, s3_helpers.s3_env, s3_helpers.bucket
 
