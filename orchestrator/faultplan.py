@@ -115,30 +115,38 @@ def _spread(spec: JobSpec, kills: int, seed: int, sites: Sequence[str], start: i
     top = (last - 1) // every * every - 1 if slots[-1] in BOUNDARY_SITES else last - 3
     even = _even(start, top, len(slots))
 
-    def plan(floors: list[int], pin: tuple[int, int] | None = None) -> Plan:
+    def plan(floors: list[int], pin: tuple[int, int] | None = None, jitter: bool = True) -> Plan:
         rng = random.Random(seed)
-        return _plan(spec, kills, rng, sites, start, _jitter(floors, rng, pin), pin)
+        return _plan(spec, kills, rng, sites, start, _jitter(floors, rng, pin) if jitter else floors, pin)
 
     spread = plan(even)
+    if _count(spread) < need:  # the random offsets pushed a boundary site a checkpoint too far: without them
+        spread = plan(even, jitter=False)
     windows = [w for w in _windows(epochs, every, max(start + 1, every + 1)) if w[0] < last]
     if _count(spread) >= need and (not windows or _crosses(spread[0], every, epochs)):
         return spread
     # one fault pinned in an epoch-crossing window (a mid-update kill at its first update, a bundle-write
-    # kill at its boundary), the others spread before and after it: those closest to the even spread first
+    # kill at its boundary); the others spread before and after it, else those after it as close as
+    # their sites allow, else all of them: for each, the placements closest to the even spread first
     late = _late(spread, last)
     targets = [(j, first if s in MID_UPDATE else boundary) for j, s in enumerate(slots)
                if s in (*MID_UPDATE, "bundle-write") for first, boundary in windows]
     tries = sorted((abs(u - 1 - even[j]), j, u) for j, u in targets if u < last)[:CANDIDATES]
-    for _, j, u in tries:
-        pinned = plan(_even(start, u - 1, j + 1) + _even(u - 1, top, len(slots) - j)[1:], (j, u))
-        if _count(pinned) >= need and _crosses(pinned[0], every, epochs) and (_late(pinned, last) or not late):
-            return pinned
+    n = len(slots)
+    layouts = (lambda j, u: _even(start, u - 1, j + 1) + _even(u - 1, top, n - j)[1:],
+               lambda j, u: _even(start, u - 1, j + 1) + [u - 1] * (n - j - 1),
+               lambda j, u: [start] * j + [u - 1])
+    for layout in layouts:
+        for _, j, u in tries:
+            pinned = plan(layout(j, u), (j, u), jitter=layout is not layouts[-1])
+            if _count(pinned) >= need and _crosses(pinned[0], every, epochs) and (_late(pinned, last) or not late):
+                return pinned
     if _count(spread) >= need:
         return spread
     # too many faults to spread: each right after the previous, but for one kill moved into an
     # epoch-crossing window where the faults after it still fit
     for _, j, u in tries:
-        pinned = _plan(spec, kills, random.Random(seed), sites, start, [start] * j + [u - 1], (j, u))
+        pinned = plan(layouts[-1](j, u), (j, u), jitter=False)
         if _count(pinned) >= need and _crosses(pinned[0], every, epochs):
             return pinned
     return compact
