@@ -52,7 +52,7 @@ def test_losing_registered_objects_at_restore_fails_verify_naming_each(tmp_path)
     oracle names each of them (each is compared on its own, so one found does not hide the other)."""
     # 4 faults: the fourth (kill between publish and offsets) always restores from a published bundle
     categories = ["state:centers", "state:seen"]
-    code, report, err = verify(tmp_path, EXAMPLES["center_loss"], "--kills", "4", "--no-ray",
+    code, report, err = verify(tmp_path, EXAMPLES["center_loss"], "--kills", "4", "--no-ray", "--seed", "0",
                                "--mutate", ",".join(categories), sets=(*SHORT, "world.size=1", "train.accum_steps=4"))
     assert code == 0, err[-3000:]  # caught: what --mutate asks of verify
     assert report["verdict"] == "fail" and report["mutated"] == categories and report["mutation_caught"] is True
