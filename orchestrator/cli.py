@@ -250,10 +250,12 @@ def cmd_verify(a: argparse.Namespace) -> int:
     import dataclasses
     import tempfile
 
+    from spotrun.orchestrator.faultplan import draw_seed
     from spotrun.orchestrator.verify import Verifier, render
 
     workdir = Path(tempfile.mkdtemp(prefix="spotrun-verify-"))
-    verifier = Verifier(a.config, a.set, kills=a.kills, seed=a.seed, no_ray=a.no_ray, workdir=workdir,
+    seed = draw_seed() if a.seed is None else a.seed  # reported either way: --seed replays the plan
+    verifier = Verifier(a.config, a.set, kills=a.kills, seed=seed, no_ray=a.no_ray, workdir=workdir,
                         load=lambda path, overrides: load_spec(path, overrides, a.job_id), nodes=a.nodes,
                         mutate=tuple(c for c in (a.mutate or "").split(",") if c), address=a.address)
     report = verifier.run()
@@ -367,7 +369,8 @@ def parser() -> argparse.ArgumentParser:
     f = sub.add_parser("verify", help="prove the recovery contract on this job: a reference run, then faults")
     _job_arguments(f)
     f.add_argument("--kills", type=int, default=10, help="faults to inject (default 10)")
-    f.add_argument("--seed", type=int, default=0, help="seed of the fault plan")
+    f.add_argument("--seed", type=int, help="seed of the fault plan (default: a fresh one; the report prints it, and "
+                                            "--seed with it plans the same faults again)")
     f.add_argument("--no-ray", action="store_true", help="world size 1 in this process, without Ray")
     f.add_argument("--nodes", type=int, default=0,
                    help="run on a local cluster of this many nodes and remove nodes too (one rank per node)")

@@ -19,6 +19,7 @@ from typing import Any
 from spotrun.orchestrator.comparison import site_name
 from spotrun.orchestrator.ledger import Restored, WorkerLost
 from spotrun.trainer.faults import FaultFired
+from spotrun.trainer.manifest import DataInfo
 from spotrun.trainer.trace import BlockDigests, RankDigests, UpdateRecord
 
 STAGES = ("occurrences", "batch", "loss", "gradient", "parameters")  # the order an update goes through
@@ -38,6 +39,13 @@ READINGS = {
     "parameters": "same gradient, different parameters: the optimizer step differed: optimizer state (moments, "
                   "step counts), the learning-rate schedule or the EMA was not restored",
 }
+
+# A batch that differs after a restore of a StreamData job flagged with a caution: the user's own loader runs worker
+# processes, whose random state no bundle holds
+STREAM_WORKERS = ("spotrun cannot capture the random state inside a user's own loader's worker processes (the global "
+                  "generators a transform draws from there), so augmentation there differs after a restore; wrap the "
+                  "dataset in spotrun.MapData (its transform gets a generator seeded by the occurrence, and spotrun "
+                  "seeds the global generators per occurrence) or run the loader with num_workers=0")
 
 # the stages from which on each declared contract lets the runs differ (exact-data: close parameters)
 ALLOWED_FROM = {"exact": None, "exact-data": "gradient", "fresh-epoch": "occurrences"}
@@ -66,13 +74,14 @@ class Divergence:
     allowed_by_policy: bool  # the declared contract permits this difference (it is not a failure by itself)
     restore: dict[str, Any] | None = None  # the restore that preceded it (None: the first attempt diverged)
     restore_oracle: list[str] = field(default_factory=list)  # categories flagged at that restore
+    data_cautions: list[str] = field(default_factory=list)  # the job's data cautions, read at a batch divergence
 
     def as_dict(self) -> dict[str, Any]:
         # "what": the name reports gave the stage before there were stages (occurrences | parameters)
         return {"update": self.update, "what": self.stage, "stage": self.stage, "rank": self.rank,
                 "microstep": self.microstep, "detail": self.detail, "reading": self.reading,
                 "allowed_by_policy": self.allowed_by_policy, "restore": self.restore,
-                "restore_oracle": self.restore_oracle}
+                "restore_oracle": self.restore_oracle, "data_cautions": self.data_cautions}
 
 
 def first_stage(ref: UpdateRecord, cand: UpdateRecord) -> Stage | None:
@@ -115,13 +124,22 @@ def _counterpart(r: RankDigests, ranks: Sequence[RankDigests]) -> RankDigests:
 
 
 def explain(update: int, stage: Stage, *, declared: str, world_sizes: tuple[int | None, int | None],
-            attempt: int, events: Sequence[Any], fired: Sequence[FaultFired]) -> Divergence:
+            attempt: int, events: Sequence[Any], fired: Sequence[FaultFired],
+            data: DataInfo | None = None) -> Divergence:
     """The report's divergence: ``stage`` of ``update`` (done by ``attempt`` in the interrupted run),
-    read for the declared contract, with the restore before it and the oracle's findings there."""
+    read for the declared contract, with the restore before it and the oracle's findings there.
+    ``data``: the job's data as the restored bundle's manifest records it; at a ``batch`` divergence
+    its cautions (state of the data spotrun cannot capture) are named as the likely cause, and for
+    stream data (a user's own loader, maybe with worker processes) what to do about it."""
     allowed_from = ALLOWED_FROM[declared]
     allowed = (stage.stage in STAGES and allowed_from is not None
                and STAGES.index(stage.stage) >= STAGES.index(allowed_from))
     reading = READINGS[stage.stage]
+    cautions = list(data.cautions) if data is not None and stage.stage == "batch" else []
+    if cautions:
+        reading += f". Likely here: {'; '.join(cautions)}"
+        if data is not None and data.kind == "stream":
+            reading += f" ({STREAM_WORKERS})"
     ref_world, cand_world = world_sizes
     if allowed:
         why = (f"the world size changed ({ref_world} -> {cand_world} ranks), so the gradients are summed in "
@@ -130,7 +148,7 @@ def explain(update: int, stage: Stage, *, declared: str, world_sizes: tuple[int 
     restore = restore_before(attempt, events, fired)
     return Divergence(update=update, stage=stage.stage, rank=stage.rank, microstep=stage.microstep,
                       detail=stage.detail, reading=reading, allowed_by_policy=allowed, restore=restore,
-                      restore_oracle=list(restore["restore_oracle"]) if restore else [])
+                      restore_oracle=list(restore["restore_oracle"]) if restore else [], data_cautions=cautions)
 
 
 def restore_before(attempt: int, events: Sequence[Any], fired: Sequence[FaultFired]) -> dict[str, Any] | None:

@@ -3,7 +3,10 @@
 1. Run the job uninterrupted (the reference), recording per update the occurrence
    ids and the stage digests (batch and loss per micro-batch, gradient and parameters
    per rank: :mod:`spotrun.trainer.trace`).
-2. Run it again with N faults at seeded random points, cycling through every
+2. Run it again with N faults spread over the run from seeded random points (the first
+   after the second checkpoint, one in its last third, one whose restore goes back across an
+   epoch boundary where the reference's trace shows one: :mod:`spotrun.orchestrator.faultplan`;
+   the seed is reported, ``--seed`` plans the same faults again), cycling through every
    fault site: a rank's process SIGKILLed mid-accumulation, mid-microstep (after
    the forward pass) and during a background bundle write; a kill between
    manifest publish and offsets commit; a preemption notice (SIGTERM). A killed
@@ -33,14 +36,13 @@ it fails that build after a restore exercised it (``Report.mutation_caught``).
 from __future__ import annotations
 
 import bisect
-import random
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,18 +59,21 @@ from spotrun.orchestrator.comparison import (
     reach,
     span_balance,
 )
-from spotrun.orchestrator.divergence import Divergence, Stage, divergence_rows, explain, first_stage
+from spotrun.orchestrator.divergence import Divergence, Stage, divergence_rows, explain, first_stage, restore_before
+from spotrun.orchestrator.faultplan import NodeRemoval, fault_rows, fixed_interval, plan_faults, sure_restore
 from spotrun.orchestrator.history import history
 from spotrun.orchestrator.launch import embedded_cpus
 from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored
 from spotrun.orchestrator.specfile import SpecError
 from spotrun.orchestrator.supervisor import JobFailedError
+from spotrun.trainer.bundle import BundleError, list_bundles, read_manifest
 from spotrun.trainer.faults import FaultLog
+from spotrun.trainer.manifest import DataInfo, ManifestError
 from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_sinks
 from spotrun.trainer.metrics.mlflow_sink import SEND_AT_WRITE, Tracker
 from spotrun.trainer.spec import FaultSpec, JobSpec
 from spotrun.trainer.storage import Storage, open_storage
-from spotrun.trainer.trace import UpdateRecord, last_update, latest_per_update, read_trace
+from spotrun.trainer.trace import UpdateRecord, last_update, latest_per_update, read_trace, update_epochs
 from spotrun.trainer.warm import ineligible
 
 if TYPE_CHECKING:
@@ -76,13 +81,6 @@ if TYPE_CHECKING:
 
 CONTRACTS = ("exact", "exact-data", "fresh-epoch")  # strongest first
 DECLARED = {"strict": "exact", "elastic": "exact-data", "fresh-epoch": "fresh-epoch"}
-SITES = ("mid-accumulation", "mid-microstep", "bundle-write", "publish-to-offsets", "notice")
-
-
-def restarts_warm(spec: JobSpec) -> bool:
-    """Whether a rank killed on Ray restarts warm (trainer/warm.py): the survivors keep their processes
-    (a spare or a new process takes its place, or the policy goes on without it)."""
-    return ineligible(spec) is None and spec.world.size >= 2
 PARAM_TOLERANCE = 1e-3  # exact-data: max |param difference| after the run, and relative metric difference
 # the tolerance on metric values each contract promises (None: values are not promised equal)
 METRIC_TOLERANCE = {"exact": 0.0, "exact-data": PARAM_TOLERANCE, "fresh-epoch": None}
@@ -94,6 +92,7 @@ class Report:
     failures: list[str]  # one line per check that did not hold; empty on a pass
     declared_contract: str
     observed_contract: str
+    seed: int  # the fault plan's seed (drawn when --seed was not given): --seed SEED plans the same faults
     faults_planned: int
     faults_delivered: int  # recorded by the fault as it fired (or a node removal verify carried out)
     kills_injected: int  # delivered SIGKILLs and node removals
@@ -129,6 +128,8 @@ class Report:
     first_divergence: dict[str, Any] | None
     reference_job: str
     chaos_job: str
+    # every planned fault in plan order: site, planned update, attempt, rank, the epoch its update's data
+    # reached, whether it was delivered and whether its restore is sure to cross an epoch boundary
     faults: list[dict[str, Any]] = field(default_factory=list)
     mutated: list[str] = field(default_factory=list)  # a deliberately broken build lost these at every restore
     # with ``mutated``: whether verify failed the broken build after faults and restores that exercised it
@@ -138,99 +139,6 @@ class Report:
         """Whether verify did what it promises (exit status 0): a pass, or, for a deliberately broken
         build (``--mutate``), catching it."""
         return bool(self.mutation_caught) if self.mutated else self.verdict == "pass"
-
-
-@dataclass(frozen=True)
-class NodeRemoval:
-    """Remove the node hosting ``rank`` once ``attempt`` has completed ``update`` (verify does it)."""
-
-    attempt: int
-    update: int
-    rank: int
-
-
-def fixed_interval(spec: JobSpec) -> int:
-    """``checkpoint.every_updates``, which verify plans its faults by; refuses ``auto``, whose
-    checkpoints come when the measured timing says so (no fault could be planned at one)."""
-    every = spec.checkpoint.fixed_every
-    if every is None:
-        raise SpecError("spotrun verify plans its faults at fixed checkpoint boundaries, and checkpoint.every_updates"
-                        "=auto takes its checkpoints when the measured timing says so; run verify with a fixed "
-                        "interval, e.g. --set checkpoint.every_updates=3 (the interval is not part of the trajectory: "
-                        "what verify proves with a fixed interval holds under auto too)")
-    return every
-
-
-def plan_faults(spec: JobSpec, kills: int, seed: int, nodes: bool = False,
-                warm: bool = False) -> tuple[list[FaultSpec], list[NodeRemoval]]:
-    """``kills`` faults at increasing updates, one per attempt, cycling through the fault sites
-    (with node removals among them when the job runs on several nodes, and a kill as a warm restart
-    re-forms the group when ``warm``: on Ray, where :func:`restarts_warm`), as many as fit before
-    ``train.updates``.
-
-    The plan starts after the second checkpoint boundary, so that the first bundle is published
-    before any fault. When the interval is too long for that (no fault would fit), it starts
-    instead with a kill right after the first bundle is published (the publish-to-offsets site),
-    which the next attempt is sure to restore. With ``checkpoint.every_updates >= train.updates``
-    no bundle comes before the end and nothing is planned (:func:`proof_failures` says so)."""
-    sites = (*SITES, NODE_SITE) if nodes else SITES
-    if warm and restarts_warm(spec):  # after the second kill: its restart is from a bundle this driver published
-        sites = (*sites[:2], WARM_SITE, *sites[2:])
-    every, last = fixed_interval(spec), spec.train.updates
-    # From one interval after the first bundle on: it is written in the background and published by
-    # the supervisor's next poll, and a fault an update after its boundary often came first (under
-    # load, every fault of a short plan did), so that no restart restored a bundle at all.
-    faults, removals = _plan(spec, kills, random.Random(seed), sites, start=2 * every)
-    if faults or removals or every >= last:
-        return faults, removals
-    first = ("publish-to-offsets", *(s for s in sites if s != "publish-to-offsets"))
-    return _plan(spec, kills, random.Random(seed), first, start=0)
-
-
-def _plan(spec: JobSpec, kills: int, rng: random.Random, sites: Sequence[str],
-          start: int) -> tuple[list[FaultSpec], list[NodeRemoval]]:
-    """:func:`plan_faults`' plan through ``sites`` in turn, the first fault after update ``start``
-    (a boundary site: at the first boundary after it). ``rng`` is verify's own generator, never the
-    job's streams."""
-    every, last = fixed_interval(spec), spec.train.updates
-    accum = spec.train.accum_steps
-    faults: list[FaultSpec] = []
-    removals: list[NodeRemoval] = []
-    update, attempt = start, 0
-    for i in range(kills):
-        site = sites[i % len(sites)]
-        if site == WARM_SITE:
-            # the restart after the previous fault re-forms the group warm (attempt + 1), resuming at or
-            # before that fault's update: a kill there sends it cold, within the same attempt
-            faults.append(FaultSpec(site="rejoin", update=update, attempt=attempt + 1,
-                                    rank=rng.randrange(spec.world.size) if spec.world.spares else 0))
-            continue
-        if site in ("bundle-write", "publish-to-offsets"):
-            u = (update // every + 1) * every  # the next checkpoint boundary
-        else:
-            u = update + 1 + rng.randrange(2)
-        if u >= last:
-            break
-        attempt, rank = attempt + 1, rng.randrange(spec.world.size)
-        if site == NODE_SITE:
-            removals.append(NodeRemoval(attempt, u, rank))
-            # the removal is triggered from the trace, which lags the ranks: they may publish the
-            # next bundle first, and a fault planned before it would never be reached
-            update = u + every
-            continue
-        by_site: dict[str, dict[str, object]] = {
-            "mid-accumulation": dict(site="microstep", microstep=rng.randrange(1, accum) if accum > 1 else 0),
-            "mid-microstep": dict(site="backward", microstep=rng.randrange(accum)),
-            "bundle-write": dict(site="bundle_write"),
-            "publish-to-offsets": dict(site="after_publish", rank=0),
-            "notice": dict(site="microstep", microstep=rng.randrange(accum), signal="SIGTERM"),
-        }
-        fault = by_site[site]
-        faults.append(FaultSpec.model_validate({"update": u, "attempt": attempt, "rank": rank, **fault}))
-        # a notice's emergency bundle is taken at the boundary the ranks reach when the request
-        # arrives, which may be an update or two later: the next fault goes past it
-        update = u + every if site == "notice" else u
-    return faults, removals
 
 
 # verify's own local clusters start no dashboard: nothing reads it, and its processes (about ten on
@@ -357,16 +265,15 @@ class Verifier:
         them (tests that need a restore from a given bundle); by default :func:`plan_faults`."""
         ref_job, chaos_job = f"{self.spec.job_id}.verify-ref", f"{self.spec.job_id}.verify-chaos"
         ref_trace, chaos_trace = self.workdir / f"{ref_job}.jsonl", self.workdir / f"{chaos_job}.jsonl"
-        if faults is None:
-            faults, removals = plan_faults(self.spec, self.kills, self.seed, nodes=self.nodes > 0,
-                                           warm=not self.no_ray)
-        else:
-            removals = []
-        fault_set = "faults=[" + ", ".join(f.model_dump_json() for f in faults) + "]"
+        removals: list[NodeRemoval] = []
         if not self.no_ray and not self.address:
             self._start_cluster()
         try:
             self._run(ref_job, ref_trace, [], max_runs=1)
+            if faults is None:  # planned once the reference has shown where its epochs begin
+                faults, removals = plan_faults(self.spec, self.kills, self.seed, nodes=self.nodes > 0,
+                                               warm=not self.no_ray, epochs=update_epochs(_final_trace(ref_trace)))
+            fault_set = "faults=[" + ", ".join(f.model_dump_json() for f in faults) + "]"
             # Every planned fault may end an attempt as a failure, several before one bundle is published:
             # the chaos run's budgets leave room for all of them (they are verify's doing, not the job's)
             n = len(faults) + len(removals)
@@ -403,6 +310,7 @@ class Verifier:
         spec = self.spec
         storage = open_storage(spec.storage, spec.storage_endpoint_url)
         ref, chaos = _final_trace(ref_trace), _final_trace(chaos_trace)
+        epochs = update_epochs(ref)
         short = reach(ref, chaos, spec.train.updates)
         gaps, dups = span_balance(ref, chaos)
         occurrences_equal = not short and all(ref[u].occurrences_sha256 == chaos[u].occurrences_sha256 for u in ref)
@@ -426,13 +334,14 @@ class Verifier:
         figures = restart_figures(history(storage, chaos_job))
         restores = figures["restores_from_bundle"]
         unproven = proof_failures(spec, self.kills, self.seed, self.nodes > 0, delivery.planned, delivery.delivered,
-                                  restores, warm=not self.no_ray)
+                                  restores, warm=not self.no_ray, epochs=epochs)
         failures = unproven + verdict_failures(declared, observed, short, metrics, counters_equal,
                                                delivery.sites_missed)
         return Report(
             verdict="fail" if failures else "pass", failures=failures,
             declared_contract=declared, observed_contract=observed,
-            faults_planned=delivery.planned, faults_delivered=delivery.delivered, kills_injected=delivery.kills,
+            seed=self.seed, faults_planned=delivery.planned, faults_delivered=delivery.delivered,
+            kills_injected=delivery.kills,
             notices_injected=delivery.notices, fault_sites_planned=delivery.sites_planned,
             fault_sites_hit=delivery.sites_hit,
             fault_sites_not_applicable=self._not_applicable(faults, removals),
@@ -449,7 +358,7 @@ class Verifier:
             restore_oracle=oracle,
             first_divergence=None if divergence is None else divergence.as_dict(),
             reference_job=ref_job, chaos_job=chaos_job,
-            faults=[f.model_dump() for f in faults],
+            faults=fault_rows(faults, removals, fired, self.removed, fixed_interval(spec), epochs),
             mutated=list(self.mutate),
             # caught: it failed, and not only because nothing was exercised (that proves nothing either way)
             mutation_caught=bool(failures) and not unproven if self.mutate else None,
@@ -482,8 +391,13 @@ class Verifier:
                 continue
             if stage.stage == "parameters":
                 stage.detail += "; " + first_differing_tensor(storage, ref_job, chaos_job, u)
+            attempt = c.attempt if c else 0
+            data = None
+            if stage.stage == "batch":  # what the bundle says of the data may name the cause
+                restore = restore_before(attempt, events, fired)
+                data = data_info(storage, chaos_job, restore["bundle"] if restore else None)
             return explain(u, stage, declared=declared, world_sizes=(r.world_size, c.world_size if c else None),
-                           attempt=c.attempt if c else 0, events=events, fired=fired)
+                           attempt=attempt, events=events, fired=fired, data=data)
         return None
 
     def _where_occurrences_differ(self, r: UpdateRecord, c: UpdateRecord) -> tuple[int | None, str]:
@@ -510,6 +424,19 @@ class Verifier:
         return compare_metrics(reference, finals, JsonlSink(log).writes(chaos_job), tolerance)
 
 
+def data_info(storage: Storage, job: str, restored: str | None) -> DataInfo | None:
+    """The job's data as the manifest of the bundle ``restored`` records it, else as the newest published
+    bundle of ``job`` does (retention may have removed the restored one by the end of the run; the data's
+    kind and cautions are the job's, the same in every bundle of a run). None: no manifest to read."""
+    keys = ([restored] if restored else []) + [b.key for b in list_bundles(storage, job) if b.published]
+    for key in keys:
+        try:
+            return read_manifest(storage, key).data
+        except (BundleError, ManifestError):  # purged after the run, or unreadable: the next one
+            continue
+    return None
+
+
 def restart_figures(hist: dict[str, Any]) -> dict[str, Any]:
     """The report's restart figures, from the chaos job's history (each defined once, in
     :mod:`spotrun.orchestrator.losses`: the report shows what ``spotrun history`` shows)."""
@@ -532,11 +459,12 @@ def read_sink(spec: JobSpec, storage: Storage, kind: str, job_id: str) -> list[M
 
 
 def proof_failures(spec: JobSpec, kills: int, seed: int, nodes: bool, planned: int, delivered: int,
-                   restores: int, warm: bool = False) -> list[str]:
+                   restores: int, warm: bool = False, epochs: Mapping[int, int] | None = None) -> list[str]:
     """Why the interrupted run proved nothing, if it did not (empty: it did). A pass needs at least
     one fault that fired and one restart that restored a published bundle: without them no restore
     was compared with anything, and a run that nothing interrupted passes every other check. Each
-    line names the numbers to change (``--kills``, ``checkpoint.every_updates``, ``train.updates``)."""
+    line names the numbers to change (``--kills``, ``checkpoint.every_updates``, ``train.updates``).
+    ``epochs``: the reference's, which the plan it names is planned with (:func:`plan_faults`)."""
     every, last = fixed_interval(spec), spec.train.updates
     if kills < 1:
         return ["no fault was planned (--kills 0), so no restore was tested: run verify with --kills 1 or more"]
@@ -551,25 +479,10 @@ def proof_failures(spec: JobSpec, kills: int, seed: int, nodes: bool, planned: i
     if restores == 0:
         return [f"no restart restored a published bundle: the {delivered} fault(s) that fired all came before the "
                 f"first bundle (update {every}) was published, so every restart began from nothing and no restore "
-                f"was tested; {_sure_restore(spec, kills, seed, nodes, warm)}"]
+                f"was tested; {sure_restore(spec, kills, seed, nodes, warm, epochs)}"]
     return []
 
 
-def _sure_restore(spec: JobSpec, kills: int, seed: int, nodes: bool, warm: bool) -> str:
-    """How to plan a fault whose restart restores a bundle whatever the timing: the publish-to-offsets
-    site kills right after a publish (the other sites race the supervisor's publish of the bundle)."""
-    # the plan's positions do not depend on train.updates, which only cuts it short: plan as if unbounded
-    unbounded = spec.model_copy(update={"train": spec.train.model_copy(update={"updates": 2**62})})
-    n = len(SITES) + int(nodes) + int(warm)  # one cycle through the sites reaches publish-to-offsets
-    faults, _ = plan_faults(unbounded, max(kills, n), seed, nodes, warm)
-    sure = next(f for f in faults if f.site == "after_publish")
-    # its place in the plan: its attempt (node removals included) and the warm-rejoin kills before it,
-    # which take no attempt of their own
-    at = sure.attempt + sum(f.site == "rejoin" for f in faults[:faults.index(sure)])
-    u = sure.update
-    room = f" and train.updates to >= {u + 1} (now {spec.train.updates})" if u >= spec.train.updates else ""
-    return (f"run verify with --kills {max(kills, at)}{room}: fault {at} of that plan kills right after the bundle "
-            f"of update {u} is published, and its restart always restores it")
 
 
 def verdict_failures(declared: str, observed: str, short: list[str], metrics: MetricComparison,
@@ -618,7 +531,7 @@ def render(report: Report, console) -> None:
     console.print(f"[bold]{'PASS' if ok else 'FAIL'}[/]: declared contract [bold]{report.declared_contract}[/], "
                   f"observed [bold]{report.observed_contract}[/] ({report.faults_delivered} of "
                   f"{report.faults_planned} planned faults delivered, {report.restarts} restarts, "
-                  f"{report.updates_compared} updates compared){held}")
+                  f"{report.updates_compared} updates compared; fault seed {report.seed}){held}")
     t = Table(title="comparison with the uninterrupted run")
     t.add_column("check")
     t.add_column("result")
@@ -647,6 +560,8 @@ def render(report: Report, console) -> None:
     ):
         t.add_row(name, value)
     console.print(t)
+    if report.faults:
+        console.print(fault_table(report))
     for line in report.failures:
         console.print(f"[red]failed[/]: {line}", highlight=False)
     if report.first_divergence:
@@ -660,3 +575,18 @@ def render(report: Report, console) -> None:
         if report.restore_oracle:
             console.print("state categories lost at a restore: " + ", ".join(report.restore_oracle)
                           + " (`spotrun inventory` gives each category's owner and restore action)")
+
+
+def fault_table(report: Report):
+    """The planned faults, one row each: where, when (update and the epoch its data reached), whether
+    it was delivered and whether its restore crosses an epoch boundary."""
+    from rich.table import Table
+
+    t = Table(title=f"faults planned with seed {report.seed} (verify --seed {report.seed} plans the same ones)")
+    for name in ("site", "update", "epoch", "attempt", "rank", "delivered", "restore crosses epoch"):
+        t.add_column(name, no_wrap=name != "restore crosses epoch")  # 80 columns: only that header wraps
+    for f in report.faults:
+        crosses = {True: "yes", False: "no", None: "-"}[f.get("restore_crosses_epoch")]
+        t.add_row(f["name"], str(f["update"]), "-" if f.get("epoch") is None else str(f["epoch"]),
+                  str(f["attempt"]), str(f["rank"]), "yes" if f["delivered"] else "no", crosses)
+    return t

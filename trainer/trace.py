@@ -226,6 +226,15 @@ def latest_per_update(records: list[UpdateRecord]) -> dict[int, UpdateRecord]:
     return out
 
 
+def update_epochs(records: Mapping[int, UpdateRecord]) -> dict[int, int]:
+    """Update -> the epoch its data reached: the highest epoch among its occurrence ids
+    (``<epoch>/<key>[a:b]``), which is the epoch of the data cursor at the boundary after it (an
+    epoch begins when its first occurrence is drawn). Updates whose ids were not recorded are left
+    out. Stream data has one epoch (0); map and token data a new one each time the dataset is through."""
+    return {u: max(int(span.partition("/")[0]) for span in r.occurrences)
+            for u, r in records.items() if r.occurrences}
+
+
 class Divergence(BaseModel):
     update: int
     field: str  # "missing", "occurrences" or "params"

@@ -67,7 +67,7 @@ def test_losing_registered_objects_at_restore_fails_verify_naming_each(tmp_path)
     oracle names each of them (each is compared on its own, so one found does not hide the other)."""
     # 4 faults: the fourth (kill between publish and offsets) always restores from a published bundle
     categories = ["state:centers", "state:seen"]
-    code, report, err = verify(tmp_path, EXAMPLES["center_loss"], "--kills", "4", "--no-ray",
+    code, report, err = verify(tmp_path, EXAMPLES["center_loss"], "--kills", "4", "--no-ray", "--seed", "0",
                                "--mutate", ",".join(categories), sets=(*SHORT, "world.size=1", "train.accum_steps=4"))
     assert code == 0, err[-3000:]  # caught: what --mutate asks of verify
     assert report["verdict"] == "fail" and report["mutated"] == categories and report["mutation_caught"] is True
@@ -79,7 +79,7 @@ def test_losing_registered_objects_at_restore_fails_verify_naming_each(tmp_path)
 def test_state_outside_the_registered_objects_fails_verify_naming_the_update(tmp_path):
     """A loss-scale counter kept outside ``state``: a restart resets it, so the same batch gives
     another loss, and verify names that stage (nothing registered was lost: the oracle is silent)."""
-    code, report, err = verify(tmp_path, str(ROOT / "configs/tiny.yaml"), "--kills", "4", "--no-ray",
+    code, report, err = verify(tmp_path, str(ROOT / "configs/tiny.yaml"), "--kills", "4", "--no-ray", "--seed", "0",
                                sets=(*SHORT, "job.entrypoint=tests.helpers.jobs:unregistered_counter"))
     assert code == 1, err[-3000:]
     assert report["verdict"] == "fail" and report["restore_oracle"] == []

@@ -46,6 +46,11 @@ def test_chaos_suite_twenty_faults_every_site_strict_exact(tmp_path):
     assert report["metric_duplicates_written"] > 0  # the replays wrote points again; the sinks upserted them
     assert report["updates_compared"] == 80 and report["restore_oracle"] == []
     assert len(report["restart_seconds"]) == report["restarts"] > 0
+    # every fault listed; at 16 sequences an update tiny's text is through about every 26 updates, and a
+    # fault is planned whose restore goes back across such a boundary
+    faults = report["faults"]
+    assert len(faults) == 24 and sum(f["delivered"] for f in faults) == report["faults_delivered"]
+    assert max(f["epoch"] for f in faults) >= 1 and any(f["restore_crosses_epoch"] for f in faults), faults
 
 
 def test_single_process_chaos(tmp_path):
@@ -58,6 +63,13 @@ def test_single_process_chaos(tmp_path):
     assert "node-removed" in report["fault_sites_not_applicable"]
     assert report["occurrence_gaps"] == report["occurrence_duplicates"] == report["metric_duplicates"] == 0
     assert report["metric_duplicates_written"] > 0 and report["failures"] == []
+    # each fault listed: the seed's plan, spread over the run (one in its last third), all delivered
+    assert report["seed"] == 3
+    faults = report["faults"]
+    assert [f["name"] for f in faults] == ["mid-accumulation", "mid-microstep", "bundle-write", "publish-to-offsets",
+                                           "notice", "mid-accumulation"]
+    assert all(f["delivered"] and f["epoch"] == 0 for f in faults)  # 30 updates: tiny's first epoch
+    assert faults[0]["update"] <= 8 and faults[-1]["update"] > 20
 
 
 @pytest.mark.parametrize("category,sets", [

@@ -123,6 +123,37 @@ def test_the_restore_before_names_bundle_attempt_fault_and_oracle():
     assert rows["restore oracle at that restore"] == "rank 0: optimizer_moments"
 
 
+def test_a_batch_divergence_names_the_data_cautions_of_the_restored_bundle():
+    """StreamData over a user's own loader with worker processes: spotrun cannot capture the random
+    state inside those workers, so a batch that differs after a restore is read as that, with the fix.
+    Other stages, and data without cautions, read as before."""
+    from spotrun.trainer.data.planner import Cursor
+    from spotrun.trainer.manifest import DataInfo
+
+    caution = "StreamData over a DataLoader with 2 worker processes: their random state is not in any bundle"
+    data = DataInfo(kind="stream", dataset_version="stream-1", tokenizer_version="", records=64,
+                    cursor=Cursor(epoch=0, index=64, offset=0), prefetched_ahead=0, cautions=(caution,))
+    batch = first_stage(record(), record(change={"batch": 1}, attempt=2))
+    assert batch is not None and batch.stage == "batch"
+    d = explain(7, batch, declared="exact", world_sizes=(2, 2), attempt=2, events=[], fired=[], data=data)
+    assert d.reading.startswith("same records, different batch") and f"Likely here: {caution}" in d.reading
+    assert "cannot capture the random state inside a user's own loader's worker processes" in d.reading
+    assert "spotrun.MapData" in d.reading and "num_workers=0" in d.reading
+    assert d.as_dict()["data_cautions"] == [caution]
+    plain = explain(7, batch, declared="exact", world_sizes=(2, 2), attempt=2, events=[], fired=[])
+    quiet = data.model_copy(update={"cautions": ()})
+    quiet_reading = explain(7, batch, declared="exact", world_sizes=(2, 2), attempt=2, events=[], fired=[],
+                            data=quiet).reading
+    assert quiet_reading == plain.reading and "Likely here" not in plain.reading
+    mapped = explain(7, batch, declared="exact", world_sizes=(2, 2), attempt=2, events=[], fired=[],
+                     data=data.model_copy(update={"kind": "map"}))
+    assert f"Likely here: {caution}" in mapped.reading and "num_workers=0" not in mapped.reading
+    loss = first_stage(record(), record(change={"loss": 1}, attempt=2))
+    assert loss is not None
+    assert "Likely here" not in explain(7, loss, declared="exact", world_sizes=(2, 2), attempt=2, events=[], fired=[],
+                                        data=data).reading
+
+
 def test_the_batch_digest_sees_every_byte_dtype_shape_key_and_plain_leaf():
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     base = {"inputs": x, "targets": torch.tensor([1, 2]), "ids": [3, "a"]}

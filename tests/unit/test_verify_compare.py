@@ -74,6 +74,10 @@ def test_the_untouched_pair_passes_and_counts_what_replays_wrote_twice(runs):
     assert report.verdict == "pass", report.failures
     assert (report.faults_planned, report.faults_delivered, report.kills_injected) == (2, 2, 2)
     assert report.fault_sites_planned == report.fault_sites_hit == ["mid-accumulation", "publish-to-offsets"]
+    # each fault listed with its update, the epoch its data reached (8 updates: tiny's first) and its delivery
+    assert report.seed == 0
+    assert [(f["name"], f["update"], f["attempt"], f["epoch"], f["delivered"]) for f in report.faults] == [
+        ("mid-accumulation", 6, 1, 0, True), ("publish-to-offsets", 8, 2, 0, True)]
     assert (report.reference_updates, report.chaos_last_update, report.updates_compared) == (8, 8, 8)
     assert report.metric_sinks == ["sqlite", "jsonl"]
     assert report.metric_duplicates == report.metric_missing == report.metric_mismatches == report.metric_stale == 0
@@ -162,6 +166,7 @@ def test_a_fault_that_never_fired_fails(runs, tmp_path):
     assert report.fault_sites_planned == ["bundle-write", "mid-accumulation", "publish-to-offsets"]
     assert report.fault_sites_hit == ["mid-accumulation", "publish-to-offsets"]
     assert [f["name"] for f in report.faults_not_delivered] == ["bundle-write"]
+    assert [f["delivered"] for f in report.faults] == [True, True, False]
     assert report.failures == ["planned fault sites never hit: bundle-write (no fault there fired)"]
     # the kills themselves count only because they recorded themselves as they fired: without the
     # records nothing was delivered, and a run that no fault interrupted proves nothing
@@ -172,6 +177,29 @@ def test_a_fault_that_never_fired_fails(runs, tmp_path):
     unrecorded = compare(where)
     assert unrecorded.verdict == "fail" and unrecorded.kills_injected == 0 and unrecorded.restarts == 2
     assert unrecorded.failures[0].startswith("none of the 2 planned faults fired")
+
+
+def test_a_batch_divergence_reads_the_data_cautions_from_the_bundles(runs, tmp_path):
+    """The manifests say the job's data is a StreamData over a loader with worker processes (hand-made
+    here: the chaos run's manifests rewritten), and update 7's first micro-batch differs: verify
+    reads the cautions from the bundles and names them as the likely cause."""
+    import json
+
+    where = copy_of(runs, tmp_path)
+    caution = "StreamData over a DataLoader with 2 worker processes"
+    for manifest in (where / "runs" / "chaos" / "bundles").glob("*/manifest.json"):
+        doc = json.loads(manifest.read_text())
+        doc["data"] |= {"kind": "stream", "cautions": [caution]}
+        manifest.write_text(json.dumps(doc))
+    trace = where / "chaos.jsonl"
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    last_7 = max((x for x in lines if x["update"] == 7), key=lambda x: x["attempt"])
+    last_7["blocks"][0]["batch_sha256"] = "0" * 64
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    d = compare(where).first_divergence
+    assert d is not None and (d["update"], d["stage"]) == (7, "batch")
+    assert d["data_cautions"] == [caution] and f"Likely here: {caution}" in d["reading"]
+    assert "num_workers=0" in d["reading"]
 
 
 s3_helpers = pytest.importorskip("tests.helpers.s3")

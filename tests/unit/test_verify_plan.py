@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from spotrun.orchestrator.verify import plan_faults
 from tests.conftest import make_spec
 
@@ -71,12 +73,23 @@ def test_the_verdict_gate_fails_a_run_that_tested_no_restore(tmp_path):
     # faults fired, but each before a bundle was published: every restart began from nothing
     [unrestored] = proof_failures(spec, kills=2, seed=0, nodes=False, planned=2, delivered=2, restores=0)
     assert unrestored.startswith("no restart restored a published bundle: the 2 fault(s) that fired")
-    sure = next(f for f in plan_faults(spec, 10, 0)[0] if f.site == "after_publish")  # the 4th site
-    assert (f"run verify with --kills {sure.attempt}: fault {sure.attempt} of that plan kills right after the "
-            f"bundle of update {sure.update} is published") in unrestored
+    # the 4th site, in the plan of 4 faults the advice names (the plan spreads its faults over the run,
+    # so the 4th of 4 is not where the 4th of 10 is)
+    sure = next(f for f in plan_faults(spec, 4, 0)[0] if f.site == "after_publish")
+    assert sure.attempt == 4
+    assert (f"run verify with --kills 4: fault 4 of that plan kills right after the bundle of update {sure.update} "
+            "is published") in unrestored
+    # 12 updates are too few to reach that site: the advice names the run length from which on every
+    # plan of 4 faults does
     short = make_spec(tmp_path, "train.updates=12", "checkpoint.every_updates=3")
+    assert not any(f.site == "after_publish" for f in plan_faults(short, 4, 0)[0])
     [cut] = proof_failures(short, kills=2, seed=0, nodes=False, planned=2, delivered=2, restores=0)
-    assert f"and train.updates to >= {sure.update + 1} (now 12)" in cut
+    room = re.search(r"run verify with --kills 4 and train.updates to >= (\d+) \(now 12\): fault 4 of that plan "
+                     r"kills right after a bundle is published", cut)
+    assert room is not None, cut
+    for updates in range(int(room[1]), int(room[1]) + 40):
+        longer = make_spec(tmp_path, f"train.updates={updates}", "checkpoint.every_updates=3")
+        assert plan_faults(longer, 4, 0)[0][3].site == "after_publish", updates
     # on Ray, where restarts are warm, a warm-rejoin kill precedes it in the plan and takes no attempt:
     # the number of kills to ask for is one more than its attempt
     two = make_spec(tmp_path, "train.updates=30", "checkpoint.every_updates=3", "world.size=2")
