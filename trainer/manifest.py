@@ -113,9 +113,6 @@ class DataInfo(_M):
     prefetched_ahead: int  # micro-batches fetched past the cursor when saved; replayed on restore
     source_offsets: dict[str, int] = {}  # streaming reader: records fully consumed per shard (this epoch)
     repeats_on_restore: int = 0  # occurrences a bounded-repetition restore from here delivers again
-    # human-readable warnings about the job's data that spotrun cannot capture (e.g. a StreamData over a
-    # loader with worker processes, whose random state no bundle holds); verify names them at a divergence
-    cautions: tuple[str, ...] = ()
 
 
 class Versions(_M):
