@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 from spotrun.orchestrator import interval, policy
@@ -105,7 +105,7 @@ class Pending:
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class Placing:
     cause: str | None = None  # why the previous attempt ended (None on the first)
     last_update: int | None = None  # the furthest update the previous attempt completed
@@ -345,8 +345,7 @@ class Supervisor:
             log.info("waiting for capacity: %s", decision.reason)
             t0 = self.clock()
             self.sleep(CAPACITY_POLL_S)
-            return Placing(st.cause, st.last_update, st.world_before, st.waited_s + self.clock() - t0,
-                           cold_because=st.cold_because)
+            return replace(st, waited_s=st.waited_s + self.clock() - t0, below=None)
         size = decision.world_size
         if size is None:  # policy.decide gives a world size with every restart
             raise RuntimeError(f"the placement policy restarts without a world size: {decision}")
@@ -369,9 +368,7 @@ class Supervisor:
             # The time spent trying counts toward world.capacity_timeout_s; the next try is smaller
             # where the policy allows one (strict allows none: it waits, then fails).
             log.info("placement failed: %s", e)
-            return Placing(st.cause, st.last_update, st.world_before,
-                           st.waited_s + max(self.clock() - t0, CAPACITY_POLL_S), below=size - 1,
-                           cold_because=st.cold_because)
+            return replace(st, waited_s=st.waited_s + max(self.clock() - t0, CAPACITY_POLL_S), below=size - 1)
         except ValueError as e:  # bad input refused in this process (JobError, DeviceError, ...)
             return Failed(str(e), e, refused=True)
         except RankFailed as e:  # a rank could not be built
@@ -414,7 +411,7 @@ class Supervisor:
             return Failed(f"{verdict}; the last, while starting attempt {self.attempts}: {lost.detail}",
                           None if error is None else _with_budget(error, verdict))
         self.sleep(self.budgets.backoff())
-        return Placing(st.cause, st.last_update, st.world_before, st.waited_s, cold_because=st.cold_because)
+        return replace(st, below=None)
 
     def _restore(self, group: WorkerGroup, candidates: list[str], st: Placing, size: int, label: str) -> int:
         """Start the attempt from the newest bundle that verifies; returns its update (0 when fresh).
