@@ -40,6 +40,12 @@ def regression(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> to
     return nn.functional.mse_loss(model(x), y)
 
 
+def linear_job(data: Any) -> spotrun.Job:
+    """A linear regression on ``data`` with plain SGD: the job most of these tests vary one piece of."""
+    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=data, step=regression,
+                       optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01))
+
+
 def stream_job(ctx: spotrun.BuildContext) -> spotrun.Job:
     """A regression on a StreamData, with dropout, AdamW and a step schedule."""
     return spotrun.Job(
@@ -127,12 +133,7 @@ class NaivelyAugmentedPoints(Points):
 def naive_global_augmentation(ctx: spotrun.BuildContext) -> spotrun.Job:
     """Random augmentation from the global generators in the dataset and the transform: exact under
     spotrun whatever ``data.workers`` and the world size."""
-    return spotrun.Job(
-        model=lambda: nn.Linear(8, 1),
-        data=spotrun.MapData(NaivelyAugmentedPoints(ctx.seed), transform=jitter_from_global_random),
-        step=regression,
-        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
-    )
+    return linear_job(spotrun.MapData(NaivelyAugmentedPoints(ctx.seed), transform=jitter_from_global_random))
 
 
 def stream_over_loader_workers(ctx: spotrun.BuildContext) -> spotrun.Job:
@@ -141,12 +142,7 @@ def stream_over_loader_workers(ctx: spotrun.BuildContext) -> spotrun.Job:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     loader = StatefulDataLoader(Points(ctx.seed), batch_size=None, num_workers=2)
-    return spotrun.Job(
-        model=lambda: nn.Linear(8, 1),
-        data=spotrun.StreamData(loader),
-        step=regression,
-        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
-    )
+    return linear_job(spotrun.StreamData(loader))
 
 
 # A generator of the job's own, made when the module is imported: no bundle holds it, and a restarted
@@ -162,12 +158,7 @@ def jitter_from_own_generator(sample: tuple[torch.Tensor, torch.Tensor], generat
 
 def own_generator_augmentation(ctx: spotrun.BuildContext) -> spotrun.Job:
     """Diverges at the batch: the same records, transformed with other noise after a restart."""
-    return spotrun.Job(
-        model=lambda: nn.Linear(8, 1),
-        data=spotrun.MapData(Points(ctx.seed), transform=jitter_from_own_generator),
-        step=regression,
-        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
-    )
+    return linear_job(spotrun.MapData(Points(ctx.seed), transform=jitter_from_own_generator))
 
 
 def adamw_points(ctx: spotrun.BuildContext) -> spotrun.Job:
