@@ -227,7 +227,8 @@ def check_compatible(manifest: Manifest, desc: Description, where: str, *, same_
             "only on the same device model with the same library versions. Restore it on a runtime that matches "
             "the bundle's, or declare world.policy: elastic (it restores across them, labelled exact-data: the same "
             "occurrences, close parameters)")
-    if not (not same_job and "data" in reset):
+    new_data = not same_job and "data" in reset  # a new lineage that starts its data afresh may change it
+    if not new_data:
         problems += data_problems(manifest, desc.data, sequential=desc.spec_compat["data"]["order"] == "sequential",
                                   where=where, root=root, same_job=same_job)
     saved = {p.name: p for p in manifest.model.params}
