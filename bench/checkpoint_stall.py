@@ -44,7 +44,8 @@ import torch
 
 from bench.synthetic import synthetic_session
 from bench.tables import Section, Stopwatch, Table, cli, median, mib, pct, ratio, work_folder
-from spotrun.trainer.bundle import BundleWriter, build_manifest, encode
+from spotrun.trainer.bundle import BundleWriter, encode
+from spotrun.trainer.description import build_manifest
 from spotrun.trainer.digest import DEFAULT, SHA256, digest_of
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.session import TrainSession

@@ -29,7 +29,6 @@ from spotrun.trainer.bundle import (
     BundleWriter,
     LoadedBundle,
     WriteResult,
-    build_manifest,
     bundle_dir,
     check_compatible,
     load_bundle,
@@ -38,6 +37,7 @@ from spotrun.trainer.collective import Collective
 from spotrun.trainer.data.feed import TokenFeed
 from spotrun.trainer.data.growth import GrowthRecords
 from spotrun.trainer.data.planner import RestoreMode
+from spotrun.trainer.description import build_manifest
 from spotrun.trainer.faults import FaultLog
 from spotrun.trainer.manifest import Manifest
 from spotrun.trainer.metric_writer import BackgroundWriter

@@ -18,13 +18,14 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, Description, LoadedBundle, describe
+from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, LoadedBundle
 from spotrun.trainer.counters import CountersState
 from spotrun.trainer.data.feed import TokenFeed, bind
 from spotrun.trainer.data.kinds import DataCaution
 from spotrun.trainer.data.listing import ShardInfo
 from spotrun.trainer.data.loader import PlanDataset, PlanSampler, make_loader
 from spotrun.trainer.data.planner import RestoreMode
+from spotrun.trainer.description import Description, describe
 from spotrun.trainer.device import deterministic_env
 from spotrun.trainer.faults import FaultInjector
 from spotrun.trainer.inventory import DATA_CATEGORIES, categories_of, roundtrip_mismatches

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from spotrun.orchestrator.groups import RankLost
-from spotrun.trainer.bundle import versions
+from spotrun.trainer.description import versions
 from spotrun.trainer.manifest import Versions
 from spotrun.trainer.rank import Report
 

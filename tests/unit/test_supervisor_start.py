@@ -81,7 +81,7 @@ def test_an_elastic_restore_on_another_device_model_is_labelled_exact_data(tmp_p
     elastic allows: strict ranks refuse it) is not an exact continuation."""
     from spotrun.orchestrator.launch import run_in_process
     from spotrun.orchestrator.ledger import Restored
-    from spotrun.trainer.bundle import versions
+    from spotrun.trainer.description import versions
 
     spec = make_spec(tmp_path, "train.updates=4", "checkpoint.every_updates=2", "world.policy=elastic", job_id="g")
     run_in_process(spec.model_copy(update={"train": spec.train.model_copy(update={"updates": 2})}))
