@@ -6,8 +6,10 @@ updates: a constant edited in a helper module changes the trajectory as surely a
 entrypoint. The *user's own* modules are found statically: the entrypoint's source is parsed and
 every module it imports (at the top or inside a function, absolute or relative) is looked up
 without being imported; those that lie outside the installed libraries (the standard library,
-site-packages, spotrun itself) are parsed in turn. Installed libraries are not fingerprinted: their
-versions are what the manifest records and a ``strict`` restore compares.
+site-packages, spotrun itself) are parsed in turn. Installed libraries are not fingerprinted: the
+manifest records the versions of Python, torch, torchdata, NumPy and spotrun (a ``strict`` restore
+compares the kernels' ones), not of every package; a library of the user's own in an editable install
+lives in the user's folders and is followed.
 
 What the static walk cannot see: a module imported by a computed name (``importlib.import_module(
 name)``), and files that are not Python modules (a YAML the job reads). Record those yourself: the
