@@ -39,8 +39,16 @@ def chunked_sha256(data: bytes, chunk: int) -> str:
 # -- the shared local Ray (tests/helpers/ray_local.py) ------------------------------------------------
 
 
-def shares_ray(item: pytest.Item) -> bool:
+def uses_shared_ray(item: pytest.Item) -> bool:
     return "shared_ray" in getattr(item, "fixturenames", ())
+
+
+SHARING = pytest.StashKey[set]()  # the modules (paths) with a test on the shared Ray
+
+
+def shares_ray(item: pytest.Item) -> bool:
+    """Whether the item's module has a test on the shared Ray (the module runs in the shared Ray's block)."""
+    return item.path in item.config.stash.get(SHARING, set())
 
 
 @pytest.fixture(scope="session")
@@ -52,11 +60,11 @@ def shared_ray():
     SharedRay.stop()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run the modules that share the local Ray one after another, where the first of them was: one
     Ray start for all of them (seconds each) instead of one a module. The order within a module, and
     of every other module, stays."""
-    sharing = {item.path for item in items if shares_ray(item)}
+    sharing = config.stash[SHARING] = {item.path for item in items if uses_shared_ray(item)}
     first = next((i for i, item in enumerate(items) if item.path in sharing), None)
     if first is None:
         return
