@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo bench docs clean
+.PHONY: venv test soak demo bench docs clean
 
 venv: $(STAMP)
 
@@ -19,7 +19,11 @@ $(STAMP): pyproject.toml
 test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy spotrun/trainer spotrun/orchestrator
-	$(PY) -m pytest -q -ra --durations=15 tests
+	$(PY) -m pytest -q -ra --durations=15 -m "not soak" tests
+
+# The soaks: long versions of tests that `make test` runs short (the same assertions, more repetitions).
+soak: venv
+	$(PY) -m pytest -q -ra -m soak tests
 
 demo: venv
 	$(PY) -m spotrun.orchestrator.demo

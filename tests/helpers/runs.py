@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from spotrun.trainer.ranklog import list_rank_logs, read_rank_log
 from spotrun.trainer.storage import Storage, open_storage
 from spotrun.trainer.trace import UpdateRecord
 from tests.conftest import ROOT
+from tests.helpers.ray_local import job_thread
 
 
 def run_cmd(storage: Path, job: str, trace: Path, *sets: str, config: str = "configs/tiny.yaml",
@@ -107,15 +107,12 @@ def assert_exact_coverage(records: dict[int, UpdateRecord], token_counts) -> Non
 class Background:
     """Runs a job on Ray on a thread, while the test acts on it (removes nodes, kills ranks) meanwhile."""
 
-    started: list[Background] = []  # every job started: a fixture finds one a failed test left running
-
     def __init__(self, spec, trace) -> None:
-        Background.started.append(self)
         self.spec, self.trace = spec, trace
         self.ledger = Ledger(open_storage(spec.storage), spec.job_id)  # polled: it parses each event once
         self.outcome, self.error = None, None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        # registered: the shared Ray's cleanup stops a job a failed test left running
+        self.thread = job_thread(self._run, spec.job_id)
 
     def _run(self) -> None:
         try:
@@ -152,10 +149,6 @@ class Background:
     def join(self) -> None:
         self.thread.join(timeout=300)
         assert not self.thread.is_alive()
-
-    @classmethod
-    def left_running(cls) -> list[Background]:
-        return [b for b in cls.started if b.thread.is_alive()]
 
 
 def hide_bundle_files(root: Path, job: str) -> list[Path]:

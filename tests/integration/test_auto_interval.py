@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ from spotrun.orchestrator.supervisor import Outcome
 from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import ROOT, make_spec
-from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
+from tests.helpers.ray_local import job_thread, ray_for_module  # noqa: F401 - the module's local Ray
 from tests.helpers.runs import hold
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
@@ -43,8 +42,7 @@ def run_bounded(spec, trace, timeout: float = 240) -> Outcome:
         except BaseException as e:  # re-raised on the test's thread
             result["error"] = e
 
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
+    thread = job_thread(target, spec.job_id)
     thread.join(timeout)
     assert not thread.is_alive(), f"the job did not finish in {timeout:g}s: no checkpoint was asked for"
     if "error" in result:

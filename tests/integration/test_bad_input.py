@@ -46,9 +46,18 @@ def refused(done: subprocess.CompletedProcess, *needles: str) -> None:
         assert n in err, f"{n!r} not in: {err}"
 
 
+@pytest.fixture(scope="module")
+def finished_once(tmp_path_factory):
+    """Job ``a`` run to its end once for the module (a run is a process start: seconds)."""
+    tmp = tmp_path_factory.mktemp("finished")
+    assert run(tmp, "a").returncode == 0
+    return tmp / "runs"
+
+
 @pytest.fixture
-def finished(tmp_path):
-    assert run(tmp_path, "a").returncode == 0
+def finished(tmp_path, finished_once):
+    """This test's own copy of the finished job's storage (at ``tmp_path/runs``, where ``run`` points)."""
+    shutil.copytree(finished_once, tmp_path / "runs")
     return tmp_path / "runs"
 
 

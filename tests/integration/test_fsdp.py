@@ -35,7 +35,9 @@ def tensor_bytes_per_rank(storage, key: str) -> dict[int, int]:
 
 
 def test_strict_fsdp_is_bitwise_under_kills_and_every_bundle_is_split(tmp_path, ray_address):
-    code, report, err = verify(tmp_path, *FSDP, "train.updates=16", "checkpoint.every_updates=3", kills=4,
+    # 2 faults (mid-accumulation, mid-microstep), each restart cold from a sharded bundle (a sharded model
+    # never restarts warm); a torn sharded bundle is the test below
+    code, report, err = verify(tmp_path, *FSDP, "train.updates=16", "checkpoint.every_updates=3", kills=2,
                                where=("--address", ray_address))
     assert code == 0, err
     assert report["verdict"] == "pass" and report["observed_contract"] == "exact"
@@ -54,7 +56,7 @@ def test_strict_fsdp_is_bitwise_under_kills_and_every_bundle_is_split(tmp_path, 
 
 
 def test_verify_fails_a_build_that_restores_every_rank_from_rank_0s_shard(tmp_path, ray_address):
-    code, report, err = verify(tmp_path, *FSDP, "train.updates=12", "checkpoint.every_updates=3", kills=3,
+    code, report, err = verify(tmp_path, *FSDP, "train.updates=12", "checkpoint.every_updates=3", kills=2,
                                where=("--mutate", "shard_rows", "--address", ray_address))
     assert report, err  # verify itself failed (the job did not run): its stderr says why
     assert report["restores_from_bundle"] > 0, "no restart restored a bundle: nothing was mutated"

@@ -1,5 +1,5 @@
 """The mlflow sink against a real `mlflow server` (SQLite backend, local artifact root; one per module,
-as is one local Ray): points reach MLflow only once a published bundle covers them, each exactly once
+the runs on the shared local Ray): points reach MLflow only once a published bundle covers them, each exactly once
 whatever the restarts, read back with ``MlflowClient.get_metric_history``; a send that reached MLflow
 without its record is not sent again; and verify fails a build that sends points as they are written."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import ray
 from mlflow import MlflowClient
 
 from spotrun.orchestrator.comparison import compare_metrics
@@ -25,7 +24,7 @@ from spotrun.trainer.spec import FaultSpec
 from spotrun.trainer.storage import open_storage
 from tests.conftest import ROOT, make_spec
 from tests.helpers.mlflow_server import mlflow_server
-from tests.helpers.ray_local import local_ray
+from tests.helpers.ray_local import ray_address  # noqa: F401 - the shared local Ray, for the runs
 from tests.helpers.runs import run_cmd, run_to_end
 
 pytestmark = pytest.mark.slow
@@ -33,20 +32,10 @@ EXPERIMENT = "spotrun-tests"
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """The module's MLflow server and local Ray, started side by side (each takes seconds)."""
-    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as server, local_ray(num_cpus=2):
-        yield server.wait(), ray.get_runtime_context().gcs_address
-
-
-@pytest.fixture(scope="module")
-def tracking_uri(servers):
-    return servers[0]
-
-
-@pytest.fixture(scope="module")
-def ray_address(servers):
-    return servers[1]
+def tracking_uri(tmp_path_factory):
+    """The module's MLflow server."""
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server.wait()
 
 
 def sinks(uri: str, kinds: str = "sqlite, jsonl, mlflow") -> tuple[str, ...]:

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import threading
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -28,7 +27,7 @@ from spotrun.trainer.storage import open_storage
 from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import ROOT, make_spec
 from tests.helpers.imds import AzureEvents, GcpMetadata, Imds
-from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
+from tests.helpers.ray_local import job_thread, ray_for_module  # noqa: F401 - the module's local Ray
 from tests.helpers.runs import hold, run_cmd, run_to_end, wait_until_held
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
@@ -71,9 +70,7 @@ def reference(tmp_path_factory):
 
 def run_in_background(spec, trace):
     result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("outcome", run_on_ray(spec, trace_path=str(trace))),
-                              daemon=True)
-    thread.start()
+    thread = job_thread(lambda: result.setdefault("outcome", run_on_ray(spec, trace_path=str(trace))), spec.job_id)
     return thread, result
 
 

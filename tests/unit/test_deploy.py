@@ -22,8 +22,6 @@ import re
 import shlex
 import subprocess
 import sys
-import threading
-import time
 import tomllib
 from pathlib import Path
 
@@ -406,30 +404,24 @@ def test_drain_on_stop_moves_a_running_job_off_the_node(tmp_path):
     """What Kubernetes does to a spot worker pod, minus Kubernetes: the preStop hook runs on rank 1's
     node; the job takes an emergency bundle, loses nothing, continues elastically on the other node,
     and the hook returns once no rank is left on its node."""
-    from ray.cluster_utils import Cluster
-
     from spotrun.orchestrator.launch import run_on_ray
     from spotrun.orchestrator.ledger import AttemptStarted, Ledger, NoticeHandled, Restored
     from spotrun.trainer.storage import open_storage
     from tests.conftest import make_spec
+    from tests.helpers.ray_local import job_thread, local_cluster
+    from tests.helpers.runs import hold, wait_until_held
 
-    spec = make_spec(tmp_path, "world.size=2", "world.policy=elastic", "world.min_size=1", "train.updates=400",
-                     "checkpoint.every_updates=100", "data.workers=1", "world.placement=STRICT_SPREAD",
-                     "world.restart_backoff_s=0.1", "preemption.drain_poll_s=0.1", job_id="prestop")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    try:
-        cluster.add_node(num_cpus=1)
-        cluster.add_node(num_cpus=1)
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
+    # Every rank holds before update 6's optimizer step until the drain is acted on: the job cannot
+    # finish before the hook has run, and the emergency bundle is update 6's (no periodic one is due).
+    spec = make_spec(tmp_path, "world.size=2", "world.policy=elastic", "world.min_size=1", "train.updates=10",
+                     "checkpoint.every_updates=1000", "data.workers=1", "world.placement=STRICT_SPREAD",
+                     "world.restart_backoff_s=0.1", "preemption.drain_poll_s=0.1", f"faults=[{hold(6)}]",
+                     job_id="prestop")
+    with local_cluster(workers=2) as cluster:
         outcome: dict = {}
-        job = threading.Thread(target=lambda: outcome.update(result=run_on_ray(spec)), daemon=True)
-        job.start()
+        job = job_thread(lambda: outcome.update(result=run_on_ray(spec)), spec.job_id)
         ledger = Ledger(open_storage(spec.storage), spec.job_id)
-        deadline = time.monotonic() + 120
-        while not [e for e in ledger.read() if isinstance(e, AttemptStarted)]:
-            assert job.is_alive() and time.monotonic() < deadline, "the job never started"
-            time.sleep(0.1)  # polling the ledger
+        wait_until_held(open_storage(spec.storage), spec.job_id, job.is_alive)
         node = [e for e in ledger.read() if isinstance(e, AttemptStarted)][-1].node_ids[1]
         hook = subprocess.run([sys.executable, str(DEPLOY / "drain_on_stop.py"), "--address", cluster.address,
                                "--node-id", node, "--deadline-s", "60", "--poll-s", "0.2"],
@@ -440,11 +432,8 @@ def test_drain_on_stop_moves_a_running_job_off_the_node(tmp_path):
         assert not job.is_alive() and outcome["result"].restarts == 1
         events = ledger.read()
         handled = next(e for e in events if isinstance(e, NoticeHandled))
-        assert handled.source == "ray-drain"
+        assert handled.source == "ray-drain" and handled.update == 6
         restored = next(e for e in events if isinstance(e, Restored))
         assert restored.lost_updates == 0 and restored.update == handled.update
         assert restored.world_size_after == 1 and node not in \
             [e for e in events if isinstance(e, AttemptStarted)][-1].node_ids
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
