@@ -45,11 +45,8 @@ def assert_chaos_passed(code: int, report: dict, err: str, updates: int) -> None
     assert report["metric_duplicates_written"] > 0  # the replays wrote points again; the sinks upserted them
     assert report["updates_compared"] == updates and report["restore_oracle"] == []
     assert len(report["restart_seconds"]) == report["restarts"] > 0
-    # every fault listed; at 16 sequences an update tiny's text is through about every 26 updates, and a
-    # fault is planned whose restore goes back across such a boundary
-    faults = report["faults"]
-    assert len(faults) == 24 and sum(f["delivered"] for f in faults) == report["faults_delivered"]
-    assert max(f["epoch"] for f in faults) >= 1 and any(f["restore_crosses_epoch"] for f in faults), faults
+    faults = report["faults"]  # every fault listed, delivery as counted
+    assert len(faults) == report["faults_planned"] and sum(f["delivered"] for f in faults) == report["faults_delivered"]
 
 
 def test_chaos_suite_every_site_once_strict_exact(tmp_path):
@@ -69,6 +66,10 @@ def test_chaos_soak_twenty_faults_every_site_strict_exact(tmp_path):
     code, report, err = verify(tmp_path, "train.updates=80", *CHAOS, kills=24, where=("--nodes", "3"))
     assert_chaos_passed(code, report, err, updates=80)
     assert report["faults_delivered"] >= 20 and report["faults_planned"] == 24
+    # at 16 sequences an update tiny's text is through about every 26 updates, and a fault is planned whose
+    # restore goes back across such a boundary
+    faults = report["faults"]
+    assert max(f["epoch"] for f in faults) >= 1 and any(f["restore_crosses_epoch"] for f in faults), faults
 
 
 def test_single_process_chaos(tmp_path):
