@@ -20,7 +20,8 @@ from tests.helpers.runs import assert_rank_output
 pytestmark = pytest.mark.slow
 EXAMPLES = {"digits": "examples/digits/digits.yaml", "bpe_lm": "examples/bpe_lm/bpe_lm.yaml",
             "center_loss": "examples/center_loss/center_loss.yaml", "hf_gpt2": "examples/hf_gpt2/hf_gpt2.yaml"}
-SHORT = ("train.updates=24", "checkpoint.every_updates=3")
+# a short restart backoff: the waits between restarts prove nothing here (the budgets' tests are elsewhere)
+SHORT = ("train.updates=24", "checkpoint.every_updates=3", "world.restart_backoff_s=0.1")
 
 
 def spotrun(*args: str, cwd: Path = ROOT, timeout: float = 900) -> subprocess.CompletedProcess:

@@ -145,7 +145,8 @@ def test_three_gloo_ranks_stay_bitwise_across_restarts(tmp_path, ray_address):
     all-reduce must still give every update bitwise after restarts (DDP does not: bench section 5).
     On the shared local Ray (its 3 CPUs: one a rank)."""
     code, report, err = verify(tmp_path, "train.updates=15", "checkpoint.every_updates=3", "world.size=3",
-                               "train.micro_batch=2", "train.accum_steps=2", kills=3, where=("--address", ray_address))
+                               "train.micro_batch=2", "train.accum_steps=2", "world.restart_backoff_s=0.1", kills=3,
+                               where=("--address", ray_address))
     assert code == 0, err
     assert report["verdict"] == "pass" and report["observed_contract"] == "exact"
     assert report["params_bitwise_equal"] is True and report["updates_compared"] == 15
