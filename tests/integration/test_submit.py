@@ -199,7 +199,7 @@ def test_submit_runs_the_deploy_spec_as_the_cluster_would(head, tmp_path):
         assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr[-4000:]}"
         doc = json.loads(p.stdout)
         assert doc["status"] == "SUCCEEDED" and doc["job_id"] == "gpt-char-spot"
-        assert doc["submission_id"] and doc["submission_id"] in p.stderr
+        assert doc["submission_id"] and f"as Ray job {doc['submission_id']}" in p.stderr
         assert head["token"] not in p.stdout + p.stderr
         assert imds.requests > 0, "the ranks never polled the spot interruption notice"
 
