@@ -47,8 +47,7 @@ def test_elastic_restores_and_labels_the_restore_unverified(tmp_path):
 def test_a_frozen_backbone_in_eval_mode_restores_bitwise(tmp_path):
     """Batch norm and dropout in a frozen backbone kept in eval(): a restore that set every submodule
     to the root's mode would train its statistics and drop its units from then on."""
-    # one fault: the restore it makes is what a mode-flattening restore would get wrong
-    code, report, err = verify(tmp_path, "configs/tiny.yaml", "--kills", "1", "--no-ray", "--seed", "1",
+    code, report, err = verify(tmp_path, "configs/tiny.yaml", "--kills", "3", "--no-ray", "--seed", "1",
                                sets=("train.updates=18", "checkpoint.every_updates=3", "data.workers=0",
                                      "job.entrypoint=tests.helpers.jobs:frozen_backbone"))
     assert code == 0, err[-3000:]
