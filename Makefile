@@ -26,7 +26,7 @@ soak: venv
 	$(PY) -m pytest -q -ra -m soak tests
 
 demo: venv
-	$(PY) -m spotrun.orchestrator.demo
+	$(PY) -m spotrun.orchestrator.cli.demo
 
 # Every benchmark, each printing its table; together they write bench/RESULTS.md and the README's
 # figures (~9 min on a quiet 2-core machine).

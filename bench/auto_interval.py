@@ -3,7 +3,7 @@
 A pure simulation (no Ray, no training): a job with a known update time and checkpoint cost runs
 through a week of preemptions drawn from a seed, once per checkpoint policy, and every policy sees
 the same preemptions. ``auto`` decides with the supervisor's own function
-(``spotrun.orchestrator.interval.decide``), from what it has seen so far only: the cost of each
+(``spotrun.orchestrator.policy.interval.decide``), from what it has seen so far only: the cost of each
 bundle it published, the preemptions before now (and whether a notice covered them), its run time.
 """
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.tables import Section, Stopwatch, Table, cli, fmt, median, pct
-from spotrun.orchestrator import interval
-from spotrun.orchestrator.ledger import IntervalDecision, IntervalInputs
-from spotrun.trainer.spec import CheckpointSpec
+from spotrun.orchestrator.ledger.store import IntervalDecision, IntervalInputs
+from spotrun.orchestrator.policy import interval
+from spotrun.trainer.job.spec import CheckpointSpec
 
 WEEK_S = 7 * 24 * 3600.0
 RESTART_S = 5.06  # bench 3: kill -> the first update after the restart (snapshot), the same for every policy
@@ -271,7 +271,7 @@ def _end_attempt(job: SimJob, policy: Fixed | Auto, a: Attempt, gap: Gap, r: Res
 INTRO = """
 `checkpoint.every_updates: auto` chooses the checkpoint interval from what the job measured: Young's
 interval, the square root of 2 × checkpoint cost × mean run time between preemptions that lose work,
-within `checkpoint.min_interval_s` .. `max_interval_s` (orchestrator/interval.py). This bench is a
+within `checkpoint.min_interval_s` .. `max_interval_s` (orchestrator/policy/interval.py). This bench is a
 simulation, no Ray and no training: a job with a known update time and checkpoint cost runs through a
 week of preemptions, exponential gaps of run time with a mean of 20 min or 4 h, with no notice or with
 a notice before 80 % of them (a noticed preemption finishes the update in flight, writes an emergency

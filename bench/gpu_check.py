@@ -40,8 +40,8 @@ def run(cmd: list[str], timeout: float) -> tuple[int, str, float]:
 
 
 def gpu_state(n_embd: int, state_bytes: float, root: Path):
-    from spotrun.orchestrator.specfile import load_spec
-    from spotrun.trainer.session import TrainSession
+    from spotrun.orchestrator.cli.specfile import load_spec
+    from spotrun.trainer.run.session import TrainSession
 
     spec = load_spec(ROOT / "configs/tiny.yaml", [
         f"storage=file://{root}", f"data.shards={ROOT / 'configs/data/tiny'}", "model.kind=factory",

@@ -29,9 +29,9 @@ from bench.s3_metrics import counting
 from bench.tables import Section, Stopwatch, Table, cli, fmt, ratio
 from spotrun.orchestrator.dashboard.access import open_readonly
 from spotrun.orchestrator.dashboard.views import Reader
-from spotrun.orchestrator.folding import DEFAULT_FOLD, FoldPolicy
-from spotrun.orchestrator.history import history
-from spotrun.orchestrator.ledger import (
+from spotrun.orchestrator.ledger.folding import DEFAULT_FOLD, FoldPolicy
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import (
     AttemptStarted,
     BundlePublished,
     Event,

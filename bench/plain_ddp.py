@@ -86,8 +86,8 @@ def _dataset(job: Any, spec: Any) -> tuple[Dataset, Any]:
 
 
 def _rank(rank: int, world: int, port: int, config: str, sets: list[str], out: str) -> None:
-    from spotrun.orchestrator.specfile import load_spec
-    from spotrun.trainer.job import build_job
+    from spotrun.orchestrator.cli.specfile import load_spec
+    from spotrun.trainer.job.contract import build_job
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -61,8 +61,8 @@ VARIANTS = (System("Ray Train, loader without the fix", poll_s=FAST_POLL_S, load
 def spotrun_job(root: Path, job_id: str, shape: Shape, every: int, kill: bool, spares: int = 0) -> Run:
     """spotrun with its defaults (restart backoff included) and ``spares`` spares; the JSONL sink keeps the
     timed write log."""
-    from spotrun.orchestrator.launch import run_on_ray
-    from spotrun.orchestrator.specfile import load_spec
+    from spotrun.orchestrator.cli.specfile import load_spec
+    from spotrun.orchestrator.control.launch import run_on_ray
     from spotrun.trainer.storage import open_storage
 
     sets = [f"storage=file://{root}", f"data.shards={ROOT / 'configs/data/tiny'}", f"world.size={WORLD}",
@@ -83,7 +83,7 @@ def spotrun_job(root: Path, job_id: str, shape: Shape, every: int, kill: bool, s
 
 def peer_config(out: Path, shape: Shape, every: int, kill: bool, system: System) -> dict:
     """The same job as configs/tiny.yaml at world size 2 (model, seq_len, micro-batch, accumulation, lr)."""
-    from spotrun.orchestrator.specfile import load_spec
+    from spotrun.orchestrator.cli.specfile import load_spec
 
     spec = load_spec(ROOT / "configs/tiny.yaml", [f"data.shards={ROOT / 'configs/data/tiny'}"], "peer")
     return {"out": str(out), "shards": spec.data.shards, "vocab": spec.data.vocab, "seq_len": spec.data.seq_len,
@@ -127,7 +127,7 @@ def run(shape: Shape, scratch: Path) -> dict:
     fair: dict[str, dict[str, list[dict]]] = {str(k): {SPOTRUN.label: [], PEER.label: []} for k in shape.intervals}
     variants: dict[str, list[dict]] = {PEER.label: [], **{v.label: [] for v in VARIANTS}}
     warm: dict[str, list[dict]] = {SPOTRUN.label: [], SPOTRUN_SPARE.label: [], PEER.label: []}
-    # spotrun's ranks undo Ray's worker niceness 15 (orchestrator/priority.py); Ray Train's workers
+    # spotrun's ranks undo Ray's worker niceness 15 (orchestrator/workers/priority.py); Ray Train's workers
     # get niceness 0 too, as a user can give them, so that neither side yields the CPU to the other.
     os.environ["RAY_worker_niceness"] = "0"
     ray.init(address="local", num_cpus=WORLD + 1, include_dashboard=False, log_to_driver=False,

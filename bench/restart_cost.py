@@ -102,8 +102,8 @@ def kill_fault(update: int, rank: int = 1) -> str:
 
 def ray_kill(mode: str, workers: int, root: Path, updates: int, kill_at: int) -> dict[str, Any]:
     """A 2-rank job whose rank 1 dies before update ``kill_at``; the restart's timeline in seconds."""
-    from spotrun.orchestrator.launch import run_on_ray
-    from spotrun.orchestrator.specfile import load_spec
+    from spotrun.orchestrator.cli.specfile import load_spec
+    from spotrun.orchestrator.control.launch import run_on_ray
     from spotrun.trainer.storage import open_storage
 
     job_id = f"restart-{mode}-w{workers}"
@@ -122,7 +122,7 @@ def ray_kill(mode: str, workers: int, root: Path, updates: int, kill_at: int) ->
 
 
 def timeline(spec, storage, job_id: str, killed_at: float, kill_at: int) -> dict[str, Any]:
-    from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored, WorkerLost
+    from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger, Restored, WorkerLost
     from spotrun.trainer.metrics import SqliteSink, metrics_dir
 
     events = Ledger(storage, job_id).read()
@@ -184,10 +184,10 @@ def path_kill(path: str, cluster, root: Path, updates: int, hold_at: int) -> dic
     cluster. The restart's timeline in seconds, from the removal; the node is added back after."""
     import threading
 
-    from spotrun.orchestrator.launch import run_on_ray
-    from spotrun.orchestrator.ledger import AttemptStarted, BundlePublished, Ledger, SparesReady
-    from spotrun.orchestrator.specfile import load_spec
-    from spotrun.trainer.faults import FaultLog
+    from spotrun.orchestrator.cli.specfile import load_spec
+    from spotrun.orchestrator.control.launch import run_on_ray
+    from spotrun.orchestrator.ledger.store import AttemptStarted, BundlePublished, Ledger, SparesReady
+    from spotrun.trainer.run.faults import FaultLog
     from spotrun.trainer.storage import open_storage
 
     published = hold_at - 1 - (hold_at - 1) % 5
@@ -226,7 +226,7 @@ def path_kill(path: str, cluster, root: Path, updates: int, hold_at: int) -> dic
 
 
 def path_timeline(spec, storage, killed_at: float, hold_at: int, path: str) -> dict[str, Any]:
-    from spotrun.orchestrator.ledger import AttemptStarted, Ledger, Restored, WorkerLost
+    from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger, Restored, WorkerLost
     from spotrun.trainer.metrics import SqliteSink, metrics_dir
 
     events = Ledger(storage, "job").read()
@@ -261,8 +261,8 @@ def training_cost(events, points, storage) -> dict[str, float]:
     """What checkpointing cost attempt 1 before the loss: rank 0's stall per bundle, the update after a
     checkpoint against the others (rank 1's extra copy of the replicated state shows there: the ranks
     meet in every all-reduce), and the bytes of the replicated model and optimizer each copy holds."""
-    from spotrun.orchestrator.ledger import BundlePublished
-    from spotrun.trainer.bundle import list_bundles, read_manifest
+    from spotrun.orchestrator.ledger.store import BundlePublished
+    from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
 
     at = {p.update: p.at.timestamp() for p in points}
     steps = {u: at[u] - at[u - 1] for u in at if u - 1 in at and u > 2}

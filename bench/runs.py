@@ -87,10 +87,10 @@ def checkpoint_figures(reference: Run, every: int) -> dict[str, float]:
 
 
 def spotrun_run(spec, trace: Path, outcome, killed_at: float | None) -> Run:
-    from spotrun.orchestrator.ledger import BundlePublished, Ledger
+    from spotrun.orchestrator.ledger.store import BundlePublished, Ledger
     from spotrun.trainer.metrics import SqliteSink, metrics_dir
+    from spotrun.trainer.observe.trace import read_trace
     from spotrun.trainer.storage import open_storage
-    from spotrun.trainer.trace import read_trace
 
     folder = metrics_dir(spec.storage, spec.job_id, spec.metrics.local_dir)
     times = {(p["update"], p["attempt"]): _epoch(p["at"]) for p in read_jsonl(folder / "metrics.jsonl")
@@ -150,7 +150,7 @@ def peer_pid(out: Path, rank: int):
 
 
 def first_attempt_pid(storage, job_id: str, rank: int):
-    from spotrun.orchestrator.ledger import AttemptStarted, Ledger
+    from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger
 
     ledger = Ledger(storage, job_id)
 

@@ -129,8 +129,8 @@ def plain_run(job: Job, world: int, shape: Shape, folder: Path) -> Window:
 
 
 def spotrun_run(job: Job, world: int, shape: Shape, folder: Path, *, on_ray: bool) -> Window:
-    from spotrun.orchestrator.launch import run_in_process, run_on_ray
-    from spotrun.orchestrator.specfile import load_spec
+    from spotrun.orchestrator.cli.specfile import load_spec
+    from spotrun.orchestrator.control.launch import run_in_process, run_on_ray
     from spotrun.trainer.metrics import SqliteSink, metrics_dir
 
     updates = shape.warmup + shape.timed
@@ -147,7 +147,7 @@ def spotrun_run(job: Job, world: int, shape: Shape, folder: Path, *, on_ray: boo
 def ray_train_run(job: Job, world: int, shape: Shape, folder: Path) -> Window:
     from bench.peer_loop import fit
     from bench.runs import read_jsonl
-    from spotrun.orchestrator.specfile import load_spec
+    from spotrun.orchestrator.cli.specfile import load_spec
 
     updates = shape.warmup + shape.timed
     sets = spec_sets(job, world, updates, folder)
@@ -328,7 +328,7 @@ figures of one update on one rank):
 - **Ray's worker niceness.** Ray starts worker processes at niceness 15, so every other process of
   a busy node (here: other work on the shared machine) won the CPU from a rank and from its loader
   worker, forked from it. A rank actor now sets every thread of its process back to niceness 0
-  (orchestrator/priority.py; it warns where it may not: start Ray with `RAY_worker_niceness=0`).
+  (orchestrator/workers/priority.py; it warns where it may not: start Ray with `RAY_worker_niceness=0`).
 - **Seeding the global streams at every microstep** went through `torch.manual_seed`, which on a
   CPU rank formats the caller's stack for CUDA's lazy seeding each time: now the CPU generator is
   seeded directly where no CUDA device can be used (the same streams; a test compares them).

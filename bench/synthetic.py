@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spotrun.orchestrator.specfile import load_spec
-from spotrun.trainer.session import TrainSession
-from spotrun.trainer.spec import ModelSpec
+from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.trainer.job.spec import ModelSpec
+from spotrun.trainer.run.session import TrainSession
 
 ROOT = Path(__file__).resolve().parent.parent
 

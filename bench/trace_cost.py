@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.tables import ROOT, Job, Section, Stopwatch, Table, cli, fmt, median, pct, ratio, work_folder
-from spotrun.orchestrator.launch import run_in_process
-from spotrun.orchestrator.specfile import load_spec
-from spotrun.trainer import loop
+from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.trainer.metrics import SqliteSink, metrics_dir
+from spotrun.trainer.run import loop
 
 FULL = (
     Job("tiny (1-layer GPT, micro-batch 4 × 2, seq 32)", "configs/tiny.yaml", ("data.workers=1",), 200, 10, 5),

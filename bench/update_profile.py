@@ -24,18 +24,18 @@ from bench.tables import ROOT
 
 # part -> the functions whose cumulative time it is ((file suffix, function name); the first found counts)
 PARTS: dict[str, list[tuple[str, str]]] = {
-    "next batch from the loader": [("trainer/session.py", "_counting")],
-    "forward (the job's step)": [("trainer/loop.py", "forward")],
+    "next batch from the loader": [("trainer/run/session.py", "_counting")],
+    "forward (the job's step)": [("trainer/run/loop.py", "forward")],
     "backward": [("torch/_tensor.py", "backward")],
-    "sync, clip, optimizer and scheduler step": [("trainer/loop.py", "_step")],
-    "seeding the global streams per microstep": [("trainer/rng.py", "seed_all")],
-    "loss mean and boundary flags (collective)": [("trainer/collective.py", "mean_and_agree"),
-                                                  ("trainer/collective.py", "mean")],
+    "sync, clip, optimizer and scheduler step": [("trainer/run/loop.py", "_step")],
+    "seeding the global streams per microstep": [("trainer/state/rng.py", "seed_all")],
+    "loss mean and boundary flags (collective)": [("trainer/run/collective.py", "mean_and_agree"),
+                                                  ("trainer/run/collective.py", "mean")],
     "metric points: build": [("trainer/metrics/points.py", "points_of")],
-    "metric points: write (training thread)": [("trainer/metric_writer.py", "write"),
+    "metric points: write (training thread)": [("trainer/metrics/writer.py", "write"),
                                                ("trainer/metrics/sinks.py", "write")],
 }
-TOTAL = ("trainer/rank.py", "run")
+TOTAL = ("trainer/run/rank.py", "run")
 
 
 def _cumulative(stats: pstats.Stats, suffix: str, name: str) -> float | None:
@@ -46,9 +46,9 @@ def _cumulative(stats: pstats.Stats, suffix: str, name: str) -> float | None:
 
 def profile_updates(config: str, sets: list[str], updates: int, folder: Path) -> dict[str, float]:
     """Milliseconds per update of each part (and ``total``), under cProfile."""
-    from spotrun.orchestrator.launch import run_in_process
-    from spotrun.orchestrator.specfile import load_spec
-    from spotrun.trainer import rank
+    from spotrun.orchestrator.cli.specfile import load_spec
+    from spotrun.orchestrator.control.launch import run_in_process
+    from spotrun.trainer.run import rank
 
     spec = load_spec(ROOT / config, [*sets, f"storage=file://{folder}", f"train.updates={updates}",
                                      f"checkpoint.every_updates={updates + 1}"], "profile")

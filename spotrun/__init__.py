@@ -14,9 +14,9 @@ job); a job never needs to import them.
 from spotrun.trainer import __version__
 from spotrun.trainer.data.kinds import DataError, MapData, StreamData, TokenData
 from spotrun.trainer.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
-from spotrun.trainer.job import BuildContext, Job, JobError
-from spotrun.trainer.spec import JobSpec, ModelSpec
-from spotrun.trainer.stateful import Stateful
+from spotrun.trainer.job.contract import BuildContext, Job, JobError
+from spotrun.trainer.job.spec import JobSpec, ModelSpec
+from spotrun.trainer.state.stateful import Stateful
 
 __all__ = [
     "BuildContext", "CharTokenizer", "DataError", "HFTokenizer", "Job", "JobError", "JobSpec", "MapData",

@@ -2,6 +2,6 @@
 
 import sys
 
-from spotrun.orchestrator.cli import main
+from spotrun.orchestrator.cli.main import main
 
 sys.exit(main())

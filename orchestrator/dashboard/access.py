@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlparse, urlunparse
 
-from spotrun.trainer.digest import DEFAULT
+from spotrun.trainer.bundle.digest import DEFAULT
 from spotrun.trainer.storage import LocalStorage, Storage, StorageError, UnsafeKeyError, check_key
 
 # The JobSpec's own rule for job ids: a plain name, never "." or "..", never a path.

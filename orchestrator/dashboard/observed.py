@@ -1,7 +1,7 @@
 """The dashboard's view of each attempt and restart: what history says, with times observed.
 
 How far an attempt got and what a restart lost are history's figures (one definition, in
-:mod:`spotrun.orchestrator.losses`, read from the ledger and the metric log), shown as they are.
+:mod:`spotrun.orchestrator.ledger.losses`, read from the ledger and the metric log), shown as they are.
 What this adds are wall-clock readings from the metric points (seconds):
 
 - an attempt's **span**: from its ``attempt_started`` event to its last sign of life
@@ -16,7 +16,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from spotrun.orchestrator.dashboard.points import Points, last_write_by_attempt
+from spotrun.orchestrator.ledger.points import Points, last_write_by_attempt
 
 
 def _t(value: str | None) -> datetime | None:

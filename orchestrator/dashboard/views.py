@@ -3,7 +3,7 @@
 :class:`Reader` holds what outlives a request (the storage, the checksum verdicts,
 parsed metric logs, each job's ledger). Each view reads the job afresh, so a refresh
 shows a running job's progress, fetching only what was written since the last one.
-``history`` is :func:`spotrun.orchestrator.history.history` unchanged: the same fields
+``history`` is :func:`spotrun.orchestrator.ledger.history.history` unchanged: the same fields
 ``spotrun history --json`` prints.
 """
 
@@ -17,12 +17,12 @@ from typing import Any
 from spotrun.orchestrator.dashboard import observed
 from spotrun.orchestrator.dashboard.access import JobNotFound, job_ids, require_job
 from spotrun.orchestrator.dashboard.checksums import ChecksumCache
-from spotrun.orchestrator.dashboard.points import LogCache, ObjectCache, Points, read_points, replaced
-from spotrun.orchestrator.history import history
-from spotrun.orchestrator.ledger import CorruptEvent, Ledger
-from spotrun.trainer.bundle import BundleError, list_bundles, read_manifest
-from spotrun.trainer.manifest import ManifestError
-from spotrun.trainer.ranklog import list_rank_logs, read_rank_log
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.points import LogCache, ObjectCache, Points, read_points, replaced
+from spotrun.orchestrator.ledger.store import CorruptEvent, Ledger
+from spotrun.trainer.bundle.bundles import BundleError, list_bundles, read_manifest
+from spotrun.trainer.bundle.manifest import ManifestError
+from spotrun.trainer.observe.ranklog import list_rank_logs, read_rank_log
 from spotrun.trainer.storage import Storage
 
 QUIET_AFTER_S = 300.0  # a "running" job silent this long is flagged: its driver may be gone

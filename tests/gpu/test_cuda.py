@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spotrun.orchestrator.launch import run_in_process
-from spotrun.trainer.bundle import list_bundles, load_bundle
-from spotrun.trainer.session import TrainSession
+from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.trainer.bundle.bundles import list_bundles, load_bundle
+from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
+from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import make_spec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")]
@@ -75,7 +75,7 @@ def test_a_buffer_copy_is_from_the_boundary_even_when_the_next_forward_updates_i
     """A buffer (batch-norm statistics) is copied on the training stream: an update of it queued right
     after the capture, as the next forward's, cannot reach the copy. 256 MB, so that a copy on
     another stream would still be reading when the update ran."""
-    from spotrun.trainer.state import HostBuffers
+    from spotrun.trainer.state.training import HostBuffers
 
     host = HostBuffers("cuda:0")
     running = torch.zeros(64 * 2**20, device="cuda:0")
@@ -98,7 +98,7 @@ def test_a_session_built_in_a_fresh_process_runs_deterministic_gemms(tmp_path):
     from tests.conftest import ROOT
 
     code = ("import sys; from tests.conftest import make_spec; from pathlib import Path; "
-            "from spotrun.trainer.session import TrainSession; "
+            "from spotrun.trainer.run.session import TrainSession; "
             f"spec = make_spec(Path({str(tmp_path)!r}), *{GPU!r}, job_id='cublas'); "
             "s = TrainSession(spec, device='cuda:0'); s.start(); s.run_update(); s.close()")
     env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}

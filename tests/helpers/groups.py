@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from spotrun.orchestrator.groups import RankLost
-from spotrun.trainer.description import versions
-from spotrun.trainer.manifest import Versions
-from spotrun.trainer.rank import Report
+from spotrun.orchestrator.workers.groups import RankLost
+from spotrun.trainer.bundle.manifest import Versions
+from spotrun.trainer.run.rank import Report
+from spotrun.trainer.state.description import versions
 
 
 class ScriptedGroup:

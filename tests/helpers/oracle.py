@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from spotrun.orchestrator.launch import run_in_process
-from spotrun.trainer.bundle import list_bundles, load_bundle
-from spotrun.trainer.session import TrainSession
-from spotrun.trainer.spec import JobSpec
+from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.trainer.bundle.bundles import list_bundles, load_bundle
+from spotrun.trainer.job.spec import JobSpec
+from spotrun.trainer.observe.trace import UpdateRecord, read_trace
+from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import UpdateRecord, read_trace
 
 
 def reference_run(spec: JobSpec, trace_path) -> tuple[list[UpdateRecord], list[str]]:

@@ -11,13 +11,13 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from spotrun.orchestrator.launch import run_on_ray
-from spotrun.orchestrator.ledger import BundlePublished, Ledger
-from spotrun.trainer.bundle import list_bundles
-from spotrun.trainer.faults import FaultLog
-from spotrun.trainer.ranklog import list_rank_logs, read_rank_log
+from spotrun.orchestrator.control.launch import run_on_ray
+from spotrun.orchestrator.ledger.store import BundlePublished, Ledger
+from spotrun.trainer.bundle.bundles import list_bundles
+from spotrun.trainer.observe.ranklog import list_rank_logs, read_rank_log
+from spotrun.trainer.observe.trace import UpdateRecord
+from spotrun.trainer.run.faults import FaultLog
 from spotrun.trainer.storage import Storage, open_storage
-from spotrun.trainer.trace import UpdateRecord
 from tests.conftest import ROOT
 from tests.helpers.ray_local import job_thread
 

@@ -18,7 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-from spotrun.orchestrator.supervisor import Running, Supervisor
+from spotrun.orchestrator.control.supervisor import Running, Supervisor
 from tests.conftest import make_spec
 from tests.helpers.groups import ScriptedGroup
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from spotrun.orchestrator.launch import run_on_ray
-from spotrun.orchestrator.ledger import BundlePublished, IntervalChosen, Ledger, Restored
-from spotrun.orchestrator.supervisor import Outcome
+from spotrun.orchestrator.control.launch import run_on_ray
+from spotrun.orchestrator.control.supervisor import Outcome
+from spotrun.orchestrator.ledger.store import BundlePublished, IntervalChosen, Ledger, Restored
+from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import ROOT, make_spec
 from tests.helpers.ray_local import job_thread, ray_for_module  # noqa: F401 - the module's local Ray
 from tests.helpers.runs import hold

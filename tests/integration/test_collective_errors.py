@@ -13,9 +13,9 @@ import threading
 import pytest
 import ray
 
-from spotrun.orchestrator.groups import RankFailed, RankLost
-from spotrun.orchestrator.raygroup import RayGroup
-from spotrun.trainer.rank import Report
+from spotrun.orchestrator.workers.groups import RankFailed, RankLost
+from spotrun.orchestrator.workers.raygroup import RayGroup
+from spotrun.trainer.run.rank import Report
 from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]

@@ -12,7 +12,7 @@ pytest.importorskip("spotrun.trainer.storage.s3", reason="the S3 backend is not 
 s3_helpers = pytest.importorskip("tests.helpers.s3", reason="the S3 test helpers are not in this build")
 
 from spotrun.orchestrator.dashboard import create_app  # noqa: E402
-from spotrun.orchestrator.ledger import AttemptStarted, Ledger  # noqa: E402
+from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger  # noqa: E402
 from spotrun.trainer.metrics import MetricPoint, S3Sink, points_of  # noqa: E402
 from spotrun.trainer.storage.s3 import S3Storage  # noqa: E402
 
@@ -99,8 +99,8 @@ def test_history_bundles_and_inspect_read_a_job_on_s3_through_the_endpoint(moto,
     history, bundles and inspect (each --json document names the job's own bundle)."""
     import json
 
-    from spotrun.orchestrator.cli import main
-    from spotrun.orchestrator.launch import run_in_process
+    from spotrun.orchestrator.cli.main import main
+    from spotrun.orchestrator.control.launch import run_in_process
     from tests.conftest import make_spec
 
     uri = f"s3://{bucket}/runs"

@@ -12,11 +12,11 @@ from collections import defaultdict
 
 import pytest
 
-from spotrun.orchestrator.divergence import first_stage
-from spotrun.orchestrator.ledger import BundleRejected, Ledger, Restored
-from spotrun.trainer.bundle import list_bundles, read_manifest
+from spotrun.orchestrator.ledger.store import BundleRejected, Ledger, Restored
+from spotrun.orchestrator.verify.divergence import first_stage
+from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
+from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.helpers.ray_local import ray_address  # noqa: F401 - the module's local Ray
 from tests.helpers.runs import run_cmd, run_to_end
 from tests.integration.test_verify import verify

@@ -10,9 +10,9 @@ import subprocess
 
 import pytest
 
-from spotrun.orchestrator.ledger import Ledger, NoticeHandled, Restored
+from spotrun.orchestrator.ledger.store import Ledger, NoticeHandled, Restored
+from spotrun.trainer.observe.trace import read_trace
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import read_trace
 from tests.conftest import ROOT
 from tests.helpers.ray_local import ray_address  # noqa: F401 - the module's local Ray, for the reruns
 from tests.helpers.runs import hold, run_cmd, run_to_end, wait_until_held

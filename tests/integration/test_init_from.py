@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from spotrun.trainer.bundle import list_bundles, load_bundle, read_manifest
+from spotrun.trainer.bundle.bundles import list_bundles, load_bundle, read_manifest
 from spotrun.trainer.storage import LocalStorage
 from tests.conftest import ROOT
 from tests.helpers.runs import run_cmd, run_to_end

@@ -11,10 +11,10 @@ import os
 import subprocess
 import sys
 
-from spotrun.orchestrator.cli import main
-from spotrun.trainer.bundle import list_bundles
+from spotrun.orchestrator.cli.main import main
+from spotrun.trainer.bundle.bundles import list_bundles
+from spotrun.trainer.observe.trace import read_trace
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import read_trace
 from tests.conftest import ROOT
 from tests.helpers.runs import run_cmd, run_to_end
 

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from spotrun.orchestrator.ledger import Ledger, Restored
-from spotrun.trainer.bundle import list_bundles
+from spotrun.orchestrator.ledger.store import Ledger, Restored
+from spotrun.trainer.bundle.bundles import list_bundles
 from spotrun.trainer.data.listing import scan
+from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import ROOT
 from tests.helpers.runs import assert_exact_coverage, hold, kill_when_held, run_cmd, run_to_end
 

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("spotrun.trainer.storage.s3", reason="the S3 backend is not in this build")
 s3_helpers = pytest.importorskip("tests.helpers.s3", reason="the S3 test helpers are not in this build")
 
-from spotrun.orchestrator.ledger import Ledger  # noqa: E402
+from spotrun.orchestrator.ledger.store import Ledger  # noqa: E402
 from spotrun.trainer.storage.s3 import S3Storage  # noqa: E402
 from tests.helpers.ledger import POLICY, event, names, segment, singles  # noqa: E402
 

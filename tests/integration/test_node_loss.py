@@ -15,11 +15,10 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from spotrun.orchestrator.divergence import explain, first_stage
-from spotrun.orchestrator.groups import RankFailed
-from spotrun.orchestrator.history import history
-from spotrun.orchestrator.launch import run_on_ray
-from spotrun.orchestrator.ledger import (
+from spotrun.orchestrator.control.launch import run_on_ray
+from spotrun.orchestrator.control.supervisor import JobFailedError
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import (
     AttemptStarted,
     CapacityWait,
     JobFailed,
@@ -30,11 +29,12 @@ from spotrun.orchestrator.ledger import (
     TopologyChanged,
     WorkerLost,
 )
-from spotrun.orchestrator.raygroup import available_rank_slots, room_for_more_ranks
-from spotrun.orchestrator.supervisor import JobFailedError
-from spotrun.trainer.bundle import list_bundles, load_bundle
+from spotrun.orchestrator.verify.divergence import explain, first_stage
+from spotrun.orchestrator.workers.groups import RankFailed
+from spotrun.orchestrator.workers.raygroup import available_rank_slots, room_for_more_ranks
+from spotrun.trainer.bundle.bundles import list_bundles, load_bundle
+from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import make_spec
 from tests.helpers.ray_local import local_cluster
 from tests.helpers.runs import Background, assert_rank_output, hide_bundle_files, hold

@@ -14,11 +14,11 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from spotrun.orchestrator.dashboard import create_app
-from spotrun.orchestrator.goodput import TERMS
-from spotrun.orchestrator.history import history
+from spotrun.orchestrator.ledger.goodput import TERMS
+from spotrun.orchestrator.ledger.history import history
 from spotrun.trainer.metrics import JsonlSink, TensorBoardSink
+from spotrun.trainer.observe.trace import latest_per_update, read_trace
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import latest_per_update, read_trace
 from tests.helpers.runs import run_cmd, run_to_end
 
 pytestmark = pytest.mark.slow

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from spotrun.orchestrator.control.launch import run_on_ray
 from spotrun.orchestrator.dashboard import create_app
-from spotrun.orchestrator.history import history
-from spotrun.orchestrator.launch import run_on_ray
-from spotrun.orchestrator.ledger import (
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import (
     AttemptStarted,
     BundlePublished,
     BundleRejected,
@@ -24,10 +24,10 @@ from spotrun.orchestrator.ledger import (
     SparesReady,
     WorkerLost,
 )
-from spotrun.trainer.bundle import list_bundles
-from spotrun.trainer.faults import FaultLog
+from spotrun.trainer.bundle.bundles import list_bundles
+from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
+from spotrun.trainer.run.faults import FaultLog
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import make_spec
 from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
 from tests.helpers.runs import Background, hide_bundle_files, hold
@@ -129,7 +129,7 @@ def test_a_rank_s_death_a_written_bundle_and_the_job_s_end_are_seen_without_wait
     ranks' news would publish nothing before the kill and restart from the beginning."""
     import time
 
-    from spotrun.orchestrator.raygroup import RayGroup
+    from spotrun.orchestrator.workers.raygroup import RayGroup
 
     monkeypatch.setattr(RayGroup, "poll_interval_s", 60.0)
     spec = make_spec(tmp_path, "world.size=2", "train.updates=12", "checkpoint.every_updates=2", "data.workers=0",
@@ -152,8 +152,8 @@ def test_a_notice_to_the_driver_ends_the_wait_between_polls(tmp_path, monkeypatc
     import threading
     import time
 
-    from spotrun.orchestrator.ledger import AttemptStarted, NoticeHandled
-    from spotrun.orchestrator.raygroup import NEWS_WAIT_S, RayGroup
+    from spotrun.orchestrator.ledger.store import AttemptStarted, NoticeHandled
+    from spotrun.orchestrator.workers.raygroup import NEWS_WAIT_S, RayGroup
 
     monkeypatch.setattr(RayGroup, "poll_interval_s", 60.0)
     spec = make_spec(tmp_path, "world.size=2", "train.updates=1000000", "checkpoint.every_updates=1000000",

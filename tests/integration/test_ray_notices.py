@@ -13,9 +13,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from spotrun.orchestrator.history import history
-from spotrun.orchestrator.launch import run_on_ray
-from spotrun.orchestrator.ledger import (
+from spotrun.orchestrator.control.launch import run_on_ray
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import (
     AttemptStarted,
     BundlePublished,
     Ledger,
@@ -23,8 +23,8 @@ from spotrun.orchestrator.ledger import (
     NoticeSeen,
     Restored,
 )
+from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import ROOT, make_spec
 from tests.helpers.imds import AzureEvents, GcpMetadata, Imds
 from tests.helpers.ray_local import job_thread, ray_for_module  # noqa: F401 - the module's local Ray

@@ -14,12 +14,12 @@ from datetime import datetime
 import pytest
 from fastapi.testclient import TestClient
 
-from spotrun.orchestrator.cli import main
+from spotrun.orchestrator.cli.main import main
+from spotrun.orchestrator.control.supervisor import Supervisor
 from spotrun.orchestrator.dashboard import create_app
-from spotrun.orchestrator.history import history
-from spotrun.orchestrator.ledger import AttemptStarted, Ledger
-from spotrun.orchestrator.supervisor import Supervisor
-from spotrun.trainer.rank import Report
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger
+from spotrun.trainer.run.rank import Report
 from spotrun.trainer.storage import open_storage
 from tests.conftest import make_spec
 from tests.helpers.groups import ScriptedGroup

@@ -7,13 +7,13 @@ import os
 
 import pytest
 
-from spotrun.orchestrator.launch import run_on_ray
-from spotrun.orchestrator.ledger import BundlePublished, JobFinished, Ledger, Restored, WorkerLost
-from spotrun.orchestrator.offsets import OffsetsStore
-from spotrun.trainer.bundle import list_bundles, read_manifest
+from spotrun.orchestrator.control.launch import run_on_ray
+from spotrun.orchestrator.ledger.store import BundlePublished, JobFinished, Ledger, Restored, WorkerLost
+from spotrun.orchestrator.publish.offsets import OffsetsStore
+from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
 from spotrun.trainer.metrics import S3Sink
+from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import ROOT, make_spec
 from tests.helpers.ray_local import local_ray
 from tests.helpers.runs import assert_exact_coverage

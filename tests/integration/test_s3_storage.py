@@ -15,7 +15,7 @@ import threading
 import pytest
 from boto3.s3.transfer import TransferConfig
 
-from spotrun.orchestrator.launch import run_in_process
+from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.trainer.metrics import S3Sink, open_sinks, points_of
 from spotrun.trainer.storage import StorageError, UnsafeKeyError, open_storage
 from spotrun.trainer.storage.s3 import MiB, RetryPolicy, S3Storage
@@ -48,7 +48,7 @@ def test_put_chunks_stores_the_concatenation_and_returns_its_digest(moto, bucket
     import hashlib
     import os
 
-    from spotrun.trainer.digest import CHUNK_BYTES, SHA256
+    from spotrun.trainer.bundle.digest import CHUNK_BYTES, SHA256
     from tests.conftest import chunked_sha256
 
     s = storage(moto, bucket, transfer=SMALL_PARTS)
@@ -384,7 +384,7 @@ def test_s3_sink_needs_s3_storage(tmp_path):
 def test_a_rank_log_on_s3_is_written_in_segments_and_reads_back_whole(moto, bucket, monkeypatch):
     """A rank log's open segment is one object rewritten as it grows, closed at its size; the log reads
     back as the rank wrote it (what the dashboard serves)."""
-    from spotrun.trainer import ranklog
+    from spotrun.trainer.observe import ranklog
 
     monkeypatch.setattr(ranklog, "SEGMENT_BYTES", 40)
     s = storage(moto, bucket)

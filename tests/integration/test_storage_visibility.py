@@ -20,10 +20,10 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from spotrun.orchestrator.ledger import AttemptStarted, JobFailed, Ledger, RunRefused
-from spotrun.trainer.bundle import list_bundles
+from spotrun.orchestrator.ledger.store import AttemptStarted, JobFailed, Ledger, RunRefused
+from spotrun.trainer.bundle.bundles import list_bundles
 from spotrun.trainer.storage import LocalStorage
-from spotrun.trainer.visibility import probes_prefix
+from spotrun.trainer.storage.visibility import probes_prefix
 from tests.helpers.ray_local import local_cluster
 from tests.helpers.runs import run_cmd, run_to_end
 

@@ -11,11 +11,11 @@ from collections import defaultdict
 
 import pytest
 
-from spotrun.orchestrator.ledger import Ledger, Restored
-from spotrun.trainer.bundle import list_bundles, read_manifest
+from spotrun.orchestrator.ledger.store import Ledger, Restored
+from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
 from spotrun.trainer.data.listing import scan
+from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from spotrun.trainer.storage import LocalStorage, open_storage
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
 from tests.conftest import ROOT
 from tests.helpers.runs import run_cmd, run_to_end
 from tests.helpers.s3 import DUMMY_CREDENTIALS, MotoServer

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from spotrun.orchestrator.cli import main
+from spotrun.orchestrator.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent

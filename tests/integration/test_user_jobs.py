@@ -168,9 +168,9 @@ def test_without_ray_what_a_rank_prints_and_warns_reaches_the_terminal_prefixed_
 def test_a_step_that_calls_backward_fails_once_on_ray_naming_the_contract(tmp_path, ray_address):
     """loss.backward() in the step, on 2 Ray ranks: one attempt, which fails at update 1 with the JobError
     naming the contract; bad input, so nothing restarts (no loss recorded, no failure budget used)."""
-    from spotrun.orchestrator.groups import RankFailed
-    from spotrun.orchestrator.launch import run_on_ray
-    from spotrun.orchestrator.ledger import AttemptStarted, JobFailed, Ledger, WorkerLost
+    from spotrun.orchestrator.control.launch import run_on_ray
+    from spotrun.orchestrator.ledger.store import AttemptStarted, JobFailed, Ledger, WorkerLost
+    from spotrun.orchestrator.workers.groups import RankFailed
     from tests.conftest import make_spec
 
     spec = make_spec(tmp_path, "world.size=2", "train.updates=4", "data.workers=0", "world.max_restarts=3",

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.specfile import load_spec
-from spotrun.orchestrator.verify import Report, Verifier
-from spotrun.trainer.spec import FaultSpec
+from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.orchestrator.verify.oracle import Report, Verifier
+from spotrun.trainer.job.spec import FaultSpec
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow

@@ -6,12 +6,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from spotrun.orchestrator.budgets import ErrorAt, RestartBudgets, repeated
-from spotrun.orchestrator.groups import RankFailed
-from spotrun.orchestrator.ledger import JobFailed, Ledger, WorkerLost
-from spotrun.orchestrator.notices import Notice
-from spotrun.orchestrator.supervisor import Supervisor
-from spotrun.trainer.rank import Report
+from spotrun.orchestrator.control.supervisor import Supervisor
+from spotrun.orchestrator.ledger.store import JobFailed, Ledger, WorkerLost
+from spotrun.orchestrator.notices.notice import Notice
+from spotrun.orchestrator.policy.budgets import ErrorAt, RestartBudgets, repeated
+from spotrun.orchestrator.workers.groups import RankFailed
+from spotrun.trainer.run.rank import Report
 from spotrun.trainer.storage import open_storage
 from tests.conftest import make_spec
 from tests.helpers.groups import ScriptedGroup
@@ -145,9 +145,9 @@ def test_history_and_the_dashboard_show_both_budgets(tmp_path, capsys):
 
     from fastapi.testclient import TestClient
 
-    from spotrun.orchestrator.cli import main
+    from spotrun.orchestrator.cli.main import main
     from spotrun.orchestrator.dashboard import create_app
-    from spotrun.orchestrator.groups import RankLost
+    from spotrun.orchestrator.workers.groups import RankLost
 
     spec = make_spec(tmp_path, "train.updates=4", "world.max_restarts=3", "world.max_preemptions=5", job_id="h")
     groups = [ScriptedGroup(1, [RankFailed("rank 0 raised OSError: disk", 0)]),
@@ -173,8 +173,8 @@ def test_an_error_that_comes_back_after_a_restore_fails_the_job_naming_the_bundl
     """In this process, no Ray: the step raises in update 8 (its fifteenth call, two per update) after bundles
     were published; the restart restores one, and the step raises in update 8 again: the job fails there,
     naming the bundle the second attempt restored."""
-    from spotrun.orchestrator.launch import run_in_process
-    from spotrun.orchestrator.ledger import Restored
+    from spotrun.orchestrator.control.launch import run_in_process
+    from spotrun.orchestrator.ledger.store import Restored
 
     spec = make_spec(tmp_path, "train.updates=10", "checkpoint.every_updates=2", "data.workers=0",
                      "world.max_restarts=5", "world.crash_loop_failures=5", "world.restart_backoff_s=0",

@@ -10,9 +10,9 @@ from __future__ import annotations
 import threading
 import time
 
-from spotrun.trainer.bundle import BundleWriter
-from spotrun.trainer.collective import LocalCollective
-from spotrun.trainer.rank import RankRunner
+from spotrun.trainer.bundle.bundles import BundleWriter
+from spotrun.trainer.run.collective import LocalCollective
+from spotrun.trainer.run.rank import RankRunner
 from tests.conftest import make_spec
 
 HOLD_S = 0.3

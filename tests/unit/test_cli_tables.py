@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.cli import main, parser
-from spotrun.orchestrator.supervisor import Supervisor
-from spotrun.trainer.rank import Report
+from spotrun.orchestrator.cli.main import main, parser
+from spotrun.orchestrator.control.supervisor import Supervisor
+from spotrun.trainer.run.rank import Report
 from tests.conftest import make_spec
 from tests.helpers.groups import ScriptedGroup
 
@@ -24,7 +24,7 @@ def test_history_of_a_job_never_restarted_prints_no_restarts_table(tmp_path, cap
 
 def test_table_cells_show_seconds_to_four_significant_digits():
     """A manifest's stall_seconds is a raw float (0.0034129999999999997): the table shows 0.003413."""
-    from spotrun.orchestrator.cli import _cell
+    from spotrun.orchestrator.cli.main import _cell
 
     assert [_cell(v) for v in (0.0034129999999999997, 12.700000000000001, 3, None)] == ["0.003413", "12.7", "3", "-"]
 
@@ -58,7 +58,7 @@ def test_a_summary_piped_to_a_file_keeps_each_sentence_on_one_line(tmp_path):
 def test_the_restarts_table_keeps_each_value_whole(tmp_path, capsys):
     """Twelve columns do not fit 160: the table is printed at its natural width, never folding a cell
     mid-word ("process-exi" over "t")."""
-    from spotrun.orchestrator.groups import RankLost
+    from spotrun.orchestrator.workers.groups import RankLost
 
     spec = make_spec(tmp_path, "train.updates=4", job_id="bumpy")
     groups = [ScriptedGroup(1, [RankLost(0, "process-exit", "killed", "node-0")]),

@@ -11,7 +11,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from spotrun.orchestrator.clouds import (
+from spotrun.orchestrator.ledger.store import Ledger, NoticeSeen
+from spotrun.orchestrator.notices.clouds import (
     GCP_WARNING_S,
     LINK_LOCAL,
     AwsSource,
@@ -20,9 +21,8 @@ from spotrun.orchestrator.clouds import (
     GcpSource,
     sources_for,
 )
-from spotrun.orchestrator.ledger import Ledger, NoticeSeen
-from spotrun.orchestrator.notices import Notice
-from spotrun.trainer.spec import PreemptionSpec
+from spotrun.orchestrator.notices.notice import Notice
+from spotrun.trainer.job.spec import PreemptionSpec
 from spotrun.trainer.storage import open_storage
 from tests.helpers.imds import AzureEvents, GcpMetadata, Imds
 
@@ -175,7 +175,7 @@ def test_detection_keeps_the_cloud_that_answers_and_is_quiet_without_one(gcp):
 
 
 def test_an_unreachable_endpoint_is_recorded_once_per_node_and_the_job_finishes(spec_factory):
-    from spotrun.orchestrator.launch import run_in_process
+    from spotrun.orchestrator.control.launch import run_in_process
 
     url = _closed_port_url()
     spec = spec_factory("train.updates=5", "checkpoint.every_updates=5", "preemption.sources=[gcp,azure]",
@@ -189,7 +189,7 @@ def test_an_unreachable_endpoint_is_recorded_once_per_node_and_the_job_finishes(
 
 def test_two_ranks_of_one_node_record_a_malformed_or_unreachable_answer_once(spec_factory):
     """Each rank's watcher polls its node's endpoint: the same answer comes twice, one record per node."""
-    from spotrun.orchestrator.launch import in_process_supervisor
+    from spotrun.orchestrator.control.launch import in_process_supervisor
 
     spec = spec_factory("train.updates=5", "checkpoint.every_updates=5", "preemption.sources=[]", job_id="twice")
     sup = in_process_supervisor(spec)
@@ -214,8 +214,8 @@ def test_no_ray_acknowledges_an_azure_event_after_its_bundle_and_a_refusal_is_no
                                                                                          status):
     """``--no-ray``: the driver's own watcher sees the Preempt and acknowledges it once the emergency
     bundle is published; an endpoint that refuses the acknowledgement changes nothing but the record."""
-    from spotrun.orchestrator.launch import run_in_process
-    from spotrun.orchestrator.ledger import BundlePublished, NoticeHandled
+    from spotrun.orchestrator.control.launch import run_in_process
+    from spotrun.orchestrator.ledger.store import BundlePublished, NoticeHandled
 
     azure.ack_status = status
     azure.preempt("evt-3", (datetime.now(UTC) + timedelta(seconds=60)).replace(microsecond=0))

@@ -10,10 +10,10 @@ import shutil
 import pytest
 from fastapi.testclient import TestClient
 
-from spotrun.orchestrator.cli import main
+from spotrun.orchestrator.cli.main import main
+from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.orchestrator.dashboard import create_app
-from spotrun.orchestrator.launch import run_in_process
-from spotrun.orchestrator.ledger import AttemptStarted, BundlePublished, Ledger, Restored
+from spotrun.orchestrator.ledger.store import AttemptStarted, BundlePublished, Ledger, Restored
 from spotrun.trainer.metrics import JsonlSink, SqliteSink, points_of
 from spotrun.trainer.storage import open_storage
 from tests.conftest import make_spec
@@ -202,7 +202,7 @@ def test_prometheus_metrics_of_a_running_job_without_a_bundle(tmp_path):
 
 
 def test_rank_logs_are_listed_linked_from_the_job_page_and_shown_as_plain_text(tmp_path):
-    from spotrun.trainer.ranklog import log_key
+    from spotrun.trainer.observe.ranklog import log_key
 
     storage = open_storage(f"file://{tmp_path}")
     Ledger(storage, "w").append(AttemptStarted(attempt=1, world_size=2, pid=1, lineage_id="L"))

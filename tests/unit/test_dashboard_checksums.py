@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
 from spotrun.orchestrator.dashboard.checksums import IN_FLIGHT, ChecksumCache, verify
-from spotrun.orchestrator.launch import run_in_process
-from spotrun.trainer.digest import CHUNK_BYTES, DEFAULT
+from spotrun.trainer.bundle.digest import CHUNK_BYTES, DEFAULT
 from spotrun.trainer.storage import LocalStorage
 from tests.conftest import make_spec
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-import spotrun.trainer.state as state_module
-from spotrun.trainer.session import TrainSession
-from spotrun.trainer.state import Capture, CopiesDone
+import spotrun.trainer.state.training as state_module
+from spotrun.trainer.run.session import TrainSession
+from spotrun.trainer.state.training import Capture, CopiesDone
 from tests.conftest import make_spec
 
 

@@ -33,7 +33,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
-from spotrun.orchestrator.specfile import load_spec
+from spotrun.orchestrator.cli.specfile import load_spec
 from tests.conftest import ROOT
 
 DEPLOY = ROOT / "deploy"
@@ -404,8 +404,8 @@ def test_drain_on_stop_moves_a_running_job_off_the_node(tmp_path):
     """What Kubernetes does to a spot worker pod, minus Kubernetes: the preStop hook runs on rank 1's
     node; the job takes an emergency bundle, loses nothing, continues elastically on the other node,
     and the hook returns once no rank is left on its node."""
-    from spotrun.orchestrator.launch import run_on_ray
-    from spotrun.orchestrator.ledger import AttemptStarted, Ledger, NoticeHandled, Restored
+    from spotrun.orchestrator.control.launch import run_on_ray
+    from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger, NoticeHandled, Restored
     from spotrun.trainer.storage import open_storage
     from tests.conftest import make_spec
     from tests.helpers.ray_local import job_thread, local_cluster

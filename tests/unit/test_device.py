@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from spotrun.trainer.device import DeviceError, select_device, set_determinism
+from spotrun.trainer.run.device import DeviceError, select_device, set_determinism
 
 
 def test_a_rank_without_gpus_trains_on_the_cpu():
@@ -43,7 +43,7 @@ def test_an_assigned_gpu_this_process_cannot_see_is_refused_naming_the_fix():
     (0.25, ["two ranks on one GPU", "or 0 to train on CPUs"]),
     (2, ["world.num_gpus_per_rank=2", "sit idle", "set world.num_gpus_per_rank=1 and world.size"])])
 def test_a_fraction_or_several_gpus_per_rank_are_refused_with_exit_2_naming_the_fix(tmp_path, share, words):
-    from spotrun.orchestrator.specfile import SpecError
+    from spotrun.orchestrator.cli.specfile import SpecError
     from tests.conftest import make_spec
 
     with pytest.raises(SpecError) as e:  # the CLI's exit 2
@@ -69,7 +69,7 @@ def test_a_gpu_rank_that_ray_gave_no_gpu_is_refused():
 def test_a_session_sets_the_cublas_workspace_before_the_job_is_built(tmp_path, monkeypatch):
     """Whoever builds a session (a rank, a GPU test, bench/gpu_check.py) gets CUBLAS_WORKSPACE_CONFIG
     before the job's build can touch CUDA: cuBLAS reads it once, at its first handle."""
-    from spotrun.trainer import session as session_module
+    from spotrun.trainer.run import session as session_module
     from tests.conftest import make_spec
 
     spec = make_spec(tmp_path, "train.updates=1")
@@ -112,9 +112,9 @@ def test_strict_refuses_a_restore_onto_another_device_model_and_elastic_allows_i
     itself): strict refuses naming both, elastic restores (labelled exact-data by the supervisor)."""
     import dataclasses
 
-    from spotrun.orchestrator.launch import run_in_process
-    from spotrun.trainer.bundle import BundleIncompatible, check_compatible, list_bundles, read_manifest
-    from spotrun.trainer.session import TrainSession
+    from spotrun.orchestrator.control.launch import run_in_process
+    from spotrun.trainer.bundle.bundles import BundleIncompatible, check_compatible, list_bundles, read_manifest
+    from spotrun.trainer.run.session import TrainSession
     from spotrun.trainer.storage import open_storage
     from tests.conftest import make_spec
 
@@ -143,7 +143,7 @@ def test_determinism_reaches_inductor_without_importing_it(inductor_first):
     probe = (
         "import sys, torch\n"
         + ("import torch._inductor.config\n" if inductor_first else "")
-        + "from spotrun.trainer.device import set_determinism\n"
+        + "from spotrun.trainer.run.device import set_determinism\n"
         "set_determinism(1)\n"
         "imported = 'torch._inductor' in sys.modules\n"
         "import torch._inductor.config as c\n"

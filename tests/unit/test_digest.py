@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from spotrun.trainer.digest import (
+from spotrun.trainer.bundle.digest import (
     CHUNK_BYTES,
     DEFAULT,
     SHA256,

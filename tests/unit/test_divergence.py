@@ -10,10 +10,9 @@ from datetime import UTC, datetime
 import pytest
 import torch
 
-from spotrun.orchestrator.divergence import divergence_rows, explain, first_stage, restore_before
-from spotrun.orchestrator.ledger import Restored, WorkerLost
-from spotrun.trainer.faults import FaultFired
-from spotrun.trainer.trace import (
+from spotrun.orchestrator.ledger.store import Restored, WorkerLost
+from spotrun.orchestrator.verify.divergence import divergence_rows, explain, first_stage, restore_before
+from spotrun.trainer.observe.trace import (
     BlockDigests,
     RankDigests,
     TraceError,
@@ -23,6 +22,7 @@ from spotrun.trainer.trace import (
     read_trace,
     unpack_stages,
 )
+from spotrun.trainer.run.faults import FaultFired
 
 
 def h(label: str) -> str:
@@ -127,8 +127,8 @@ def test_a_batch_divergence_names_the_data_cautions_of_the_restored_bundle():
     """StreamData over a user's own loader with worker processes: spotrun cannot capture the random
     state inside those workers, so a batch that differs after a restore is read as that, with the fix.
     Other stages, and data without cautions, read as before."""
+    from spotrun.trainer.bundle.manifest import DataInfo
     from spotrun.trainer.data.planner import Cursor
-    from spotrun.trainer.manifest import DataInfo
 
     caution = "StreamData over a DataLoader with 2 worker processes: their random state is not in any bundle"
     data = DataInfo(kind="stream", dataset_version="stream-1", tokenizer_version="", records=64,
@@ -197,8 +197,8 @@ def test_the_loop_digests_each_stage_where_it_happens(tmp_path):
     """A real session (tiny, one rank, 2 microsteps): a block per micro-batch; the gradient digest is
     the gradient the optimizer step was given (taken before zero_grad: never the empty digest),
     the parameter digest rank 0's; a session without a trace takes none of them."""
-    from spotrun.trainer.session import TrainSession
-    from spotrun.trainer.trace import digest_tensors
+    from spotrun.trainer.observe.trace import digest_tensors
+    from spotrun.trainer.run.session import TrainSession
     from tests.conftest import make_spec
 
     spec = make_spec(tmp_path, "train.updates=2", "data.workers=0")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from spotrun.trainer.ema import EMA
+from spotrun.trainer.state.ema import EMA
 
 
 def _reference(start: dict[str, torch.Tensor], history: list[dict[str, torch.Tensor]], decay: float) -> dict:

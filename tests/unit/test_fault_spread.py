@@ -8,11 +8,11 @@ from dataclasses import MISSING, fields
 
 import pytest
 
-from spotrun.orchestrator import faultplan
-from spotrun.orchestrator.faultplan import NodeRemoval, fault_rows, plan_faults
-from spotrun.trainer.faults import FaultFired
-from spotrun.trainer.spec import FaultSpec
-from spotrun.trainer.trace import UpdateRecord, update_epochs
+from spotrun.orchestrator.verify import faultplan
+from spotrun.orchestrator.verify.faultplan import NodeRemoval, fault_rows, plan_faults
+from spotrun.trainer.job.spec import FaultSpec
+from spotrun.trainer.observe.trace import UpdateRecord, update_epochs
+from spotrun.trainer.run.faults import FaultFired
 from tests.conftest import make_spec
 
 UPDATES, EVERY = 120, 5
@@ -110,7 +110,7 @@ def test_the_report_lists_each_fault_with_its_epoch_and_whether_it_was_delivered
 
 
 def blank_report(**values):
-    from spotrun.orchestrator.verify import Report
+    from spotrun.orchestrator.verify.oracle import Report
 
     required = {f.name: None for f in fields(Report) if f.default is MISSING and f.default_factory is MISSING}
     return Report(**(required | {"verdict": "pass", "failures": []} | values))
@@ -118,7 +118,8 @@ def blank_report(**values):
 
 def test_the_seed_is_drawn_when_not_given_and_reported_both_ways(tmp_path, monkeypatch, capsys):
     """Without --seed verify draws one and the report carries it; passing it back plans the same faults."""
-    from spotrun.orchestrator import cli, verify
+    from spotrun.orchestrator.cli import main as cli
+    from spotrun.orchestrator.verify import oracle as verify
 
     seen: list[int] = []
 
@@ -144,7 +145,7 @@ def test_the_seed_is_drawn_when_not_given_and_reported_both_ways(tmp_path, monke
 def test_the_console_report_names_the_seed_and_each_fault():
     from rich.console import Console
 
-    from spotrun.orchestrator.verify import render
+    from spotrun.orchestrator.verify.oracle import render
 
     report = blank_report(
         seed=8123, declared_contract="exact", observed_contract="exact", faults_planned=2, faults_delivered=1,

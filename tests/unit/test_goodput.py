@@ -6,10 +6,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from spotrun.orchestrator.goodput import TERMS, goodput
-from spotrun.orchestrator.history import history
-from spotrun.orchestrator.launch import run_in_process
-from spotrun.orchestrator.ledger import (
+from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.orchestrator.ledger.goodput import TERMS, goodput
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import (
     AttemptStarted,
     BundlePublished,
     CapacityWait,

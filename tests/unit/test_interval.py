@@ -8,17 +8,18 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from spotrun.orchestrator import interval, policy
-from spotrun.orchestrator.ledger import (
+from spotrun.orchestrator.cli.specfile import SpecError
+from spotrun.orchestrator.ledger.store import (
     AttemptStarted,
     BundlePublished,
     IntervalInputs,
     NoticeHandled,
     WorkerLost,
 )
-from spotrun.orchestrator.specfile import SpecError
-from spotrun.orchestrator.verify import fixed_interval
-from spotrun.trainer.overlap import WriteOverlap
+from spotrun.orchestrator.policy import interval
+from spotrun.orchestrator.policy import topology as policy
+from spotrun.orchestrator.verify.oracle import fixed_interval
+from spotrun.trainer.run.overlap import WriteOverlap
 from tests.conftest import make_spec
 
 
@@ -194,8 +195,8 @@ def test_history_lists_every_decision_and_the_dashboard_shows_the_current_one(tm
     from fastapi.testclient import TestClient
 
     from spotrun.orchestrator.dashboard import create_app
-    from spotrun.orchestrator.history import history
-    from spotrun.orchestrator.ledger import IntervalChosen, Ledger
+    from spotrun.orchestrator.ledger.history import history
+    from spotrun.orchestrator.ledger.store import IntervalChosen, Ledger
     from spotrun.trainer.storage import open_storage
 
     storage = open_storage(f"file://{tmp_path}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spotrun.trainer.inventory import CATEGORIES, markdown
+from spotrun.trainer.state.inventory import CATEGORIES, markdown
 from tests.conftest import ROOT
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.launch import run_in_process
-from spotrun.trainer.job import JobError
-from spotrun.trainer.trace import first_divergence
+from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.trainer.job.contract import JobError
+from spotrun.trainer.observe.trace import first_divergence
 from tests.conftest import make_spec
 from tests.helpers.oracle import reference_run, resume
 
@@ -68,7 +68,7 @@ def test_a_step_that_does_spotruns_part_is_refused_at_the_first_update(tmp_path,
     """backward (plain, or keeping the graph so that spotrun's own backward would double every gradient),
     optimizer.step() or zero_grad() inside the step (zero_grad at the second microstep, where it would
     drop the first's gradients): a JobError naming the contract at update 1, before any update counts."""
-    from spotrun.trainer.session import TrainSession
+    from spotrun.trainer.run.session import TrainSession
 
     spec = job_spec(tmp_path, "tests.helpers.jobs:does_the_engines_part", "data.workers=0", "train.accum_steps=2",
                     f"job.config={{misuse: {misuse}}}")

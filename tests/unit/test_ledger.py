@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.orchestrator.dashboard.charts import timeline
-from spotrun.orchestrator.history import history
-from spotrun.orchestrator.launch import run_in_process
-from spotrun.orchestrator.ledger import (
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import (
     AttemptStarted,
     BundlePublished,
     CorruptEvent,

@@ -11,7 +11,7 @@ import pytest
 
 from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
 from spotrun.orchestrator.dashboard.views import Reader
-from spotrun.orchestrator.ledger import CorruptEvent, Ledger
+from spotrun.orchestrator.ledger.store import CorruptEvent, Ledger
 from spotrun.trainer.storage import LocalStorage, StorageError
 from tests.helpers.ledger import POLICY, event, names, segment, singles
 
@@ -229,7 +229,7 @@ def test_a_fold_that_fails_loses_nothing_and_says_so(tmp_path, caplog):
     storage = FailingDelete(tmp_path)
     writer = Ledger(storage, "j", fold=POLICY)
     written = [event(i) for i in range(6)]
-    with caplog.at_level(logging.WARNING, logger="spotrun.orchestrator.ledger"):
+    with caplog.at_level(logging.WARNING, logger="spotrun.orchestrator.ledger.store"):
         for e in written:
             writer.append(e)
     assert "folding stopped" in caplog.text and "AccessDenied" in caplog.text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from spotrun.trainer.metrics import FanOut, JsonlSink, NullSink, SqliteSink, TensorBoardSink, points_of
-from spotrun.trainer.trace import latest_per_update, read_trace
+from spotrun.trainer.observe.trace import latest_per_update, read_trace
 from tests.helpers.runs import hold, kill_when_held, run_cmd, run_to_end
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.metric_commit import restart_tags
+from spotrun.orchestrator.publish.metric_commit import restart_tags
+from spotrun.trainer.job.spec import MlflowSpec
 from spotrun.trainer.metrics import SEGMENTS, open_sinks, points_of
 from spotrun.trainer.metrics.mlflow_sink import MlflowSink, check_tracker, spec_params, tracking_uri
-from spotrun.trainer.spec import MlflowSpec
 from spotrun.trainer.storage import open_storage
 
 

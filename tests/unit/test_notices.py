@@ -8,11 +8,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from spotrun.orchestrator.clouds import AwsSource, CloudWatcher, parse_instance_action
-from spotrun.orchestrator.launch import in_process_supervisor
-from spotrun.orchestrator.ledger import Ledger, NoticeHandled, NoticeSeen, Restored
-from spotrun.orchestrator.notices import Notice
-from spotrun.trainer.trace import first_divergence, latest_per_update, read_trace
+from spotrun.orchestrator.control.launch import in_process_supervisor
+from spotrun.orchestrator.ledger.store import Ledger, NoticeHandled, NoticeSeen, Restored
+from spotrun.orchestrator.notices.clouds import AwsSource, CloudWatcher, parse_instance_action
+from spotrun.orchestrator.notices.notice import Notice
+from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from tests.helpers.imds import Imds
 from tests.helpers.oracle import reference_run
 from tests.helpers.runs import hold, wait_until_held
@@ -165,8 +165,8 @@ def test_an_unreachable_imds_is_reported_once_not_per_poll():
 
 
 def test_no_ray_records_an_unreachable_imds_once_and_history_shows_it(spec_factory):
-    from spotrun.orchestrator.history import history
-    from spotrun.orchestrator.launch import run_in_process
+    from spotrun.orchestrator.control.launch import run_in_process
+    from spotrun.orchestrator.ledger.history import history
 
     spec = spec_factory("train.updates=5", "checkpoint.every_updates=5", f"preemption.imds_url={_closed_port_url()}",
                         "preemption.imds_poll_s=0.01", job_id="noimds")
@@ -186,7 +186,7 @@ def test_no_ray_records_an_unreachable_imds_once_and_history_shows_it(spec_facto
 def test_no_ray_honours_a_spot_notice_from_the_imds(spec_factory):
     """``--no-ray`` watches ``preemption.imds_url``: the notice drains the job like SIGTERM (stopped,
     an emergency bundle published)."""
-    from spotrun.orchestrator.launch import run_in_process
+    from spotrun.orchestrator.control.launch import run_in_process
 
     imds = Imds()
     when = (_now() + timedelta(seconds=120)).replace(microsecond=0)
@@ -218,7 +218,7 @@ def test_signal_notices_unblock_sigterm_inherited_blocked():
 
     code = """
 import os, queue, signal
-from spotrun.orchestrator.notices import install_signal_notices
+from spotrun.orchestrator.notices.notice import install_signal_notices
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 got = queue.SimpleQueue()
 install_signal_notices("n1", 0, 30.0, got.put)
@@ -250,7 +250,7 @@ def test_driver_signal_handlers_are_restored_even_when_python_did_not_install_th
     import signal
     from types import SimpleNamespace
 
-    from spotrun.orchestrator.supervisor import Supervisor
+    from spotrun.orchestrator.control.supervisor import Supervisor
 
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     real = signal.getsignal
@@ -271,10 +271,10 @@ def test_a_rank_lost_while_the_notice_is_passed_on_is_a_loss_not_a_crash(tmp_pat
     """A node that is going away may take its rank before the request to checkpoint reaches it (CI
     saw it in the chaos suite: Ray's drain notice, then the node's removal): the supervisor recovers
     from that loss as from any other, instead of failing the job."""
-    from spotrun.orchestrator.groups import RankLost
-    from spotrun.orchestrator.ledger import WorkerLost
-    from spotrun.orchestrator.supervisor import Supervisor
-    from spotrun.trainer.rank import Report
+    from spotrun.orchestrator.control.supervisor import Supervisor
+    from spotrun.orchestrator.ledger.store import WorkerLost
+    from spotrun.orchestrator.workers.groups import RankLost
+    from spotrun.trainer.run.rank import Report
     from spotrun.trainer.storage import open_storage
     from tests.conftest import make_spec
     from tests.helpers.groups import ScriptedGroup
@@ -300,8 +300,8 @@ def test_the_wait_between_polls_ends_when_ray_drain_state_is_due(tmp_path, drain
                                                                  expected_reads):
     """The drain state is read after each wait, so a group polled every 5 s still has it read every
     ``preemption.drain_poll_s`` (and a longer drain poll leaves the group's interval as it is)."""
-    from spotrun.orchestrator.supervisor import Supervisor
-    from spotrun.trainer.rank import Report
+    from spotrun.orchestrator.control.supervisor import Supervisor
+    from spotrun.trainer.run.rank import Report
     from tests.conftest import make_spec
     from tests.helpers.groups import ScriptedGroup
 
@@ -354,7 +354,7 @@ def test_signal_notices_go_on_after_a_failing_callback_and_close_restores_the_ha
     import queue
     import signal
 
-    from spotrun.orchestrator.notices import install_signal_notices
+    from spotrun.orchestrator.notices.notice import install_signal_notices
 
     got: queue.SimpleQueue[Notice] = queue.SimpleQueue()
     calls: list[Notice] = []
@@ -382,7 +382,7 @@ def test_signal_notices_go_on_after_a_failing_callback_and_close_restores_the_ha
 def run_watching(spec, trace, source, published: int | None = None):
     """Run the job on a thread; once its rank holds (and update ``published``'s bundle is published),
     watch ``source`` (a cloud stand-in already holding its notice) as the rank's node would."""
-    from spotrun.orchestrator.clouds import CloudWatcher
+    from spotrun.orchestrator.notices.clouds import CloudWatcher
 
     sup = in_process_supervisor(spec, trace_path=str(trace))
     result = {}
@@ -399,7 +399,7 @@ def run_watching(spec, trace, source, published: int | None = None):
 
 def test_an_azure_event_that_has_begun_falls_back_and_finishes_exactly(spec_factory, tmp_path, reference):
     """A Preempt event whose NotBefore is blank has begun: no time to publish, the recorded fallback."""
-    from spotrun.orchestrator.clouds import AzureSource
+    from spotrun.orchestrator.notices.clouds import AzureSource
     from tests.helpers.imds import AzureEvents
 
     azure = AzureEvents()

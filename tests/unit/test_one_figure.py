@@ -1,6 +1,6 @@
 """One value per figure: a ledger with every kind of restart, read by history, the dashboard, goodput,
 Prometheus and verify (and the command line), each showing the same lost updates, replayed updates,
-downtime and time lost, computed once (spotrun.orchestrator.losses), and equal to what the figures'
+downtime and time lost, computed once (spotrun.orchestrator.ledger.losses), and equal to what the figures'
 definitions give by hand for this ledger."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from fastapi.testclient import TestClient
 
-from spotrun.orchestrator.cli import main
+from spotrun.orchestrator.cli.main import main
 from spotrun.orchestrator.dashboard import create_app
-from spotrun.orchestrator.history import history
-from spotrun.orchestrator.ledger import (
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import (
     AttemptStarted,
     BundlePublished,
     JobFinished,
@@ -24,7 +24,7 @@ from spotrun.orchestrator.ledger import (
     Restored,
     WorkerLost,
 )
-from spotrun.orchestrator.verify import restart_figures
+from spotrun.orchestrator.verify.oracle import restart_figures
 from spotrun.trainer.metrics import JsonlSink, MetricPoint, SqliteSink
 from spotrun.trainer.storage import open_storage
 

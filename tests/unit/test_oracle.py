@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from spotrun.trainer.bundle import load_bundle
+from spotrun.trainer.bundle.bundles import load_bundle
+from spotrun.trainer.observe.trace import first_divergence, read_trace
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import first_divergence, read_trace
 from tests.conftest import ROOT
 from tests.helpers.oracle import reference_run, resume
 

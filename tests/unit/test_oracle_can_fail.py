@@ -1,6 +1,6 @@
 """The oracle can fail: dropping any one state category after a faithful restore is detected.
 
-Each category of the inventory (trainer/inventory.py) that can be dropped is
+Each category of the inventory (trainer/state/inventory.py) that can be dropped is
 dropped in turn; the next K updates must then diverge from the uninterrupted run.
 """
 
@@ -11,8 +11,8 @@ import shutil
 
 import pytest
 
-from spotrun.trainer.inventory import CATEGORIES
-from spotrun.trainer.trace import first_divergence
+from spotrun.trainer.observe.trace import first_divergence
+from spotrun.trainer.state.inventory import CATEGORIES
 from tests.conftest import ROOT, make_spec
 from tests.helpers.oracle import reference_run, resume
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spotrun.orchestrator import policy
+from spotrun.orchestrator.policy import topology as policy
 from tests.conftest import make_spec
 
 
@@ -33,8 +33,8 @@ class _Group:
 
 
 def test_a_running_elastic_job_grows_only_when_the_scheduler_has_room(tmp_path):
-    from spotrun.orchestrator.ledger import Ledger, Resizing
-    from spotrun.orchestrator.supervisor import Running, Supervisor
+    from spotrun.orchestrator.control.supervisor import Running, Supervisor
+    from spotrun.orchestrator.ledger.store import Ledger, Resizing
 
     spec = make_spec(tmp_path, "world.policy=elastic", "world.size=2", "train.updates=100",
                      "world.grow_check_s=5", job_id="g")

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from spotrun.orchestrator.priority import run_at_normal_priority
+from spotrun.orchestrator.workers.priority import run_at_normal_priority
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "setpriority") or os.geteuid() != 0,
                                 reason="lowering niceness needs Linux and the privilege (root here)")

@@ -7,9 +7,9 @@ import math
 import re
 from datetime import UTC, datetime, timedelta
 
-from spotrun.orchestrator.ledger import AttemptStarted, Restored, WorkerLost
-from spotrun.orchestrator.progress import PlainProgress
-from spotrun.trainer.trace import UpdateRecord
+from spotrun.orchestrator.cli.progress import PlainProgress
+from spotrun.orchestrator.ledger.store import AttemptStarted, Restored, WorkerLost
+from spotrun.trainer.observe.trace import UpdateRecord
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import threading
 
-from spotrun.orchestrator.launch import run_in_process
-from spotrun.orchestrator.ledger import Ledger, OffsetsCommitted
-from spotrun.orchestrator.offsets import OffsetsStore
-from spotrun.orchestrator.publisher import Publisher
-from spotrun.trainer.bundle import list_bundles, read_manifest
+from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.orchestrator.ledger.store import Ledger, OffsetsCommitted
+from spotrun.orchestrator.publish.offsets import OffsetsStore
+from spotrun.orchestrator.publish.publisher import Publisher
+from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
 from spotrun.trainer.storage import LocalStorage
 from tests.helpers.runs import run_cmd, run_to_end
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.launch import run_in_process
-from spotrun.orchestrator.ledger import BundlePublished, Ledger
-from spotrun.orchestrator.publisher import Publisher, PublishError
-from spotrun.orchestrator.supervisor import Supervisor
-from spotrun.trainer.bundle import bundle_dir, list_bundles, read_manifest
-from spotrun.trainer.manifest import Manifest
-from spotrun.trainer.rank import BundleReport, Report
+from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.orchestrator.control.supervisor import Supervisor
+from spotrun.orchestrator.ledger.store import BundlePublished, Ledger
+from spotrun.orchestrator.publish.publisher import Publisher, PublishError
+from spotrun.trainer.bundle.bundles import bundle_dir, list_bundles, read_manifest
+from spotrun.trainer.bundle.manifest import Manifest
+from spotrun.trainer.run.rank import BundleReport, Report
 from spotrun.trainer.storage import LocalStorage
 from tests.helpers.groups import ScriptedGroup
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from spotrun.trainer import ranklog
-from spotrun.trainer.ranklog import RankLine, RankLog, list_rank_logs, log_key, read_rank_log
-from spotrun.trainer.redirect import routed, working_for
+from spotrun.trainer.observe import ranklog
+from spotrun.trainer.observe.ranklog import RankLine, RankLog, list_rank_logs, log_key, read_rank_log
+from spotrun.trainer.observe.redirect import routed, working_for
 from spotrun.trainer.storage import LocalStorage
 from tests.conftest import ROOT
 
@@ -127,8 +127,8 @@ def test_the_router_takes_what_the_rank_s_threads_write_and_passes_the_rest_on(c
 
 FD_SCRIPT = """
 import json, os, sys, threading, warnings
-from spotrun.trainer.ranklog import RankLog
-from spotrun.trainer.redirect import FdRedirect
+from spotrun.trainer.observe.ranklog import RankLog
+from spotrun.trainer.observe.redirect import FdRedirect
 
 log = RankLog()
 log.begin(None, "job", 1, "rank 1")

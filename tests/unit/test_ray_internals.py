@@ -9,8 +9,13 @@ import types
 
 import pytest
 
-from spotrun.orchestrator import ray_internals
-from spotrun.orchestrator.ray_internals import RayInternalsChanged, drain_reader, enable_token_auth, untested_version
+from spotrun.orchestrator.workers import ray_internals
+from spotrun.orchestrator.workers.ray_internals import (
+    RayInternalsChanged,
+    drain_reader,
+    enable_token_auth,
+    untested_version,
+)
 from tests.conftest import ROOT
 
 PRIVATE = re.compile(r"ray\._raylet|ray\._private|gcs_pb2")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.recovery import (
+from spotrun.orchestrator.policy.recovery import (
     Cold,
     Fail,
     GroupCan,

@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from spotrun.orchestrator import launch
-from spotrun.orchestrator.cli import _split_bundle_uri, main
+from spotrun.orchestrator.cli.main import _split_bundle_uri, main
+from spotrun.orchestrator.control import launch
 from spotrun.orchestrator.dashboard import create_app
-from spotrun.orchestrator.history import history
-from spotrun.orchestrator.ledger import AttemptStarted, JobFailed, Ledger, RunRefused
-from spotrun.trainer.bundle import BundleIncompatible, load_bundle
-from spotrun.trainer.session import TrainSession
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import AttemptStarted, JobFailed, Ledger, RunRefused
+from spotrun.trainer.bundle.bundles import BundleIncompatible, load_bundle
+from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.storage import LocalStorage, open_storage
 from tests.conftest import ROOT, make_spec
 from tests.helpers.s3 import bucket, moto, s3_env  # noqa: F401 - fixtures

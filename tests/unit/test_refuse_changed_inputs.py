@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spotrun.orchestrator import launch
-from spotrun.orchestrator.cli import main
-from spotrun.orchestrator.ledger import AttemptStarted, Ledger, RunRefused
+from spotrun.orchestrator.cli.main import main
+from spotrun.orchestrator.control import launch
+from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger, RunRefused
 from spotrun.trainer.storage import LocalStorage
 
 JOB = textwrap.dedent('''

@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from spotrun.orchestrator.launch import run_in_process
-from spotrun.orchestrator.ledger import AttemptStarted, BundleRejected, Ledger, Restored
-from spotrun.trainer.bundle import BundleCorrupt, BundleIncompatible, list_bundles, load_bundle, load_latest
+from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.orchestrator.ledger.store import AttemptStarted, BundleRejected, Ledger, Restored
+from spotrun.trainer.bundle.bundles import BundleCorrupt, BundleIncompatible, list_bundles, load_bundle, load_latest
+from spotrun.trainer.bundle.digest import DEFAULT as DEFAULT_DIGEST
+from spotrun.trainer.bundle.manifest import ManifestError, UnknownSchemaError
 from spotrun.trainer.data.listing import scan
 from spotrun.trainer.data.tokenizer import CharTokenizer
-from spotrun.trainer.digest import DEFAULT as DEFAULT_DIGEST
-from spotrun.trainer.manifest import ManifestError, UnknownSchemaError
-from spotrun.trainer.session import TrainSession
-from spotrun.trainer.spec import DEFAULT_VOCAB
+from spotrun.trainer.job.spec import DEFAULT_VOCAB
+from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.storage import LocalStorage
 from tests.conftest import ROOT, chunked_sha256, make_spec
 

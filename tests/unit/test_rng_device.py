@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spotrun.trainer import rng as rng_module
-from spotrun.trainer.bundle import BundleIncompatible, LoadedBundle
-from spotrun.trainer.rng import GeneratorMismatch, RngState
-from spotrun.trainer.session import TrainSession
+from spotrun.trainer.bundle.bundles import BundleIncompatible, LoadedBundle
+from spotrun.trainer.run.session import TrainSession
+from spotrun.trainer.state import rng as rng_module
+from spotrun.trainer.state.rng import GeneratorMismatch, RngState
 from tests.conftest import make_spec
 
 FAKE_STATE = torch.arange(16, dtype=torch.uint8)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.launch import run_in_process
-from spotrun.trainer.bundle import list_bundles, load_bundle
+from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.trainer.bundle.bundles import list_bundles, load_bundle
+from spotrun.trainer.observe.trace import read_trace
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.trace import read_trace
 
 # A scale of 2^40 overflows fp16 activations' gradients: the scaler halves it on every
 # overflow, so the first updates are skipped until the scale is small enough.

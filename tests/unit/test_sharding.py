@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spotrun.trainer.sharding import LAYOUT, Pieces, ShardError, rows_of
-from spotrun.trainer.spec import TrainSpec
+from spotrun.trainer.job.spec import TrainSpec
+from spotrun.trainer.run.sharding import LAYOUT, Pieces, ShardError, rows_of
 
 
 def test_rows_follow_torch_chunk():
@@ -69,8 +69,8 @@ def test_a_rank_reads_the_shards_that_overlap_its_rows():
     overlap the rows the rank holds now: its own at the same world size."""
     from types import SimpleNamespace
 
-    from spotrun.trainer.manifest import TensorInfo
-    from spotrun.trainer.session import TrainSession
+    from spotrun.trainer.bundle.manifest import TensorInfo
+    from spotrun.trainer.run.session import TrainSession
 
     def wants(rank: int, world: int, saved: int, parallelism: str = "fsdp", wrapped: bool = True) -> list[int]:
         manifest = SimpleNamespace(world=SimpleNamespace(size=saved, parallelism=parallelism),

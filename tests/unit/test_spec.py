@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from spotrun.orchestrator.specfile import SpecError, load_spec, parse_override
-from spotrun.trainer.spec import FaultSpec, JobSpec
+from spotrun.orchestrator.cli.specfile import SpecError, load_spec, parse_override
+from spotrun.trainer.job.spec import FaultSpec, JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from spotrun.orchestrator.cli import main
-from spotrun.orchestrator.specfile import load_spec
-from spotrun.trainer.specdoc import APPLIES_TO, keys, markdown
+from spotrun.orchestrator.cli.main import main
+from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.trainer.job.specdoc import APPLIES_TO, keys, markdown
 from tests.conftest import ROOT
 
 USER_JOB = "job.entrypoint=tests.helpers.jobs:stream_job"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spotrun.trainer import aligned, tensorfile
-from spotrun.trainer.digest import CHUNK_BYTES, SHA256
+from spotrun.trainer.bundle import aligned, tensorfile
+from spotrun.trainer.bundle.digest import CHUNK_BYTES, SHA256
 from spotrun.trainer.storage import LocalStorage, StorageError, UnsafeKeyError, check_key, open_storage
 from tests.conftest import chunked_sha256
 

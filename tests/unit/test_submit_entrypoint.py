@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from spotrun.orchestrator.submit import entrypoint
+from spotrun.orchestrator.cli.submit import entrypoint
 from tests.conftest import ROOT, make_spec
 
 
@@ -18,7 +18,7 @@ def test_the_entrypoint_carries_the_spec_inline(tmp_path):
     assert argv[:4] == ["python", "-m", "spotrun", "run"] and argv[-2:] == ["--address", "auto"]
     assert not any(a.endswith(".yaml") for a in argv), "the head must not need the spec file"
     text = argv[argv.index("--spec-json") + 1]
-    from spotrun.orchestrator.specfile import load_spec
+    from spotrun.orchestrator.cli.specfile import load_spec
 
     assert load_spec(None, text=text) == spec  # every override and absolute path made it across
 
@@ -61,7 +61,7 @@ def test_the_shipped_working_directory_leaves_out_the_job_s_storage_and_what_git
     """A project in a subfolder of its repository: the job's storage folder inside it (an odd name, glob
     characters included) and what the repository's .gitignore above it and .git/info/exclude ignore stay
     here; a .gitignore inside it Ray reads itself; everything else ships."""
-    from spotrun.orchestrator.submit import runtime_env
+    from spotrun.orchestrator.cli.submit import runtime_env
 
     repo, project = tmp_path / "repo", tmp_path / "repo/project"
     files = ["job.py", "notes.txt", "data/keep.csv", "my store [1]/sub/job/bundles/u1/manifest.json",
@@ -87,7 +87,7 @@ def test_the_shipped_working_directory_leaves_out_the_job_s_storage_and_what_git
 def test_only_the_job_s_own_folders_inside_the_working_directory_are_left_out(tmp_path, monkeypatch):
     """Storage that is the working directory itself: only the job's folder in it; storage elsewhere or on
     S3: nothing; metrics.local_dir (relative: this command's) inside it: that folder."""
-    from spotrun.orchestrator.submit import own_folders
+    from spotrun.orchestrator.cli.submit import own_folders
 
     here, away = tmp_path / "project", tmp_path / "away"
     here.mkdir()
@@ -113,7 +113,7 @@ def test_a_runtime_environment_the_cluster_cannot_set_up_names_the_package_and_t
     from ray.dashboard.modules.job.common import JobErrorType, JobInfo, JobStatus
     from ray.exceptions import RuntimeEnvSetupError
 
-    from spotrun.orchestrator import submit as submit_module
+    from spotrun.orchestrator.cli import submit as submit_module
 
     class NoPackages:  # a GCS that holds no package
         async def async_internal_kv_get(self, *args, **kwargs):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.groups import RankFailed, RankLost
-from spotrun.orchestrator.ledger import AttemptStarted, Ledger
-from spotrun.orchestrator.supervisor import JobFailedError, Supervisor
-from spotrun.trainer.rank import Report
+from spotrun.orchestrator.control.supervisor import JobFailedError, Supervisor
+from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger
+from spotrun.orchestrator.workers.groups import RankFailed, RankLost
+from spotrun.trainer.run.rank import Report
 from spotrun.trainer.storage import open_storage
 from tests.conftest import make_spec
 from tests.helpers.groups import ScriptedGroup
@@ -60,8 +60,8 @@ def test_a_rank_that_cannot_start_is_a_failure_retried_until_the_crash_loop(tmp_
 
 
 def test_bad_input_a_rank_refused_fails_the_job_at_once(tmp_path):
-    from spotrun.orchestrator.groups import refuses
-    from spotrun.trainer.job import JobError
+    from spotrun.orchestrator.workers.groups import refuses
+    from spotrun.trainer.job.contract import JobError
 
     spec = make_spec(tmp_path, "train.updates=4", job_id="s")
     calls = []
@@ -79,9 +79,9 @@ def test_bad_input_a_rank_refused_fails_the_job_at_once(tmp_path):
 def test_an_elastic_restore_on_another_device_model_is_labelled_exact_data(tmp_path):
     """The ranks report their GPU model; a bundle written on CPUs restored by GPU ranks (which only
     elastic allows: strict ranks refuse it) is not an exact continuation."""
-    from spotrun.orchestrator.launch import run_in_process
-    from spotrun.orchestrator.ledger import Restored
-    from spotrun.trainer.description import versions
+    from spotrun.orchestrator.control.launch import run_in_process
+    from spotrun.orchestrator.ledger.store import Restored
+    from spotrun.trainer.state.description import versions
 
     spec = make_spec(tmp_path, "train.updates=4", "checkpoint.every_updates=2", "world.policy=elastic", job_id="g")
     run_in_process(spec.model_copy(update={"train": spec.train.model_copy(update={"updates": 2})}))
@@ -97,8 +97,8 @@ def test_the_in_process_rank_s_end_is_seen_without_waiting_out_the_poll_interval
     still ends when its rank does (a wait that slept the interval out would take a minute or more)."""
     import time
 
-    from spotrun.orchestrator.groups import InProcessGroup
-    from spotrun.orchestrator.launch import run_in_process
+    from spotrun.orchestrator.control.launch import run_in_process
+    from spotrun.orchestrator.workers.groups import InProcessGroup
 
     monkeypatch.setattr(InProcessGroup, "poll_interval_s", 60.0)
     spec = make_spec(tmp_path, "train.updates=3", job_id="joins")

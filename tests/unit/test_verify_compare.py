@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from spotrun.orchestrator.comparison import compare_metrics
-from spotrun.orchestrator.history import history
-from spotrun.orchestrator.specfile import load_spec
-from spotrun.orchestrator.verify import Verifier
-from spotrun.trainer.faults import FaultLog
+from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.verify.comparison import compare_metrics
+from spotrun.orchestrator.verify.oracle import Verifier
+from spotrun.trainer.job.spec import FaultSpec
 from spotrun.trainer.metrics import MetricPoint
-from spotrun.trainer.spec import FaultSpec
+from spotrun.trainer.run.faults import FaultLog
 from spotrun.trainer.storage import open_storage
 from tests.conftest import ROOT
 from tests.helpers.runs import run_cmd, run_to_end
@@ -107,7 +107,7 @@ def test_a_point_that_differs_from_the_reference_fails(runs, tmp_path):
     # the contract held (parameters and occurrences): the headline says what failed instead
     from rich.console import Console
 
-    from spotrun.orchestrator.verify import render
+    from spotrun.orchestrator.verify.oracle import render
 
     console = Console(record=True, width=400)
     render(report, console)
@@ -209,7 +209,7 @@ moto, s3_env, bucket = s3_helpers.moto, s3_helpers.s3_env, s3_helpers.bucket
 def test_the_s3_sink_is_compared_too(moto, bucket, tmp_path):
     """A spec whose metric sink is ``s3`` (the deploy spec's): each run's points are read back from
     the job's own S3 storage, and the comparison holds them to the reference like any sink's."""
-    from spotrun.orchestrator.launch import run_in_process
+    from spotrun.orchestrator.control.launch import run_in_process
 
     sets = [f"storage=s3://{bucket}/runs", f"storage_endpoint_url={moto.url}",
             f"data.shards={ROOT / 'configs/data/tiny'}", "train.updates=4", "checkpoint.every_updates=2",

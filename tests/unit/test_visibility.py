@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.launch import run_in_process
-from spotrun.trainer.bundle import list_bundles
+from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.trainer.bundle.bundles import list_bundles
 from spotrun.trainer.storage import LocalStorage
-from spotrun.trainer.visibility import (
+from spotrun.trainer.storage.visibility import (
     Node,
     RankProbe,
     StorageNotShared,

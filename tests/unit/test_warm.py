@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.launch import run_in_process
-from spotrun.trainer import warm
-from spotrun.trainer.bundle import BundleCorrupt, list_bundles, load_bundle, read_manifest
-from spotrun.trainer.job import BuildContext, read_by_build
-from spotrun.trainer.session import TrainSession
+from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.trainer.bundle.bundles import BundleCorrupt, list_bundles, load_bundle, read_manifest
+from spotrun.trainer.job.contract import BuildContext, read_by_build
+from spotrun.trainer.run import warm
+from spotrun.trainer.run.session import TrainSession
+from spotrun.trainer.run.warm import Kept, NotInMemory, assemble, shipped
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.warm import Kept, NotInMemory, assemble, shipped
 from tests.conftest import make_spec
 from tests.unit.test_tensorfile import _same
 
@@ -93,7 +93,7 @@ def test_each_capture_fills_the_set_the_one_before_it_does_not():
     (("train.grad_sync=ddp",), "train.grad_sync=ddp"),
 ])
 def test_spares_a_job_never_restarting_warm_could_use_are_refused_naming_why(tmp_path, sets, why):
-    from spotrun.orchestrator.specfile import SpecError
+    from spotrun.orchestrator.cli.specfile import SpecError
 
     with pytest.raises(SpecError, match=f"world.spares=1 take a lost rank's place.*{why}"):
         make_spec(tmp_path, "world.size=2", "world.spares=1", *sets)

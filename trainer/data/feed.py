@@ -38,7 +38,7 @@ from spotrun.trainer.data.packer import Span
 from spotrun.trainer.data.planner import Planner, RestoreMode
 from spotrun.trainer.data.stream import StreamPlanner
 from spotrun.trainer.data.transform import OccurrenceStreams, occurrence_generator
-from spotrun.trainer.spec import JobSpec
+from spotrun.trainer.job.spec import JobSpec
 
 
 def _planner(spec: JobSpec, units: np.ndarray, seq_len: int, restore_mode: RestoreMode, discover=None) -> Planner:

@@ -23,9 +23,9 @@ import torch
 from torch.utils.data import default_collate
 
 from spotrun.trainer.data.tokenizer import CharTokenizer, Tokenizer
-from spotrun.trainer.job import JobError
-from spotrun.trainer.spec import DEFAULT_VOCAB
-from spotrun.trainer.stateful import Stateful
+from spotrun.trainer.job.contract import JobError
+from spotrun.trainer.job.spec import DEFAULT_VOCAB
+from spotrun.trainer.state.stateful import Stateful
 
 Transform = Callable[[Any, torch.Generator], Any]
 Collate = Callable[[list[Any]], Any]

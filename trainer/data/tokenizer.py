@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from spotrun.trainer.job import JobError
+from spotrun.trainer.job.contract import JobError
 
 SPECIALS = ("<pad>", "<eos>", "<mask>", "<unk>")
 PAD, EOS, MASK, UNK = range(4)

@@ -5,7 +5,7 @@ rely on is not available there: a point sent before its update is safe from a re
 again by the replay. The rank therefore only *buffers*: :class:`MlflowSink` writes the points of each
 checkpoint interval into the job's storage as a segment (the s3 sink's segments, the same objects
 when both sinks are listed), durable before the interval's bundle can be published. The driver sends
-them (``spotrun.orchestrator.metric_commit``) once the bundle covering their update is published.
+them (``spotrun.orchestrator.publish.metric_commit``) once the bundle covering their update is published.
 
 :class:`Tracker` is everything spotrun asks of MLflow: the job's experiment, the one run per job
 lineage (found again after any restart by its ``spotrun.run`` tag, ``<job id>/<lineage id>``, never by
@@ -24,15 +24,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from spotrun.trainer.job.spec import MlflowSpec
 from spotrun.trainer.metrics.points import MetricPoint
 from spotrun.trainer.metrics.s3_sink import S3Sink
-from spotrun.trainer.spec import MlflowSpec
 from spotrun.trainer.storage import Storage
 
 ATTEMPT = "spotrun/attempt"  # one point per update: the attempt that computed it
 RUN_TAG, JOB_TAG, LINEAGE_TAG = "spotrun.run", "spotrun.job_id", "spotrun.lineage_id"
 # verify --mutate's deliberately broken build: the rank sends each point as it is written (what a tracker
-# callback does), the driver sends nothing at publish. Nothing else selects it (trainer/rank.py strips it).
+# callback does), the driver sends nothing at publish. Nothing else selects it (trainer/run/rank.py strips it).
 SEND_AT_WRITE = "mlflow:send-at-write"
 # MLflow's limits on one log_batch call and on a param's value (mlflow.utils.validation)
 BATCH_METRICS, BATCH_PARAMS_TAGS, PARAM_CHARS, TAG_CHARS, KEY_CHARS = 1000, 100, 6000, 8000, 250

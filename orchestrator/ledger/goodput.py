@@ -1,0 +1,190 @@
+"""Goodput: how much of a job's wall time became training, from the ledger and the metric points only.
+
+The job's wall time runs from the first attempt's start-up (its placement, or the capacity wait
+before it) to the job's last sign of life (its last event or metric point). It is cut into one
+window per attempt, back to back, and every second of a window goes to exactly one term:
+
+- **productive**: computing an update for the first time (each update index counts once);
+- **replayed**: computing an update again that an earlier attempt had already computed (the work a
+  restart redid because it was lost with the attempt that did it). The update counts of both
+  terms are :func:`~spotrun.orchestrator.ledger.losses.update_counts` (from each attempt's reach), so the
+  job's replayed updates are its restarts' lost updates once it is past them;
+- **checkpoint stall**: the training loop waiting at a boundary for its bundle capture
+  (``BundlePublished.stall_seconds``, charged to the update after the boundary);
+- **capacity wait**: waiting for ranks (``CapacityWait.waited_seconds``);
+- **downtime**: the rest: before an attempt's first update (placement, actor start, process group,
+  restore), after a loss (detection, teardown) and after the last update (the last write, shutdown).
+
+goodput = productive / wall. An update's time is the time between its metric point and the one
+before it from the same attempt (the first from the attempt's start). An attempt that was lost
+computed updates after its last surviving point: their time counts as productive, measured from
+the JSONL write log when there is one, else estimated as that many of the attempt's median update
+time (never more than the time before the loss was detected).
+
+With ``usd_per_rank_hour`` each window also costs world size × its length × the rate; the badput
+(the window less its productive time) at the same rate is the money lost.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from spotrun.orchestrator.ledger.losses import reaches, resumed_from, update_counts
+from spotrun.orchestrator.ledger.store import (
+    AttemptStarted,
+    BundlePublished,
+    CapacityWait,
+    CorruptEvent,
+    Restored,
+    WorkerLost,
+    _Event,
+)
+from spotrun.trainer.metrics import MetricPoint
+
+TERMS = ("productive_seconds", "replayed_seconds", "checkpoint_stall_seconds", "capacity_wait_seconds",
+         "downtime_seconds")
+
+
+@dataclass
+class _Window:
+    """One attempt's share of the wall time, term by term."""
+
+    attempt: int
+    world_size: int
+    begin: datetime
+    ready: datetime  # AttemptStarted: the ranks are placed and restored
+    end: datetime
+    terms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TERMS, 0.0))
+    productive_updates: int = 0
+    replayed_updates: int = 0
+
+    @property
+    def wall(self) -> float:
+        return (self.end - self.begin).total_seconds()
+
+    def add(self, term: str, seconds: float) -> None:
+        self.terms[term] += max(0.0, seconds)
+
+    def doc(self, rate: float | None) -> dict[str, Any]:
+        return {"attempt": self.attempt, "world_size": self.world_size, "start": self.begin.isoformat(),
+                "end": self.end.isoformat(), **_totals(self.wall, self.terms),
+                "productive_updates": self.productive_updates, "replayed_updates": self.replayed_updates,
+                **_cost(rate, [(self.world_size, self.wall, self.terms["productive_seconds"])])}
+
+
+def _totals(wall: float, terms: dict[str, float]) -> dict[str, Any]:
+    return {"wall_seconds": round(wall, 3), **{k: round(v, 3) for k, v in terms.items()},
+            "goodput": round(terms["productive_seconds"] / wall, 4) if wall > 0 else None}
+
+
+def _cost(rate: float | None, windows: list[tuple[int, float, float]]) -> dict[str, Any]:
+    """``windows``: (world size, wall seconds, productive seconds) each."""
+    if rate is None:
+        return {"cost_usd": None, "badput_usd": None}
+    per_second = rate / 3600
+    return {"cost_usd": round(sum(n * wall for n, wall, _ in windows) * per_second, 4),
+            "badput_usd": round(sum(n * (wall - good) for n, wall, good in windows) * per_second, 4)}
+
+
+def _update_times(points: Sequence[MetricPoint]) -> dict[int, dict[int, datetime]]:
+    """Per attempt, per update: when its points were written (the latest of the update's points)."""
+    out: dict[int, dict[int, datetime]] = {}
+    for p in points:
+        by_update = out.setdefault(p.attempt, {})
+        by_update[p.update] = max(by_update.get(p.update, p.at), p.at)
+    return out
+
+
+def goodput(events: Sequence[_Event | CorruptEvent], final: Sequence[MetricPoint],
+            log: Sequence[MetricPoint] | None = None, usd_per_rank_hour: float | None = None) -> dict[str, Any]:
+    """The job's goodput and its terms, in total and per attempt (see the module docstring).
+
+    ``final``: the sinks' upserted view (one point per update and name); ``log``: every write, when
+    a JSONL sink kept them. The terms of each attempt, and of the job, add up to its wall time."""
+    evs = [e for e in events if not isinstance(e, CorruptEvent)]
+    started = sorted((e for e in evs if isinstance(e, AttemptStarted)), key=lambda e: e.at)
+    if not started:
+        return {**_totals(0.0, dict.fromkeys(TERMS, 0.0)), **_cost(usd_per_rank_hour, []), "productive_updates": 0,
+                "replayed_updates": 0, "attempts": []}
+    kept = _update_times(final)
+    logged = _update_times(log or [])
+    windows = _windows(evs, started, kept, logged)
+    reach = reaches(evs, final, log)
+    counts = update_counts([w.attempt for w in windows], reach, resumed_from(evs))
+    reached = 0  # the furthest update any earlier attempt computed
+    for w in windows:
+        w.productive_updates, w.replayed_updates = counts[w.attempt]
+        times = kept.get(w.attempt, {})
+        stalls = {e.update: e.stall_seconds for e in evs if isinstance(e, BundlePublished) and e.attempt == w.attempt}
+        w.add("capacity_wait_seconds", min((w.ready - w.begin).total_seconds(), sum(
+            e.waited_seconds for e in evs if isinstance(e, CapacityWait) and w.begin < e.at <= w.ready)))
+        w.add("downtime_seconds", (w.ready - w.begin).total_seconds() - w.terms["capacity_wait_seconds"])
+        previous, intervals = w.ready, []
+        for update in sorted(times):
+            seconds = (times[update] - previous).total_seconds()
+            stall = min(max(0.0, seconds), stalls.get(update - 1, 0.0))
+            w.add("checkpoint_stall_seconds", stall)
+            w.add("replayed_seconds" if update <= reached else "productive_seconds", seconds - stall)
+            intervals.append(seconds - stall)
+            previous = times[update]
+        last = max(times, default=0)
+        furthest = max(last, reach[w.attempt].update if w.attempt in reach else 0)
+        tail = (w.end - previous).total_seconds()
+        stall = min(max(0.0, tail), stalls.get(last, 0.0)) if last else 0.0
+        w.add("checkpoint_stall_seconds", stall)
+        lost_work = _lost_work(w, evs, previous, last, furthest, logged, intervals)
+        w.add("productive_seconds", lost_work)
+        w.add("downtime_seconds", tail - stall - lost_work)
+        reached = max(reached, furthest)
+    terms = {k: sum(w.terms[k] for w in windows) for k in TERMS}
+    wall = (windows[-1].end - windows[0].begin).total_seconds()
+    return {**_totals(wall, terms), **_cost(usd_per_rank_hour, [(w.world_size, w.wall, w.terms["productive_seconds"])
+                                                              for w in windows]),
+            "productive_updates": sum(w.productive_updates for w in windows),
+            "replayed_updates": sum(w.replayed_updates for w in windows),
+            "attempts": [w.doc(usd_per_rank_hour) for w in windows]}
+
+
+def _windows(evs: list[_Event], started: list[AttemptStarted], kept: dict[int, dict[int, datetime]],
+             logged: dict[int, dict[int, datetime]]) -> list[_Window]:
+    """The attempts' windows, back to back: each begins where the one before ended (the first at its
+    start-up, or at the capacity wait before it) and ends at the attempt's last sign of life."""
+    restore = {e.attempt: e.restore_wall_seconds or e.restore_seconds for e in evs if isinstance(e, Restored)}
+    first = started[0]
+    setup = sum(filter(None, [first.placement_seconds, first.process_group_seconds, first.rank_setup_seconds,
+                              restore.get(first.attempt)]))
+    # a capacity wait before the first attempt began waited_seconds before its event
+    leads = [(first.at - e.at).total_seconds() + e.waited_seconds for e in evs
+             if isinstance(e, CapacityWait) and e.at <= first.at]
+    begin = first.at - timedelta(seconds=max([setup, *leads]))
+    windows = []
+    for i, s in enumerate(started):
+        nxt = started[i + 1].at if i + 1 < len(started) else None
+        # its own events, less the capacity waits its supervisor recorded while placing the next attempt
+        signs = [e.at for e in evs if e.attempt == s.attempt and not isinstance(e, CapacityWait)]
+        signs += [*kept.get(s.attempt, {}).values(), *logged.get(s.attempt, {}).values()]
+        end = max(signs)
+        if nxt is not None:
+            end = min(end, nxt)
+        begin = min(begin, s.at)
+        windows.append(_Window(s.attempt, s.world_size, begin, s.at, max(end, s.at)))
+        begin = windows[-1].end
+    return windows
+
+
+def _lost_work(w: _Window, evs: list[_Event], previous: datetime, last: int, furthest: int,
+               logged: dict[int, dict[int, datetime]], intervals: list[float]) -> float:
+    """The time an attempt spent on updates after its last surviving point (they were lost with it)."""
+    if furthest <= last:
+        return 0.0
+    loss = next((e for e in evs if isinstance(e, WorkerLost) and e.attempt == w.attempt), None)
+    limit = ((loss.detected_at or loss.at) if loss else w.end) - previous
+    beyond = [t for u, t in logged.get(w.attempt, {}).items() if u > last]
+    if beyond:
+        return min(limit.total_seconds(), (max(beyond) - previous).total_seconds())
+    estimate = (furthest - last) * statistics.median(intervals) if intervals else 0.0
+    return max(0.0, min(limit.total_seconds(), estimate))

@@ -1,0 +1,544 @@
+"""The ranks of one attempt as Ray actors in one placement group.
+
+Each actor holds a :class:`spotrun.trainer.run.rank.RankRunner`; it is a threaded actor so
+that ``poll`` and ``request`` are served while ``run`` trains. The ranks form a
+``torch.distributed`` group (gloo on CPU, nccl with GPUs) rendezvousing at
+rank 0's node. A lost actor is noticed from the first failed call: an
+``ActorDiedError`` (process killed, node removed gracefully) or the first
+``ActorUnavailableError`` (node unreachable), never Ray's ~15 s death timeout.
+A survivor whose collective fails because a peer died raises too, often before
+Ray reports the peer dead: such an error is blamed on the peer it points to (the
+job restarts), a collective that timed out with every peer answering is a
+``collective-timeout`` (a restart as well), and only any other error fails the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Set
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from spotrun.orchestrator.ledger.store import RecoveryPath
+from spotrun.orchestrator.notices.notice import Notice
+from spotrun.orchestrator.policy.recovery import LossCause, WarmPlan, plan_warm
+from spotrun.orchestrator.workers.groups import (
+    CapacityUnavailable,
+    RankFailed,
+    RankLost,
+    Reformed,
+    WarmUnavailable,
+    refuses,
+)
+from spotrun.orchestrator.workers.rankactor import RankActor, this_node
+from spotrun.trainer.bundle.bundles import BundleError
+from spotrun.trainer.bundle.manifest import Manifest, ManifestError
+from spotrun.trainer.data.planner import RestoreMode
+from spotrun.trainer.job.spec import JobSpec
+from spotrun.trainer.run.rank import Report
+from spotrun.trainer.run.warm import ineligible
+from spotrun.trainer.storage import Storage
+from spotrun.trainer.storage.visibility import (
+    Node,
+    Probe,
+    RankProbe,
+    StorageNotShared,
+    check_answers,
+    post_driver_probe,
+    remove_probes,
+)
+
+# What a survivor's collective raises when a peer died or hung (gloo, NCCL, c10d).
+COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|c10d|Connection (closed|reset) by peer|[Tt]imed out")
+# What Ray says of a worker its memory monitor killed (a kernel OOM kill is a plain SIGKILL: process-exit).
+OOM_KILL = re.compile(r"running low on memory|OutOfMemoryError")
+PEER_PROBE_S = 5.0  # long enough for Ray to report a SIGKILLed peer dead (well under a second here)
+NEWS_WAIT_S = 10.0  # how long a rank's wait_for_news call blocks before it answers no news (and is sent again)
+WAKE_CHECK_S = 0.1  # how often a wait looks at the supervisor's wake event (a driver's notice)
+# A poll or request answers at once (threaded actor), and a dead rank's call fails at once: this only
+# bounds a hang. A 2-core host under load can keep a rank's answer back for seconds, and a rank taken
+# for hung is a restart counted as a failure: the bound is generous.
+POLL_TIMEOUT_S = 60.0
+# Starting a rank (a Python process importing torch, then building the model and the data listing)
+# takes seconds, and many more on a loaded machine; a dead actor is reported at once anyway, so this
+# only bounds a hung start.
+STARTUP_TIMEOUT_S = 300.0
+# How long a survivor's run may take to stop after a loss: it ends at its next boundary or as soon as
+# a collective with the lost rank fails; one still running after this is stuck (it is lost as well, and
+# the restart is cold). A survivor that answers in time costs nothing of this bound.
+LEAVE_TIMEOUT_S = 30.0
+# Before a teardown kills the actors, each writes its rank log: a rank still training when a peer failed
+# keeps its lines. Bounded, so that an actor on an unreachable node delays a restart by this at most.
+FLUSH_BEFORE_KILL_S = 2.0
+log = logging.getLogger("spotrun.raygroup")
+
+
+
+
+def _settle(refs: list[Any], timeout: float = 0.0) -> None:
+    """Read the results of ``refs`` that are in within ``timeout``, failed or not: an error nobody reads
+    is printed by Ray, traceback and all, when its reference goes (after the one error that counts was
+    already reported)."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+    for ref in done:
+        try:
+            ray.get(ref, timeout=0)
+        except (RayActorError, RayTaskError, GetTimeoutError):
+            pass
+
+
+def _placed(pg: PlacementGroup) -> bool:
+    """Whether every bundle of ``pg`` holds its resources now (none waits for a node)."""
+    return ray.util.placement_group_table(pg).get("state") == "CREATED"
+
+
+def rank_bundle(spec: JobSpec) -> dict[str, float]:
+    w = spec.world
+    return {"CPU": w.cpus_per_rank, **({"GPU": w.num_gpus_per_rank} if w.num_gpus_per_rank else {})}
+
+
+def available_rank_slots(spec: JobSpec, exclude: Set[str] = frozenset()) -> int:
+    """How many ranks the alive nodes can hold (resources per rank from the spec; one per node under
+    STRICT_SPREAD), not counting ``exclude`` (nodes that are draining: they take no new work and
+    are about to go)."""
+    cpus, gpus = spec.world.cpus_per_rank, spec.world.num_gpus_per_rank
+    slots = 0
+    for node in ray.nodes():
+        if not node.get("Alive") or node["NodeID"] in exclude:
+            continue
+        res = node.get("Resources", {})
+        fit = int(res.get("CPU", 0) // cpus)
+        if gpus:
+            fit = min(fit, int(res.get("GPU", 0) // gpus))
+        slots += min(fit, 1) if spec.world.placement == "STRICT_SPREAD" else fit
+    return slots
+
+
+def room_for_more_ranks(spec: JobSpec, extra: int, timeout_s: float = 2.0) -> bool:
+    """Can ``extra`` more ranks be placed now, beside the running ones? Asks Ray's scheduler the only
+    way it answers: reserves them in a placement group for a moment, then lets go. (Counting node
+    resources cannot tell what other jobs hold.)"""
+    pg = placement_group([rank_bundle(spec)] * extra, strategy=spec.world.placement)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+        return True
+    except GetTimeoutError:
+        return False
+    finally:
+        remove_placement_group(pg)
+
+
+class RayGroup:
+    # A poll is an actor call to every rank, served beside its training thread, and a driver that
+    # polls often takes CPU from the ranks: tiny on 2 ranks ran at 39.5 updates/s polled every
+    # 0.02 s and 45.6 every 0.2 s (bench 8's run), gpt-char on 2 ranks at 30.0-30.3 every 0.1 s and
+    # 31.0-31.7 every 1 s (a per-process split, bench/RESULTS.md section 8). wait() still ends at
+    # once when a rank's run ends, a rank wrote a bundle or saw a notice (each rank has a
+    # wait_for_news call in flight) or the driver got a notice (the supervisor's wake event); only
+    # progress (the progress line, the dashboard's counters) waits for the interval.
+    poll_interval_s = 1.0
+    # With a trace, polls come often: the trace's lines are written at each poll, and its readers
+    # (verify's node removals, the kill tests) time their faults by them.
+    traced_poll_interval_s = 0.1
+
+    def __init__(self, spec: JobSpec, world_size: int, *, attempt: int, lineage_id: str, recovery_label: str,
+                 storage: Storage, restore_mode: RestoreMode | None = None, drop: tuple[str, ...] = (),
+                 record_ids: bool = False, trace: bool = True, placement_timeout_s: float = 60.0) -> None:
+        """Place and start the ranks of one attempt. ``storage`` is the job's storage as the driver
+        opened it: every rank must see it too (:mod:`~spotrun.trainer.storage.visibility`), or
+        ``StorageNotShared`` is raised before any rank restores or trains."""
+        t0 = time.perf_counter()
+        self.spec = spec
+        self.world_size = world_size
+        self.storage = storage
+        self.record_ids, self.trace = record_ids, trace
+        self.spares: list[Spare] = []
+        self._spare_pg: PlacementGroup | None = None
+        self._spare_probe: Probe | None = None
+        self._spares_placed = 0
+        if trace:
+            self.poll_interval_s = min(self.poll_interval_s, self.traced_poll_interval_s)
+        w = spec.world
+        bundle = rank_bundle(spec)
+        self.pg: PlacementGroup | None = placement_group([bundle] * world_size, strategy=w.placement)
+        self.actors: list[Any] = []
+        self._runs: list[Any] = []
+        self._ended: set[Any] = set()  # runs wait() saw end (poll() reads their outcome)
+        self._news: dict[int, Any] = {}  # rank -> its wait_for_news call in flight
+        self.notices: list[Notice] = []
+        try:
+            ray.get(self.pg.ready(), timeout=placement_timeout_s)
+        except GetTimeoutError as e:
+            self.teardown()
+            raise CapacityUnavailable(f"{world_size} ranks of {bundle} could not be placed in "
+                                      f"{placement_timeout_s:g}s") from e
+        try:
+            self._start(spec, world_size, attempt, lineage_id, recovery_label, restore_mode, drop, record_ids,
+                        trace, t0)
+        except BaseException:
+            self.teardown()  # a rank lost or failed while starting: release what was placed
+            raise
+
+    def _start(self, spec: JobSpec, world_size: int, attempt: int, lineage_id: str, recovery_label: str,
+               restore_mode: RestoreMode | None, drop: tuple[str, ...], record_ids: bool, trace: bool,
+               t0: float) -> None:
+        """Create one actor per bundle of the placement group, form the process group, prove every rank
+        sees the driver's storage, build the ranks."""
+        w = spec.world
+        pg = self.pg
+        if pg is None:
+            raise RuntimeError("the attempt's placement group was removed before its ranks started")
+        self.actors = [self._new_actor(pg, r) for r in range(world_size)]
+        self.slots = [(pg, r) for r in range(world_size)]  # each rank's bundle of a placement group
+        self._restore_mode, self._drop = restore_mode, drop
+        if w.spares and ineligible(spec) is None:  # they start beside the ranks, and nothing waits for them
+            self._spare_pg = placement_group([rank_bundle(spec)] * w.spares, strategy="SPREAD")
+            for i in range(w.spares):
+                self._add_spare(self._spare_pg, i, attempt)
+        self.where = self._call([a.where.remote() for a in self.actors], timeout=STARTUP_TIMEOUT_S)
+        self.node_ids = [w_["node_id"] for w_ in self.where]
+        placement = time.perf_counter() - t0
+        port = self._call([self.actors[0].free_port.remote()])[0]
+        init_method = f"tcp://{self.where[0]['ip']}:{port}"
+        spec_json = spec.model_dump_json()
+        probe = post_driver_probe(self.storage, spec.job_id, attempt, this_node())
+        try:
+            setups = self._call([a.setup.remote(spec_json, r, world_size, init_method, attempt, lineage_id,
+                                                recovery_label, restore_mode, drop, record_ids, trace,
+                                                self._probe_for(probe, r).model_dump_json())
+                                 for r, a in enumerate(self.actors)], timeout=STARTUP_TIMEOUT_S)
+            check_answers(self.storage, probe, [s_["probe"] for s_ in setups])
+        finally:
+            remove_probes(self.storage, probe)
+        self.runtimes = [s_["runtime"] for s_ in setups]  # each rank's device model and library versions
+        # Recorded in AttemptStarted: where this attempt's start-up time went (slowest rank for each part).
+        self.timings = {"placement_seconds": round(placement, 4)}
+        for k in ("process_group_seconds", "rank_setup_seconds"):
+            self.timings[k] = round(max(s[k] for s in setups), 4)
+
+    def _new_actor(self, pg: PlacementGroup, index: int) -> Any:
+        w = self.spec.world
+        return ray.remote(RankActor).options(
+            num_cpus=w.cpus_per_rank, num_gpus=w.num_gpus_per_rank, max_concurrency=5, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+        ).remote()
+
+    def _add_spare(self, pg: PlacementGroup, index: int, attempt: int) -> None:
+        """Place a spare in bundle ``index`` of ``pg`` and have it build the job, in the background: it
+        is ready once its ``prepare`` call returned (the bundle may wait for a node to hold it)."""
+        if self._spare_probe is None:
+            self._spare_probe = post_driver_probe(self.storage, self.spec.job_id, attempt, this_node())
+        actor = self._new_actor(pg, index)
+        self._spares_placed += 1
+        ready = actor.prepare.remote(self.spec.model_dump_json(), self.world_size, self._restore_mode, self._drop,
+                                     self.trace, self._spare_probe.model_dump_json(),
+                                     self.world_size + self._spares_placed - 1, attempt)
+        self.spares.append(Spare(actor, ready, (pg, index)))
+
+    def _ready_spares(self, needed: int, among: list[Spare] | None = None) -> list[Spare]:
+        """Up to ``needed`` spares (of ``among``; by default all) that have built the job and see the
+        storage. A spare still starting or building is waited for where its resources are held (it is
+        ready sooner than a new group would be), not where they wait for a node. A spare that failed is
+        dropped."""
+        out: list[Spare] = []
+        for spare in list(self.spares if among is None else among):
+            if len(out) >= needed:
+                break
+            done, _ = ray.wait([spare.ready], timeout=0)
+            if not done and not _placed(spare.slot[0]):
+                continue
+            try:
+                info = ray.get(spare.ready, timeout=STARTUP_TIMEOUT_S)
+                if self._spare_probe is not None:
+                    check_answers(self.storage, self._spare_probe, [info["probe"]])
+            except (RayActorError, RayTaskError, GetTimeoutError, StorageNotShared) as e:
+                log.warning("a spare cannot serve: %s", str(e).splitlines()[0])
+                self.spares.remove(spare)
+                ray.kill(spare.actor, no_restart=True)
+                continue
+            spare.where = info
+            out.append(spare)
+        return out
+
+    def spares_ready(self) -> int:
+        """How many spares have built the job and wait (a quick look: nothing is waited for)."""
+        done, _ = ray.wait([s.ready for s in self.spares], num_returns=len(self.spares), timeout=0)
+        ok = 0
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+                ok += 1
+            except (RayActorError, RayTaskError, GetTimeoutError):
+                continue
+        return ok
+
+    def reform(self, lost: Set[int], bundle_key: str, manifest: Manifest, shipped_files: dict[str, bytes],
+               sizes: list[int], attempt: int, lineage_id: str, label_for: Callable[[int], str]) -> Reformed:
+        """Warm recovery (trainer/run/warm.py): restart from published bundle ``bundle_key`` keeping the
+        surviving processes, at the first of ``sizes`` (the world sizes the policy allows) it can. The
+        ranks not ``lost`` stop and keep their processes; at the same size each lost rank's place goes
+        to a ready spare (``warm-spare``) or, with none, to a new process placed in the lost rank's slot
+        where that is still held (``warm-replace``); otherwise the survivors alone form the world
+        (``warm-shrink``, ranks renumbered in order; ``label_for(size)`` is the recovery label). Every
+        member forms the new process group and restores the bundle from memory: the driver's
+        ``shipped_files`` and the survivors' kept captures. Raises :class:`WarmUnavailable` (the caller
+        restarts cold: tear this group down) when that cannot be done, or ``RankLost``/``RankFailed``
+        for a rank lost or failing meanwhile."""
+        t0 = time.perf_counter()
+        lost = set(lost)
+        if not self.actors:
+            raise WarmUnavailable("the group was torn down")
+        # every rank stops (a doomed one that still answers too: its peers wait for it at the boundary)
+        leaves = {r: a.leave.remote(LEAVE_TIMEOUT_S) for r, a in enumerate(self.actors)}
+        held: dict[int, list[str] | None] = {}
+        for r, ref in leaves.items():
+            if r in lost:
+                continue
+            try:
+                held[r] = ray.get(ref, timeout=LEAVE_TIMEOUT_S + POLL_TIMEOUT_S)
+            except (RayActorError, GetTimeoutError, RayTaskError):
+                lost.add(r)
+        for r in lost:
+            ray.kill(self.actors[r], no_restart=True)
+        survivors = [r for r in range(self.world_size) if r not in lost]
+        # their runs ended (leave saw to it) with the lost peer's collective error: read it, expected here
+        _settle([self._runs[r] for r in survivors] if self._runs else [], timeout=LEAVE_TIMEOUT_S)
+        stale = [r for r in survivors if bundle_key not in (held.get(r) or [])]
+        if stale:
+            raise WarmUnavailable(f"ranks {stale} hold no copy of {bundle_key} in memory "
+                                  f"(they hold {sorted({str(held.get(r)) for r in stale})})")
+        if not survivors:
+            raise WarmUnavailable("no rank survived")
+        # which path is plan_warm's to say (orchestrator/policy/recovery.py); this only carries it out
+        spares = self._ready_spares(len(lost)) if self.world_size in sizes else []
+        plan = plan_warm(sorted(lost), survivors, len(spares), self.world_size, sizes,
+                         {r: _placed(self.slots[r][0]) for r in lost})
+        if isinstance(plan, WarmPlan) and plan.replace:
+            # no spare for them: new processes where the lost ranks were (the slot is still held: a process
+            # that died on a live node, or a node already replaced), built while nothing else runs
+            first_new = len(self.spares)
+            for r in plan.replace:
+                self._add_spare(*self.slots[r], attempt)
+            spares += self._ready_spares(len(plan.replace), among=self.spares[first_new:])
+            if len(spares) < len(lost):  # not every new process came up: the survivors alone, if allowed
+                plan = plan_warm(sorted(lost), survivors, len(spares), self.world_size, sizes, {})
+        if isinstance(plan, str):
+            raise WarmUnavailable(plan)
+        path: RecoveryPath = plan.path
+        replacing = list(plan.replace) if path == "warm-replace" else []
+        world_size = plan.world_size
+        if path != "warm-shrink":
+            filling = dict(zip(sorted(lost), spares, strict=False))
+            members = [self.actors[r] if r not in lost else filling[r].actor for r in range(world_size)]
+            slots = [self.slots[r] if r not in lost else filling[r].slot for r in range(world_size)]
+            wheres = [self.where[r] if r not in lost else filling[r].where for r in range(world_size)]
+            for spare in filling.values():
+                self.spares.remove(spare)
+        else:
+            filling = {}
+            members = [self.actors[r] for r in survivors]
+            slots = [self.slots[r] for r in survivors]
+            wheres = [self.where[r] for r in survivors]
+        replica = self.actors[survivors[0]].replica.remote(bundle_key) if filling else None
+        freed = {r: self.slots[r] for r in lost}
+        self.actors, self.slots, self.where = members, slots, wheres
+        self.node_ids = [w_["node_id"] for w_ in wheres]
+        self.world_size = world_size
+        self._runs, self._ended, self._news = [], set(), {}
+        t1 = time.perf_counter()
+        port = self._call([members[0].free_port.remote()])[0]
+        spec_json, manifest_json = self.spec.model_dump_json(), manifest.model_dump_json()
+        newcomers = {id(s.actor) for s in filling.values()}
+        try:
+            results = self._call([a.rejoin.remote(spec_json, r, world_size, f"tcp://{wheres[0]['ip']}:{port}", attempt,
+                                                  lineage_id, label_for(world_size), self.record_ids, self.trace,
+                                                  bundle_key, manifest_json, shipped_files,
+                                                  replica if id(a) in newcomers else None)
+                                  for r, a in enumerate(members)], timeout=STARTUP_TIMEOUT_S)
+        except RankFailed as e:
+            if "NotInMemory" in str(e):
+                raise WarmUnavailable(str(e)) from e
+            raise
+        for r in sorted(set(filling) - set(replacing)):  # a new spare where a lost rank was, for the one it took
+            self._add_spare(*freed[r], attempt)
+        self.runtimes = [r_["runtime"] for r_ in results]
+        self.timings = {"placement_seconds": round(t1 - t0, 4),  # stopping the survivors, choosing (or placing) spares
+                        "process_group_seconds": round(max(r_["process_group_seconds"] for r_ in results), 4),
+                        "rank_setup_seconds": round(max(r_["rank_setup_seconds"] for r_ in results), 4)}
+        mismatches = [f"rank {r}: {m}" for r, r_ in enumerate(results) for m in r_["mismatches"]]
+        return Reformed(path, world_size, label_for(world_size), max(r_["restore_seconds"] for r_ in results),
+                        mismatches)
+
+    def _probe_for(self, driver: Probe, rank: int) -> RankProbe:
+        w_ = self.where[rank]
+        return RankProbe(driver=driver, rank=rank, node=Node(node_id=w_["node_id"], ip=w_["ip"], host=w_["host"]))
+
+    def _call(self, refs: list[Any], timeout: float | None = POLL_TIMEOUT_S) -> list[Any]:
+        """``ray.get`` each rank's ref (``refs[r]`` belongs to rank r), turning a lost actor into
+        :class:`RankLost` and an error raised by training code into :class:`RankFailed`."""
+        out = []
+        for rank, ref in enumerate(refs):
+            try:
+                out.append(self._get(rank, ref, timeout))
+            except BaseException:
+                _settle(refs[rank + 1:])
+                raise
+        return out
+
+    def _get(self, rank: int, ref: Any, timeout: float | None = POLL_TIMEOUT_S) -> Any:
+        try:
+            return ray.get(ref, timeout=timeout)
+        except RayTaskError as e:
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            if isinstance(cause, (BundleError, ManifestError, StorageNotShared)):
+                raise cause from e  # the supervisor decides: fall back, or refuse the job
+            raise RankFailed(f"rank {rank} raised {type(cause).__name__}: {cause}", rank,
+                             collective=bool(COLLECTIVE_ERROR.search(str(cause))), refusal=refuses(cause)) from e
+        except (RayActorError, GetTimeoutError) as e:
+            # its creation task raised: a bug or bad input (an import that fails), not a lost machine
+            if isinstance(e, RayActorError) and e.actor_init_failed:
+                raise RankFailed(f"rank {rank} could not start: {str(e).strip()[-1500:]}") from e
+            raise self._lost(rank, e) from e
+
+    def _lost(self, rank: int, e: BaseException) -> RankLost:
+        node = self.node_ids[rank] if rank < len(getattr(self, "node_ids", [])) else None
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        if (isinstance(e, ActorUnavailableError) or (node is not None and node not in alive)
+                or (isinstance(e, RayActorError) and e.preempted)):  # preempted: Ray drained the node for it
+            cause = LossCause.NODE_LOST
+        elif isinstance(e, GetTimeoutError):
+            cause = LossCause.UNRESPONSIVE
+        elif OOM_KILL.search(str(e)):  # Ray says so only in the error's text
+            cause = LossCause.OOM
+        else:
+            cause = LossCause.PROCESS_EXIT
+        return RankLost(rank, cause, str(e).splitlines()[0] if str(e) else type(e).__name__, node)
+
+    def restore(self, bundle_key: str, storage_uri: str | None = None,
+                reset: tuple[str, ...] = ()) -> tuple[float, list[str]]:
+        results = self._call([a.restore.remote(bundle_key, storage_uri, reset) for a in self.actors], timeout=None)
+        mismatches = [f"rank {r}: {m}" for r, (_, ms) in enumerate(results) for m in ms]
+        return max(sec for sec, _ in results), mismatches
+
+    def start(self) -> None:
+        self._runs = [a.run.remote() for a in self.actors]
+
+    def poll(self) -> list[Report]:
+        done, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
+        failure: RankFailed | None = None
+        for rank, ref in enumerate(self._runs):
+            if ref in done:
+                try:
+                    self._get(rank, ref)  # raises RankLost if the rank died; returns if it finished
+                except RankFailed as e:
+                    failure = failure or e  # a later rank's death may be the reason: look at all first
+        if failure is not None:
+            raise self._cause_of(failure)
+        reports = []
+        for report, notices in self._call([a.poll.remote() for a in self.actors]):
+            reports.append(report)
+            self.notices += notices
+        return reports
+
+    def wait(self, seconds: float, wake: threading.Event) -> None:
+        running = [ref for ref in self._runs if ref not in self._ended]
+        if not running:  # every run ended already: a plain interval, not a busy loop
+            wake.wait(seconds)
+            return
+        for rank, actor in enumerate(self.actors):  # one call per rank in flight, sent again once it answered
+            if rank not in self._news:
+                self._news[rank] = actor.wait_for_news.remote(NEWS_WAIT_S)
+        news = {ref: rank for rank, ref in self._news.items()}
+        # In slices, to see the wake event: a ray.wait is local to the driver, unlike a poll
+        end = time.monotonic() + seconds
+        done: list[Any] = []
+        while not done and not wake.is_set() and (left := end - time.monotonic()) > 0:
+            done, _ = ray.wait([*running, *news], num_returns=1, timeout=min(left, WAKE_CHECK_S))
+        for ref in done:
+            if ref in news:
+                del self._news[news[ref]]  # its outcome (news, a timeout, a lost rank) is the next poll's
+            else:
+                self._ended.add(ref)
+
+    def _cause_of(self, failure: RankFailed) -> RankFailed | RankLost:
+        """A rank whose collective failed did so because a peer died or hung: find that peer (the
+        job restarts); a collective that timed out with every peer answering is a collective-timeout
+        (a restart too). Any other error is the job's own and fails it."""
+        if not failure.collective:
+            return failure
+        for rank, actor in enumerate(self.actors):
+            if rank == failure.rank:
+                continue
+            try:
+                ray.get(actor.poll.remote(), timeout=PEER_PROBE_S)
+            except (RayActorError, GetTimeoutError) as e:
+                return self._lost(rank, e)
+            except RayTaskError:
+                continue
+        if re.search(r"[Tt]imed out", str(failure)):
+            node = self.node_ids[failure.rank] if failure.rank is not None else None
+            return RankLost(failure.rank, LossCause.COLLECTIVE_TIMEOUT, str(failure).splitlines()[0], node)
+        return failure
+
+    def take_notices(self) -> list[Notice]:
+        notices, self.notices = self.notices, []
+        return notices
+
+    def request(self, checkpoint: bool = True, stop: bool = False) -> None:
+        self._call([a.request.remote(checkpoint, stop) for a in self.actors])
+
+    def acknowledge(self, notice: Notice) -> None:
+        if notice.rank is None or notice.rank >= len(self.actors):
+            return
+        try:
+            self._get(notice.rank, self.actors[notice.rank].acknowledge.remote(notice.model_dump_json()))
+        except RankFailed as e:  # the acknowledgement raised on the rank: the endpoint refused it
+            raise OSError(str(e)) from e
+
+    def salvage(self) -> list[Report]:
+        """After a loss: the last reports of the ranks still answering (they are blocked in a
+        collective with the lost rank, but their poll runs on another thread)."""
+        out = []
+        for a in self.actors:
+            try:
+                out.append(ray.get(a.poll.remote(), timeout=2.0)[0])
+            except (RayActorError, ActorUnavailableError, GetTimeoutError, RayTaskError):
+                continue
+        return out
+
+    def pids(self) -> list[int]:
+        return [w_["pid"] for w_ in self.where]
+
+    def teardown(self) -> None:
+        if self.actors:  # best effort: a dead or unreachable rank's call fails or is not waited for (a spare,
+            # which may still be starting, keeps what its log wrote every few seconds)
+            flushes = [a.flush_output.remote() for a in self.actors]
+            ray.wait(flushes, num_returns=len(flushes), timeout=FLUSH_BEFORE_KILL_S)
+        for a in [*self.actors, *(s.actor for s in self.spares)]:
+            ray.kill(a, no_restart=True)
+        self.actors, self.spares = [], []
+        for pg in (self.pg, self._spare_pg):
+            if pg is not None:
+                remove_placement_group(pg)
+        self.pg = self._spare_pg = None
+        if self._spare_probe is not None:
+            remove_probes(self.storage, self._spare_probe)
+            self._spare_probe = None
+
+
+@dataclass
+class Spare:
+    """A rank process built and waiting (``world.spares``): ``ready`` is its ``prepare`` call."""
+
+    actor: Any
+    ready: Any
+    slot: tuple[PlacementGroup, int]
+    where: dict[str, Any] = field(default_factory=dict)  # once ready: its node and pid
