@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.tables import Section, Stopwatch, Table, cli, fmt, median, pct
-from spotrun.orchestrator.ledger.store import IntervalDecision, IntervalInputs
 from spotrun.orchestrator.policy import interval
+from spotrun.orchestrator.policy.interval import IntervalDecision, IntervalInputs
 from spotrun.trainer.job.spec import CheckpointSpec
 
 WEEK_S = 7 * 24 * 3600.0

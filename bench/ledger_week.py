@@ -29,18 +29,18 @@ from bench.s3_metrics import counting
 from bench.tables import Section, Stopwatch, Table, cli, fmt, ratio
 from spotrun.orchestrator.dashboard.access import open_readonly
 from spotrun.orchestrator.dashboard.views import Reader
-from spotrun.orchestrator.ledger.folding import DEFAULT_FOLD, FoldPolicy
-from spotrun.orchestrator.ledger.history import history
-from spotrun.orchestrator.ledger.store import (
+from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     BundlePublished,
     Event,
-    Ledger,
     OffsetsCommitted,
     Restored,
     TopologyChanged,
     WorkerLost,
 )
+from spotrun.orchestrator.ledger.folding import DEFAULT_FOLD, FoldPolicy
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.storage.s3 import S3Storage
 
 JOB = "week"

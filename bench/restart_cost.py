@@ -122,7 +122,8 @@ def ray_kill(mode: str, workers: int, root: Path, updates: int, kill_at: int) ->
 
 
 def timeline(spec, storage, job_id: str, killed_at: float, kill_at: int) -> dict[str, Any]:
-    from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger, Restored, WorkerLost
+    from spotrun.orchestrator.ledger.events import AttemptStarted, Restored, WorkerLost
+    from spotrun.orchestrator.ledger.store import Ledger
     from spotrun.trainer.metrics import SqliteSink, metrics_dir
 
     events = Ledger(storage, job_id).read()
@@ -186,7 +187,8 @@ def path_kill(path: str, cluster, root: Path, updates: int, hold_at: int) -> dic
 
     from spotrun.orchestrator.cli.specfile import load_spec
     from spotrun.orchestrator.control.launch import run_on_ray
-    from spotrun.orchestrator.ledger.store import AttemptStarted, BundlePublished, Ledger, SparesReady
+    from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, SparesReady
+    from spotrun.orchestrator.ledger.store import Ledger
     from spotrun.trainer.run.faults import FaultLog
     from spotrun.trainer.storage import open_storage
 
@@ -226,7 +228,8 @@ def path_kill(path: str, cluster, root: Path, updates: int, hold_at: int) -> dic
 
 
 def path_timeline(spec, storage, killed_at: float, hold_at: int, path: str) -> dict[str, Any]:
-    from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger, Restored, WorkerLost
+    from spotrun.orchestrator.ledger.events import AttemptStarted, Restored, WorkerLost
+    from spotrun.orchestrator.ledger.store import Ledger
     from spotrun.trainer.metrics import SqliteSink, metrics_dir
 
     events = Ledger(storage, "job").read()
@@ -261,7 +264,7 @@ def training_cost(events, points, storage) -> dict[str, float]:
     """What checkpointing cost attempt 1 before the loss: rank 0's stall per bundle, the update after a
     checkpoint against the others (rank 1's extra copy of the replicated state shows there: the ranks
     meet in every all-reduce), and the bytes of the replicated model and optimizer each copy holds."""
-    from spotrun.orchestrator.ledger.store import BundlePublished
+    from spotrun.orchestrator.ledger.events import BundlePublished
     from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
 
     at = {p.update: p.at.timestamp() for p in points}

@@ -87,7 +87,8 @@ def checkpoint_figures(reference: Run, every: int) -> dict[str, float]:
 
 
 def spotrun_run(spec, trace: Path, outcome, killed_at: float | None) -> Run:
-    from spotrun.orchestrator.ledger.store import BundlePublished, Ledger
+    from spotrun.orchestrator.ledger.events import BundlePublished
+    from spotrun.orchestrator.ledger.store import Ledger
     from spotrun.trainer.metrics import SqliteSink, metrics_dir
     from spotrun.trainer.observe.trace import read_trace
     from spotrun.trainer.storage import open_storage
@@ -150,7 +151,8 @@ def peer_pid(out: Path, rank: int):
 
 
 def first_attempt_pid(storage, job_id: str, rank: int):
-    from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger
+    from spotrun.orchestrator.ledger.events import AttemptStarted
+    from spotrun.orchestrator.ledger.store import Ledger
 
     ledger = Ledger(storage, job_id)
 

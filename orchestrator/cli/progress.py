@@ -35,26 +35,26 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 from rich.progress import Progress as RichProgress
 
-from spotrun.orchestrator.ledger.losses import downtime_seconds
-from spotrun.orchestrator.ledger.store import (
+from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     BundlePublished,
     BundleRejected,
     CapacityWait,
     IntervalChosen,
+    LedgerEvent,
     NoticeSeen,
     Resizing,
     Restored,
     TopologyChanged,
     WorkerLost,
-    _Event,
 )
+from spotrun.orchestrator.ledger.losses import downtime_seconds
 from spotrun.trainer.observe.ranklog import RankLine
 from spotrun.trainer.observe.trace import UpdateRecord
 
 
 class Progress(Protocol):
-    def event(self, e: _Event) -> None:
+    def event(self, e: LedgerEvent) -> None:
         """A ledger event, just appended."""
 
     def updates(self, records: Sequence[UpdateRecord], world_size: int) -> None:
@@ -64,7 +64,7 @@ class Progress(Protocol):
 
 
 class NullProgress:
-    def event(self, e: _Event) -> None:
+    def event(self, e: LedgerEvent) -> None:
         return None
 
     def updates(self, records: Sequence[UpdateRecord], world_size: int) -> None:
@@ -130,7 +130,7 @@ class _Figures:
         # recorded before its Restored event, so the line waits for the next event or report.
         self._fresh: str | None = None
 
-    def lines(self, e: _Event) -> list[str]:
+    def lines(self, e: LedgerEvent) -> list[str]:
         """The lines an event brings: a fresh start's line it confirms, then its own."""
         out = [] if isinstance(e, Restored) else self.pending()
         self._fresh = None
@@ -150,7 +150,7 @@ class _Figures:
         seconds = downtime_seconds((loss.detected_at or loss.at) if loss else None, restored_at)
         return "not seen here" if seconds is None else f"{seconds:.1f}s"
 
-    def line(self, e: _Event) -> str | None:
+    def line(self, e: LedgerEvent) -> str | None:
         """The log line an event deserves (None: it only changes the figures)."""
         if isinstance(e, AttemptStarted):
             self.attempt, self.world_size = e.attempt, e.world_size
@@ -230,7 +230,7 @@ class PlainProgress:
         self.out.write(text + "\n")
         self.out.flush()
 
-    def event(self, e: _Event) -> None:
+    def event(self, e: LedgerEvent) -> None:
         for line in self.figures.lines(e):
             self._print(line)
             self._printed = min(self._printed, self.figures.done)
@@ -258,7 +258,7 @@ class LiveProgress:
         self.task = self.bar.add_task("updates", total=total, info="starting")
         self.bar.start()
 
-    def event(self, e: _Event) -> None:
+    def event(self, e: LedgerEvent) -> None:
         for line in self.figures.lines(e):
             self.bar.console.print(escape(line), highlight=False, soft_wrap=True)
         self._redraw()

@@ -22,8 +22,9 @@ older one), so only manifests are read here.
 
 from __future__ import annotations
 
+from spotrun.orchestrator.ledger.events import RefusalCheck, RunRefused
 from spotrun.orchestrator.ledger.history import state_of
-from spotrun.orchestrator.ledger.store import Ledger, RefusalCheck, RunRefused
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import (
     BundleCorrupt,
     bundle_address,

@@ -30,20 +30,17 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 from spotrun.orchestrator.cli.progress import NullProgress, Progress, echo_rank_output
-from spotrun.orchestrator.ledger.history import history
-from spotrun.orchestrator.ledger.store import (
+from spotrun.orchestrator.ledger import interval_inputs
+from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     BundleRejected,
     CapacityWait,
     InitializedFrom,
     IntervalChosen,
-    IntervalDecision,
     JobFailed,
     JobFinished,
-    Ledger,
     NoticeHandled,
     NoticeSeen,
-    RecoveryPath,
     Resizing,
     Restored,
     RunRefused,
@@ -51,17 +48,21 @@ from spotrun.orchestrator.ledger.store import (
     TopologyChanged,
     WorkerLost,
 )
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.notices.clouds import CloudWatcher
 from spotrun.orchestrator.notices.notice import Notice, install_signal_notices
 from spotrun.orchestrator.policy import interval
 from spotrun.orchestrator.policy import topology as policy
 from spotrun.orchestrator.policy.budgets import ErrorAt, RestartBudgets
+from spotrun.orchestrator.policy.interval import IntervalDecision
 from spotrun.orchestrator.policy.recovery import (
     Cold,
     Fail,
     GroupCan,
     Loss,
     LossCause,
+    RecoveryPath,
     Warm,
     notice_cause,
     plan_recovery,
@@ -615,7 +616,8 @@ class Supervisor:
         events = self.ledger.read()
         if reason == "start" and any(isinstance(e, WorkerLost) and e.attempt == st.attempt - 1 for e in events):
             reason = "loss"
-        inputs = interval.observe(events, self.spec.checkpoint, self.sec_per_update, st.attempt, datetime.now(UTC))
+        inputs = interval_inputs.observe(events, self.spec.checkpoint, self.sec_per_update, st.attempt,
+                                         datetime.now(UTC))
         decision = interval.decide(inputs)
         c = self._auto
         c.decided_at = self.clock()

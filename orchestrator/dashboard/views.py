@@ -17,9 +17,10 @@ from typing import Any
 from spotrun.orchestrator.dashboard import observed
 from spotrun.orchestrator.dashboard.access import JobNotFound, job_ids, require_job
 from spotrun.orchestrator.dashboard.checksums import ChecksumCache
+from spotrun.orchestrator.ledger.events import CorruptEvent
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.points import LogCache, ObjectCache, Points, read_points, replaced
-from spotrun.orchestrator.ledger.store import CorruptEvent, Ledger
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import BundleError, list_bundles, read_manifest
 from spotrun.trainer.bundle.manifest import ManifestError
 from spotrun.trainer.observe.ranklog import list_rank_logs, read_rank_log

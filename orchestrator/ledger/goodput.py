@@ -33,16 +33,16 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from spotrun.orchestrator.ledger.losses import reaches, resumed_from, update_counts
-from spotrun.orchestrator.ledger.store import (
+from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     BundlePublished,
     CapacityWait,
     CorruptEvent,
+    LedgerEvent,
     Restored,
     WorkerLost,
-    _Event,
 )
+from spotrun.orchestrator.ledger.losses import reaches, resumed_from, update_counts
 from spotrun.trainer.metrics import MetricPoint
 
 TERMS = ("productive_seconds", "replayed_seconds", "checkpoint_stall_seconds", "capacity_wait_seconds",
@@ -99,7 +99,7 @@ def _update_times(points: Sequence[MetricPoint]) -> dict[int, dict[int, datetime
     return out
 
 
-def goodput(events: Sequence[_Event | CorruptEvent], final: Sequence[MetricPoint],
+def goodput(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[MetricPoint],
             log: Sequence[MetricPoint] | None = None, usd_per_rank_hour: float | None = None) -> dict[str, Any]:
     """The job's goodput and its terms, in total and per attempt (see the module docstring).
 
@@ -149,7 +149,7 @@ def goodput(events: Sequence[_Event | CorruptEvent], final: Sequence[MetricPoint
             "attempts": [w.doc(usd_per_rank_hour) for w in windows]}
 
 
-def _windows(evs: list[_Event], started: list[AttemptStarted], kept: dict[int, dict[int, datetime]],
+def _windows(evs: list[LedgerEvent], started: list[AttemptStarted], kept: dict[int, dict[int, datetime]],
              logged: dict[int, dict[int, datetime]]) -> list[_Window]:
     """The attempts' windows, back to back: each begins where the one before ended (the first at its
     start-up, or at the capacity wait before it) and ends at the attempt's last sign of life."""
@@ -176,7 +176,7 @@ def _windows(evs: list[_Event], started: list[AttemptStarted], kept: dict[int, d
     return windows
 
 
-def _lost_work(w: _Window, evs: list[_Event], previous: datetime, last: int, furthest: int,
+def _lost_work(w: _Window, evs: list[LedgerEvent], previous: datetime, last: int, furthest: int,
                logged: dict[int, dict[int, datetime]], intervals: list[float]) -> float:
     """The time an attempt spent on updates after its last surviving point (they were lost with it)."""
     if furthest <= last:

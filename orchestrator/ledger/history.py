@@ -8,6 +8,24 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from spotrun.orchestrator.ledger.events import (
+    AttemptStarted,
+    BundlePublished,
+    BundleRejected,
+    CorruptEvent,
+    InitializedFrom,
+    IntervalChosen,
+    JobFailed,
+    JobFinished,
+    LedgerEvent,
+    NoticeHandled,
+    NoticeSeen,
+    Resizing,
+    Restored,
+    RunRefused,
+    TopologyChanged,
+    WorkerLost,
+)
 from spotrun.orchestrator.ledger.goodput import goodput
 from spotrun.orchestrator.ledger.losses import (
     Reach,
@@ -18,26 +36,8 @@ from spotrun.orchestrator.ledger.losses import (
     time_lost_seconds,
     totals,
 )
-from spotrun.orchestrator.ledger.store import (
-    AttemptStarted,
-    Budget,
-    BundlePublished,
-    BundleRejected,
-    CorruptEvent,
-    InitializedFrom,
-    IntervalChosen,
-    JobFailed,
-    JobFinished,
-    Ledger,
-    NoticeHandled,
-    NoticeSeen,
-    Resizing,
-    Restored,
-    RunRefused,
-    TopologyChanged,
-    WorkerLost,
-    _Event,
-)
+from spotrun.orchestrator.ledger.store import Ledger
+from spotrun.orchestrator.policy.budgets import Budget
 from spotrun.trainer.bundle.bundles import BundleCorrupt, list_bundles, read_manifest
 from spotrun.trainer.bundle.manifest import ManifestError
 from spotrun.trainer.storage import Storage
@@ -155,7 +155,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
             "goodput": goodput(events, points.final, points.log, _rate(storage, job_id))}
 
 
-def state_of(events: list[_Event | CorruptEvent]) -> str:
+def state_of(events: list[LedgerEvent | CorruptEvent]) -> str:
     """The job's recorded state, as history, the dashboard and ``spotrun run`` read it: ``running`` from
     an attempt's start, then ``finished`` or ``failed`` as the newest of those events says. A refused
     run (``run_refused``) is none of them and never changes the state; a job with nothing but refusals

@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from spotrun.orchestrator.ledger.store import (
+from spotrun.orchestrator.ledger.events import (
     BundlePublished,
     CorruptEvent,
     JobFinished,
+    LedgerEvent,
     Resizing,
     Restored,
     WorkerLost,
-    _Event,
 )
 from spotrun.trainer.metrics import MetricPoint
 
@@ -59,7 +59,7 @@ class Reach:
         return self.source != "lower bound"
 
 
-def reaches(events: Sequence[_Event | CorruptEvent], final: Sequence[MetricPoint],
+def reaches(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[MetricPoint],
             log: Sequence[MetricPoint] | None) -> dict[int, Reach]:
     """Every attempt's reach (see the module docstring), by attempt number."""
     ledger: dict[int, int] = {}
@@ -89,7 +89,7 @@ def reaches(events: Sequence[_Event | CorruptEvent], final: Sequence[MetricPoint
     return out
 
 
-def resumed_from(events: Sequence[_Event | CorruptEvent]) -> dict[int, int]:
+def resumed_from(events: Sequence[LedgerEvent | CorruptEvent]) -> dict[int, int]:
     """The update each attempt that restored a bundle resumed from (an attempt not listed began at 0)."""
     return {e.attempt: e.update for e in events if isinstance(e, Restored)}
 

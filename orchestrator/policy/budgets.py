@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import BaseModel, ConfigDict
 from tenacity import RetryCallState, Retrying, wait_exponential_jitter
 
-from spotrun.orchestrator.ledger.store import Budget
 from spotrun.orchestrator.policy.recovery import LossClass
 from spotrun.trainer.job.spec import WorldSpec
 
@@ -47,6 +47,24 @@ class ErrorAt:
 
     update: int
     bundle: str | None
+
+
+class Budget(BaseModel):
+    """This run's two restart budgets and what it has used of each (see ``policy.loss_class``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    failures: int  # losses classed as failures so far
+    max_restarts: int  # world.max_restarts: the failures allowed
+    preemptions: int
+    max_preemptions: int | None  # world.max_preemptions; None: no limit
+
+    def left(self) -> dict[str, int | None]:
+        """What is left of each budget (None: no limit)."""
+        return {"failures_left": max(0, self.max_restarts - self.failures),
+                "preemptions_left": None if self.max_preemptions is None
+                else max(0, self.max_preemptions - self.preemptions)}
+
 
 
 def repeated(previous: ErrorAt | None, reached: int, now: ErrorAt) -> str | None:

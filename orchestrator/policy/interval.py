@@ -8,7 +8,8 @@ the sum C / T + T / (2 M) is smallest at Young's interval T = sqrt(2 C M) (Daly'
 terms matter only as C nears M). :func:`decide` computes it, clamped to
 ``checkpoint.min_interval_s`` .. ``max_interval_s``; the supervisor and the bench call it alike.
 
-Its inputs come from the job's own ledger (:func:`observe`):
+Its inputs (:class:`IntervalInputs`) come from the job's own ledger
+(:func:`spotrun.orchestrator.ledger.interval_inputs.observe`):
 
 - C is the median over the newest bundles (stall plus overlap, as recorded when each was
   published); before the first bundle nothing is measured, and the interval is the lower bound,
@@ -25,25 +26,45 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
-from datetime import datetime
+from typing import Literal
 
-from spotrun.orchestrator.ledger.store import (
-    AttemptStarted,
-    BundlePublished,
-    CorruptEvent,
-    IntervalDecision,
-    IntervalInputs,
-    NoticeHandled,
-    WorkerLost,
-    _Event,
-)
-from spotrun.trainer.job.spec import CheckpointSpec
+from pydantic import BaseModel, ConfigDict
 
 RECENT_BUNDLES = 5  # C is the median over this many newest bundles
 PRIOR_WEIGHT = 1.0  # the prior counts as this many observed preemptions
 REDECIDE_S = 300.0  # besides at a start, a loss and the first measured cost: at most this often
 MOVED = 0.1  # a periodic decision is recorded (and acted on) only when it moves the interval this much
+
+
+class IntervalInputs(BaseModel):
+    """What ``checkpoint.every_updates: auto`` decides from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint_costs_s: list[float]  # the newest bundles' stall plus overlap, oldest first
+    sec_per_update: float | None  # measured by the supervisor (None: no update seen yet)
+    preemptions: int  # losses classed as preemptions in the job's ledger
+    preemptions_losing_work: int  # of them, those no notice-driven bundle covered
+    uptime_s: float  # the attempts' run time so far
+    prior_interval_s: float  # checkpoint.expected_preemption_interval_s
+    min_interval_s: float
+    max_interval_s: float
+
+
+class IntervalDecision(BaseModel):
+    """The interval ``auto`` chose and what it expects that interval to cost."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    interval_s: float  # run time from one bundle's publication (or the attempt's start) to the next request
+    interval_updates: int | None  # the same in updates at the measured speed (None: speed not measured yet)
+    checkpoint_cost_s: float | None  # the estimate used (None: no bundle measured yet)
+    mtbp_s: float  # mean run time between preemptions, the prior included
+    mtbp_losing_work_s: float  # the same for preemptions that lose work (the ones the interval is for)
+    expected_lost_work_s: float  # work one preemption that loses work is expected to throw away
+    expected_overhead: float  # fraction of run time expected to go to checkpoints and to redoing lost work
+    bound: Literal["min", "max"] | None = None  # the bound that clamped the interval, if one did
+
 
 
 def decide(inputs: IntervalInputs) -> IntervalDecision:
@@ -74,29 +95,3 @@ def choose(cost_s: float | None, mtbp_s: float, mtbp_losing_work_s: float, sec_p
 def moved(before: IntervalDecision | None, after: IntervalDecision) -> bool:
     """Whether ``after`` changes the interval enough to be recorded (by :data:`MOVED` or more)."""
     return before is None or abs(after.interval_s - before.interval_s) >= MOVED * before.interval_s
-
-
-def observe(events: Sequence[_Event | CorruptEvent], checkpoint: CheckpointSpec, sec_per_update: float | None,
-            running: int | None, now: datetime) -> IntervalInputs:
-    """:func:`decide`'s inputs from a job's ledger. ``running``: the attempt running now (its run time
-    counts up to ``now``); every other attempt counts until its loss or its last event."""
-    evs = [e for e in events if not isinstance(e, CorruptEvent)]
-    covered = {e.attempt for e in evs if isinstance(e, NoticeHandled) and not e.early}
-    preempted = [e for e in evs if isinstance(e, WorkerLost) and e.loss == "preemption"]
-    costs = [e.stall_seconds + (e.overlap_seconds or 0.0) for e in evs if isinstance(e, BundlePublished)]
-    return IntervalInputs(
-        checkpoint_costs_s=costs[-RECENT_BUNDLES:], sec_per_update=sec_per_update,
-        preemptions=len(preempted), preemptions_losing_work=sum(e.attempt not in covered for e in preempted),
-        uptime_s=round(sum(_run_time(evs, s, running, now) for s in evs if isinstance(s, AttemptStarted)), 3),
-        prior_interval_s=checkpoint.expected_preemption_interval_s,
-        min_interval_s=checkpoint.min_interval_s, max_interval_s=checkpoint.max_interval_s)
-
-
-def _run_time(evs: list[_Event], started: AttemptStarted, running: int | None, now: datetime) -> float:
-    """Seconds attempt ``started`` ran: to ``now`` while it runs, else to its loss or its last event."""
-    if started.attempt == running:
-        end = now
-    else:
-        lost = [e.detected_at or e.at for e in evs if isinstance(e, WorkerLost) and e.attempt == started.attempt]
-        end = lost[0] if lost else max(e.at for e in evs if e.attempt == started.attempt)
-    return max(0.0, (end - started.at).total_seconds())

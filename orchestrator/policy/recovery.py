@@ -26,6 +26,10 @@ from spotrun.trainer.run.warm import ineligible
 LossClass = Literal["preemption", "failure"]
 WarmPath = Literal["warm-spare", "warm-replace", "warm-shrink"]
 
+# how a lost rank came back, as the ledger records it (Restored.recovery_path)
+RecoveryPath = Literal["cold", "warm-spare", "warm-replace", "warm-shrink"]
+
+
 
 class LossCause(StrEnum):
     """Why an attempt lost a rank, as the ledger records it (a notice's cause is ``notice:<source>``)."""

@@ -19,7 +19,8 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable
 
-from spotrun.orchestrator.ledger.store import BundlePublished, Ledger, OffsetsCommitted
+from spotrun.orchestrator.ledger.events import BundlePublished, OffsetsCommitted
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.publish.metric_commit import MetricCommitter
 from spotrun.orchestrator.publish.offsets import OffsetsStore
 from spotrun.trainer.bundle.bundles import list_bundles, publish

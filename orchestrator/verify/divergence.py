@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spotrun.orchestrator.ledger.store import Restored, WorkerLost
+from spotrun.orchestrator.ledger.events import Restored, WorkerLost
 from spotrun.orchestrator.verify.comparison import site_name
 from spotrun.trainer.bundle.manifest import DataInfo
 from spotrun.trainer.observe.trace import BlockDigests, RankDigests, UpdateRecord

@@ -50,8 +50,9 @@ from typing import TYPE_CHECKING, Any
 from spotrun.orchestrator.cli.specfile import SpecError
 from spotrun.orchestrator.control.launch import embedded_cpus
 from spotrun.orchestrator.control.supervisor import JobFailedError
+from spotrun.orchestrator.ledger.events import AttemptStarted, Restored
 from spotrun.orchestrator.ledger.history import history
-from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger, Restored
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.verify.comparison import (
     NODE_SITE,
     WARM_SITE,

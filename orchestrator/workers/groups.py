@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from spotrun.orchestrator.ledger.store import RecoveryPath
 from spotrun.orchestrator.notices.notice import Notice
+from spotrun.orchestrator.policy.recovery import RecoveryPath
 from spotrun.trainer.bundle.manifest import Manifest, Versions
 from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.job.spec import JobSpec

@@ -27,9 +27,8 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from spotrun.orchestrator.ledger.store import RecoveryPath
 from spotrun.orchestrator.notices.notice import Notice
-from spotrun.orchestrator.policy.recovery import LossCause, WarmPlan, plan_warm
+from spotrun.orchestrator.policy.recovery import LossCause, RecoveryPath, WarmPlan, plan_warm
 from spotrun.orchestrator.workers.groups import (
     CapacityUnavailable,
     RankFailed,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, OffsetsCommitted
 from spotrun.orchestrator.ledger.folding import FoldPolicy
-from spotrun.orchestrator.ledger.store import AttemptStarted, BundlePublished, OffsetsCommitted
 from spotrun.trainer.storage import Storage
 
 POLICY = FoldPolicy(block=4, fanout=2, levels=3)  # segments of 4, 8 and 16 events

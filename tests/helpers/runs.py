@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spotrun.orchestrator.control.launch import run_on_ray
-from spotrun.orchestrator.ledger.store import BundlePublished, Ledger
+from spotrun.orchestrator.ledger.events import BundlePublished
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import list_bundles
 from spotrun.trainer.observe.ranklog import list_rank_logs, read_rank_log
 from spotrun.trainer.observe.trace import UpdateRecord

@@ -13,7 +13,8 @@ import pytest
 
 from spotrun.orchestrator.control.launch import run_on_ray
 from spotrun.orchestrator.control.supervisor import Outcome
-from spotrun.orchestrator.ledger.store import BundlePublished, IntervalChosen, Ledger, Restored
+from spotrun.orchestrator.ledger.events import BundlePublished, IntervalChosen, Restored
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from spotrun.trainer.storage import open_storage
 from tests.conftest import ROOT, make_spec

@@ -17,8 +17,9 @@ import pytest
 
 from spotrun.orchestrator.dashboard import create_app
 from spotrun.orchestrator.dashboard.server import BackgroundServer
+from spotrun.orchestrator.ledger.events import AttemptStarted, JobFinished
 from spotrun.orchestrator.ledger.history import history
-from spotrun.orchestrator.ledger.store import AttemptStarted, JobFinished, Ledger
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.metrics import SqliteSink, points_of
 from spotrun.trainer.storage import open_storage
 from tests.conftest import ROOT

@@ -12,7 +12,8 @@ pytest.importorskip("spotrun.trainer.storage.s3", reason="the S3 backend is not 
 s3_helpers = pytest.importorskip("tests.helpers.s3", reason="the S3 test helpers are not in this build")
 
 from spotrun.orchestrator.dashboard import create_app  # noqa: E402
-from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger  # noqa: E402
+from spotrun.orchestrator.ledger.events import AttemptStarted  # noqa: E402
+from spotrun.orchestrator.ledger.store import Ledger  # noqa: E402
 from spotrun.trainer.metrics import MetricPoint, S3Sink, points_of  # noqa: E402
 from spotrun.trainer.storage.s3 import S3Storage  # noqa: E402
 

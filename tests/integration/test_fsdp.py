@@ -12,7 +12,8 @@ from collections import defaultdict
 
 import pytest
 
-from spotrun.orchestrator.ledger.store import BundleRejected, Ledger, Restored
+from spotrun.orchestrator.ledger.events import BundleRejected, Restored
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.verify.divergence import first_stage
 from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
 from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace

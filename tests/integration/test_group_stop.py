@@ -10,7 +10,8 @@ import subprocess
 
 import pytest
 
-from spotrun.orchestrator.ledger.store import Ledger, NoticeHandled, Restored
+from spotrun.orchestrator.ledger.events import NoticeHandled, Restored
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.observe.trace import read_trace
 from spotrun.trainer.storage import open_storage
 from tests.conftest import ROOT

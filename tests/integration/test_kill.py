@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from spotrun.orchestrator.ledger.store import Ledger, Restored
+from spotrun.orchestrator.ledger.events import Restored
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import list_bundles
 from spotrun.trainer.data.listing import scan
 from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace

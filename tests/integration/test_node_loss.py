@@ -17,18 +17,18 @@ from ray.cluster_utils import Cluster
 
 from spotrun.orchestrator.control.launch import run_on_ray
 from spotrun.orchestrator.control.supervisor import JobFailedError
-from spotrun.orchestrator.ledger.history import history
-from spotrun.orchestrator.ledger.store import (
+from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     CapacityWait,
     JobFailed,
-    Ledger,
     NoticeHandled,
     Resizing,
     Restored,
     TopologyChanged,
     WorkerLost,
 )
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.verify.divergence import explain, first_stage
 from spotrun.orchestrator.workers.groups import RankFailed
 from spotrun.orchestrator.workers.raygroup import available_rank_slots, room_for_more_ranks

@@ -14,16 +14,16 @@ from fastapi.testclient import TestClient
 
 from spotrun.orchestrator.control.launch import run_on_ray
 from spotrun.orchestrator.dashboard import create_app
-from spotrun.orchestrator.ledger.history import history
-from spotrun.orchestrator.ledger.store import (
+from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     BundlePublished,
     BundleRejected,
-    Ledger,
     Restored,
     SparesReady,
     WorkerLost,
 )
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import list_bundles
 from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from spotrun.trainer.run.faults import FaultLog
@@ -152,7 +152,7 @@ def test_a_notice_to_the_driver_ends_the_wait_between_polls(tmp_path, monkeypatc
     import threading
     import time
 
-    from spotrun.orchestrator.ledger.store import AttemptStarted, NoticeHandled
+    from spotrun.orchestrator.ledger.events import AttemptStarted, NoticeHandled
     from spotrun.orchestrator.workers.raygroup import NEWS_WAIT_S, RayGroup
 
     monkeypatch.setattr(RayGroup, "poll_interval_s", 60.0)

@@ -14,15 +14,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from spotrun.orchestrator.control.launch import run_on_ray
+from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, NoticeHandled, NoticeSeen, Restored
 from spotrun.orchestrator.ledger.history import history
-from spotrun.orchestrator.ledger.store import (
-    AttemptStarted,
-    BundlePublished,
-    Ledger,
-    NoticeHandled,
-    NoticeSeen,
-    Restored,
-)
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from spotrun.trainer.storage import open_storage
 from tests.conftest import ROOT, make_spec

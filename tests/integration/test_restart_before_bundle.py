@@ -17,8 +17,9 @@ from fastapi.testclient import TestClient
 from spotrun.orchestrator.cli.main import main
 from spotrun.orchestrator.control.supervisor import Supervisor
 from spotrun.orchestrator.dashboard import create_app
+from spotrun.orchestrator.ledger.events import AttemptStarted
 from spotrun.orchestrator.ledger.history import history
-from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.run.rank import Report
 from spotrun.trainer.storage import open_storage
 from tests.conftest import make_spec

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.ledger.store import BundleRejected, JobFailed, Ledger, Restored, RunRefused
+from spotrun.orchestrator.ledger.events import BundleRejected, JobFailed, Restored, RunRefused
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.storage import open_storage
 from tests.helpers.runs import run_cmd, run_to_end
 from tests.integration.test_user_jobs import verify

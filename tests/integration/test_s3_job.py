@@ -8,7 +8,8 @@ import os
 import pytest
 
 from spotrun.orchestrator.control.launch import run_on_ray
-from spotrun.orchestrator.ledger.store import BundlePublished, JobFinished, Ledger, Restored, WorkerLost
+from spotrun.orchestrator.ledger.events import BundlePublished, JobFinished, Restored, WorkerLost
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.publish.offsets import OffsetsStore
 from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
 from spotrun.trainer.metrics import S3Sink

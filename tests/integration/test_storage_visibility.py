@@ -20,7 +20,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from spotrun.orchestrator.ledger.store import AttemptStarted, JobFailed, Ledger, RunRefused
+from spotrun.orchestrator.ledger.events import AttemptStarted, JobFailed, RunRefused
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import list_bundles
 from spotrun.trainer.storage import LocalStorage
 from spotrun.trainer.storage.visibility import probes_prefix

@@ -169,7 +169,8 @@ def test_a_step_that_calls_backward_fails_once_on_ray_naming_the_contract(tmp_pa
     """loss.backward() in the step, on 2 Ray ranks: one attempt, which fails at update 1 with the JobError
     naming the contract; bad input, so nothing restarts (no loss recorded, no failure budget used)."""
     from spotrun.orchestrator.control.launch import run_on_ray
-    from spotrun.orchestrator.ledger.store import AttemptStarted, JobFailed, Ledger, WorkerLost
+    from spotrun.orchestrator.ledger.events import AttemptStarted, JobFailed, WorkerLost
+    from spotrun.orchestrator.ledger.store import Ledger
     from spotrun.orchestrator.workers.groups import RankFailed
     from tests.conftest import make_spec
 

@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from spotrun.orchestrator.control.supervisor import Supervisor
-from spotrun.orchestrator.ledger.store import JobFailed, Ledger, WorkerLost
+from spotrun.orchestrator.ledger.events import JobFailed, WorkerLost
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.notices.notice import Notice
 from spotrun.orchestrator.policy.budgets import ErrorAt, RestartBudgets, repeated
 from spotrun.orchestrator.workers.groups import RankFailed
@@ -174,7 +175,7 @@ def test_an_error_that_comes_back_after_a_restore_fails_the_job_naming_the_bundl
     were published; the restart restores one, and the step raises in update 8 again: the job fails there,
     naming the bundle the second attempt restored."""
     from spotrun.orchestrator.control.launch import run_in_process
-    from spotrun.orchestrator.ledger.store import Restored
+    from spotrun.orchestrator.ledger.events import Restored
 
     spec = make_spec(tmp_path, "train.updates=10", "checkpoint.every_updates=2", "data.workers=0",
                      "world.max_restarts=5", "world.crash_loop_failures=5", "world.restart_backoff_s=0",

@@ -11,7 +11,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from spotrun.orchestrator.ledger.store import Ledger, NoticeSeen
+from spotrun.orchestrator.ledger.events import NoticeSeen
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.notices.clouds import (
     GCP_WARNING_S,
     LINK_LOCAL,
@@ -215,7 +216,7 @@ def test_no_ray_acknowledges_an_azure_event_after_its_bundle_and_a_refusal_is_no
     """``--no-ray``: the driver's own watcher sees the Preempt and acknowledges it once the emergency
     bundle is published; an endpoint that refuses the acknowledgement changes nothing but the record."""
     from spotrun.orchestrator.control.launch import run_in_process
-    from spotrun.orchestrator.ledger.store import BundlePublished, NoticeHandled
+    from spotrun.orchestrator.ledger.events import BundlePublished, NoticeHandled
 
     azure.ack_status = status
     azure.preempt("evt-3", (datetime.now(UTC) + timedelta(seconds=60)).replace(microsecond=0))

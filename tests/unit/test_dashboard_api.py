@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 from spotrun.orchestrator.cli.main import main
 from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.orchestrator.dashboard import create_app
-from spotrun.orchestrator.ledger.store import AttemptStarted, BundlePublished, Ledger, Restored
+from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, Restored
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.metrics import JsonlSink, SqliteSink, points_of
 from spotrun.trainer.storage import open_storage
 from tests.conftest import make_spec

@@ -17,7 +17,8 @@ from cryptography.x509.oid import NameOID
 from spotrun.orchestrator.dashboard import create_app
 from spotrun.orchestrator.dashboard.security import COOKIE
 from spotrun.orchestrator.dashboard.server import BackgroundServer
-from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger
+from spotrun.orchestrator.ledger.events import AttemptStarted
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.storage import open_storage
 
 TOKEN = "0123456789abcdef-tls-token"

@@ -405,7 +405,8 @@ def test_drain_on_stop_moves_a_running_job_off_the_node(tmp_path):
     node; the job takes an emergency bundle, loses nothing, continues elastically on the other node,
     and the hook returns once no rank is left on its node."""
     from spotrun.orchestrator.control.launch import run_on_ray
-    from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger, NoticeHandled, Restored
+    from spotrun.orchestrator.ledger.events import AttemptStarted, NoticeHandled, Restored
+    from spotrun.orchestrator.ledger.store import Ledger
     from spotrun.trainer.storage import open_storage
     from tests.conftest import make_spec
     from tests.helpers.ray_local import job_thread, local_cluster

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import pytest
 import torch
 
-from spotrun.orchestrator.ledger.store import Restored, WorkerLost
+from spotrun.orchestrator.ledger.events import Restored, WorkerLost
 from spotrun.orchestrator.verify.divergence import divergence_rows, explain, first_stage, restore_before
 from spotrun.trainer.observe.trace import (
     BlockDigests,

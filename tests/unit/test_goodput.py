@@ -7,9 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from spotrun.orchestrator.control.launch import run_in_process
-from spotrun.orchestrator.ledger.goodput import TERMS, goodput
-from spotrun.orchestrator.ledger.history import history
-from spotrun.orchestrator.ledger.store import (
+from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     BundlePublished,
     CapacityWait,
@@ -17,6 +15,8 @@ from spotrun.orchestrator.ledger.store import (
     Restored,
     WorkerLost,
 )
+from spotrun.orchestrator.ledger.goodput import TERMS, goodput
+from spotrun.orchestrator.ledger.history import history
 from spotrun.trainer.metrics import MetricPoint
 from spotrun.trainer.storage import LocalStorage
 

@@ -9,15 +9,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from spotrun.orchestrator.cli.specfile import SpecError
-from spotrun.orchestrator.ledger.store import (
-    AttemptStarted,
-    BundlePublished,
-    IntervalInputs,
-    NoticeHandled,
-    WorkerLost,
-)
+from spotrun.orchestrator.ledger import interval_inputs
+from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, NoticeHandled, WorkerLost
 from spotrun.orchestrator.policy import interval
 from spotrun.orchestrator.policy import topology as policy
+from spotrun.orchestrator.policy.interval import IntervalInputs
 from spotrun.orchestrator.verify.oracle import fixed_interval
 from spotrun.trainer.run.overlap import WriteOverlap
 from tests.conftest import make_spec
@@ -119,8 +115,8 @@ def test_inputs_from_the_ledger_count_preemptions_noticed_ones_and_run_time(tmp_
                                               notice_to_publish_seconds=1.0), lost(2, 1502, "preemption"),
               started(3, 1510), published(3, 1600, 0.125, None), lost(3, 1700, "failure"),
               started(4, 1710)]
-    before = interval.observe(events[:2], spec, 0.2, running=1, now=at(1000))
-    got = interval.observe(events, spec, 0.2, running=4, now=at(1810))
+    before = interval_inputs.observe(events[:2], spec, 0.2, running=1, now=at(1000))
+    got = interval_inputs.observe(events, spec, 0.2, running=4, now=at(1810))
     assert (got.preemptions, got.preemptions_losing_work) == (2, 1)
     assert got.uptime_s == pytest.approx(1000 + 492 + 190 + 100)
     assert got.checkpoint_costs_s == [0.75, 0.125]  # stall plus overlap (none measured: the stall alone)
@@ -195,8 +191,9 @@ def test_history_lists_every_decision_and_the_dashboard_shows_the_current_one(tm
     from fastapi.testclient import TestClient
 
     from spotrun.orchestrator.dashboard import create_app
+    from spotrun.orchestrator.ledger.events import IntervalChosen
     from spotrun.orchestrator.ledger.history import history
-    from spotrun.orchestrator.ledger.store import IntervalChosen, Ledger
+    from spotrun.orchestrator.ledger.store import Ledger
     from spotrun.trainer.storage import open_storage
 
     storage = open_storage(f"file://{tmp_path}")

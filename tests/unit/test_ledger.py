@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.orchestrator.dashboard.charts import timeline
-from spotrun.orchestrator.ledger.history import history
-from spotrun.orchestrator.ledger.store import (
+from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     BundlePublished,
     CorruptEvent,
     JobFinished,
-    Ledger,
     Resizing,
     Restored,
 )
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.storage import LocalStorage
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
 from spotrun.orchestrator.dashboard.views import Reader
-from spotrun.orchestrator.ledger.store import CorruptEvent, Ledger
+from spotrun.orchestrator.ledger.events import CorruptEvent
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.storage import LocalStorage, StorageError
 from tests.helpers.ledger import POLICY, event, names, segment, singles
 

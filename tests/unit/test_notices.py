@@ -9,7 +9,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from spotrun.orchestrator.control.launch import in_process_supervisor
-from spotrun.orchestrator.ledger.store import Ledger, NoticeHandled, NoticeSeen, Restored
+from spotrun.orchestrator.ledger.events import NoticeHandled, NoticeSeen, Restored
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.notices.clouds import AwsSource, CloudWatcher, parse_instance_action
 from spotrun.orchestrator.notices.notice import Notice
 from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
@@ -272,7 +273,7 @@ def test_a_rank_lost_while_the_notice_is_passed_on_is_a_loss_not_a_crash(tmp_pat
     saw it in the chaos suite: Ray's drain notice, then the node's removal): the supervisor recovers
     from that loss as from any other, instead of failing the job."""
     from spotrun.orchestrator.control.supervisor import Supervisor
-    from spotrun.orchestrator.ledger.store import WorkerLost
+    from spotrun.orchestrator.ledger.events import WorkerLost
     from spotrun.orchestrator.workers.groups import RankLost
     from spotrun.trainer.run.rank import Report
     from spotrun.trainer.storage import open_storage

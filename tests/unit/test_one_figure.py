@@ -13,17 +13,17 @@ from fastapi.testclient import TestClient
 
 from spotrun.orchestrator.cli.main import main
 from spotrun.orchestrator.dashboard import create_app
-from spotrun.orchestrator.ledger.history import history
-from spotrun.orchestrator.ledger.store import (
+from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     BundlePublished,
     JobFinished,
-    Ledger,
     NoticeHandled,
     NoticeSeen,
     Restored,
     WorkerLost,
 )
+from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.verify.oracle import restart_figures
 from spotrun.trainer.metrics import JsonlSink, MetricPoint, SqliteSink
 from spotrun.trainer.storage import open_storage

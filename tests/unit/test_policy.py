@@ -34,7 +34,8 @@ class _Group:
 
 def test_a_running_elastic_job_grows_only_when_the_scheduler_has_room(tmp_path):
     from spotrun.orchestrator.control.supervisor import Running, Supervisor
-    from spotrun.orchestrator.ledger.store import Ledger, Resizing
+    from spotrun.orchestrator.ledger.events import Resizing
+    from spotrun.orchestrator.ledger.store import Ledger
 
     spec = make_spec(tmp_path, "world.policy=elastic", "world.size=2", "train.updates=100",
                      "world.grow_check_s=5", job_id="g")

@@ -8,7 +8,7 @@ import re
 from datetime import UTC, datetime, timedelta
 
 from spotrun.orchestrator.cli.progress import PlainProgress
-from spotrun.orchestrator.ledger.store import AttemptStarted, Restored, WorkerLost
+from spotrun.orchestrator.ledger.events import AttemptStarted, Restored, WorkerLost
 from spotrun.trainer.observe.trace import UpdateRecord
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import threading
 
 from spotrun.orchestrator.control.launch import run_in_process
-from spotrun.orchestrator.ledger.store import Ledger, OffsetsCommitted
+from spotrun.orchestrator.ledger.events import OffsetsCommitted
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.publish.offsets import OffsetsStore
 from spotrun.orchestrator.publish.publisher import Publisher
 from spotrun.trainer.bundle.bundles import list_bundles, read_manifest

@@ -11,7 +11,8 @@ import pytest
 
 from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.orchestrator.control.supervisor import Supervisor
-from spotrun.orchestrator.ledger.store import BundlePublished, Ledger
+from spotrun.orchestrator.ledger.events import BundlePublished
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.publish.publisher import Publisher, PublishError
 from spotrun.trainer.bundle.bundles import bundle_dir, list_bundles, read_manifest
 from spotrun.trainer.bundle.manifest import Manifest

@@ -24,8 +24,9 @@ from fastapi.testclient import TestClient
 from spotrun.orchestrator.cli.main import _split_bundle_uri, main
 from spotrun.orchestrator.control import launch
 from spotrun.orchestrator.dashboard import create_app
+from spotrun.orchestrator.ledger.events import AttemptStarted, JobFailed, RunRefused
 from spotrun.orchestrator.ledger.history import history
-from spotrun.orchestrator.ledger.store import AttemptStarted, JobFailed, Ledger, RunRefused
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import BundleIncompatible, load_bundle
 from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.storage import LocalStorage, open_storage

@@ -19,7 +19,8 @@ import pytest
 
 from spotrun.orchestrator.cli.main import main
 from spotrun.orchestrator.control import launch
-from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger, RunRefused
+from spotrun.orchestrator.ledger.events import AttemptStarted, RunRefused
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.storage import LocalStorage
 
 JOB = textwrap.dedent('''

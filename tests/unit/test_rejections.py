@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from spotrun.orchestrator.control.launch import run_in_process
-from spotrun.orchestrator.ledger.store import AttemptStarted, BundleRejected, Ledger, Restored
+from spotrun.orchestrator.ledger.events import AttemptStarted, BundleRejected, Restored
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import BundleCorrupt, BundleIncompatible, list_bundles, load_bundle, load_latest
 from spotrun.trainer.bundle.digest import DEFAULT as DEFAULT_DIGEST
 from spotrun.trainer.bundle.manifest import ManifestError, UnknownSchemaError

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from spotrun.orchestrator.control.supervisor import JobFailedError, Supervisor
-from spotrun.orchestrator.ledger.store import AttemptStarted, Ledger
+from spotrun.orchestrator.ledger.events import AttemptStarted
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.workers.groups import RankFailed, RankLost
 from spotrun.trainer.run.rank import Report
 from spotrun.trainer.storage import open_storage
@@ -80,7 +81,7 @@ def test_an_elastic_restore_on_another_device_model_is_labelled_exact_data(tmp_p
     """The ranks report their GPU model; a bundle written on CPUs restored by GPU ranks (which only
     elastic allows: strict ranks refuse it) is not an exact continuation."""
     from spotrun.orchestrator.control.launch import run_in_process
-    from spotrun.orchestrator.ledger.store import Restored
+    from spotrun.orchestrator.ledger.events import Restored
     from spotrun.trainer.state.description import versions
 
     spec = make_spec(tmp_path, "train.updates=4", "checkpoint.every_updates=2", "world.policy=elastic", job_id="g")
