@@ -45,12 +45,12 @@ import torch
 from bench.synthetic import synthetic_session
 from bench.tables import Section, Stopwatch, Table, cli, median, mib, pct, ratio, work_folder
 from spotrun.trainer.bundle.bundles import BundleWriter, encode
-from spotrun.trainer.bundle.digest import DEFAULT, SHA256, digest_of
-from spotrun.trainer.run.faults import FaultInjector
+from spotrun.trainer.bundle.description import build_manifest
+from spotrun.trainer.observe.faults import FaultInjector
 from spotrun.trainer.run.session import TrainSession
-from spotrun.trainer.state.description import build_manifest
 from spotrun.trainer.state.training import Capture, CopiesDone, TrainState
 from spotrun.trainer.storage import LocalStorage, Storage
+from spotrun.trainer.storage.digest import DEFAULT, SHA256, digest_of
 
 BLOCK = 16 * 2**20
 STALL_TARGET = 0.05
@@ -197,7 +197,7 @@ def staging_copy() -> Iterator[None]:
     """The writer before the zero-copy path, in this process: tensor files laid out back to back (no
     tensor on a block boundary), so direct I/O copies every byte into staging buffers, and direct I/O
     only from 256 MiB. The same digest, threads and capture."""
-    import spotrun.trainer.bundle.aligned as aligned_module
+    import spotrun.trainer.storage.aligned as aligned_module
     import spotrun.trainer.storage.local as storage_module
 
     saved = storage_module.DIRECT_MIN_BYTES, aligned_module.padded_view
@@ -441,10 +441,10 @@ def tables(results: dict[str, dict]) -> tuple[list[Table], list[str], dict]:
                     "to 4); before issue 19 = torch.save of each payload into memory, sha256 on a thread beside "
                     "LocalStorage.put; all measured in the same run",
                     f"the writer streams each tensor file from the host buffers, its digest ({DEFAULT}: the sha256 "
-                    "of each 4 MiB chunk on a pool of threads, then the sha256 over those, trainer/bundle/digest.py) "
+                    "of each 4 MiB chunk on a pool of threads, then the sha256 over those, trainer/storage/digest.py) "
                     "computed beside the write; files of 16 MiB and more with O_DIRECT, each tensor of 1 MiB and "
                     "more written from its own page-aligned host buffer (laid out on a block boundary, "
-                    "trainer/bundle/aligned.py), the rest gathered into two aligned 16 MiB staging buffers; "
+                    "trainer/storage/aligned.py), the rest gathered into two aligned 16 MiB staging buffers; "
                     "smaller files "
                     "through the page cache with one fsync; up to 4 files in flight"]
     parts.notes.append("chunked digest (the writer now), staging copy and one sha256 stream: serialise = encode "

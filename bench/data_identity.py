@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from bench.tables import ROOT, Section, Stopwatch, Table, cli, fmt, median, pct, ratio, work_folder
-from spotrun.orchestrator.cli.specfile import load_spec
 from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.trainer.data import feed as feed_module
 from spotrun.trainer.data.identity import SPREAD, map_fingerprint
 from spotrun.trainer.data.transform import OccurrenceStreams

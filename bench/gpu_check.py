@@ -40,7 +40,7 @@ def run(cmd: list[str], timeout: float) -> tuple[int, str, float]:
 
 
 def gpu_state(n_embd: int, state_bytes: float, root: Path):
-    from spotrun.orchestrator.cli.specfile import load_spec
+    from spotrun.orchestrator.control.specfile import load_spec
     from spotrun.trainer.run.session import TrainSession
 
     spec = load_spec(ROOT / "configs/tiny.yaml", [

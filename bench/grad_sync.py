@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.tables import ROOT, Section, Stopwatch, Table, cli, work_folder
-from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.orchestrator.verify.oracle import Verifier
 
 SYNCS = ("allreduce", "ddp")

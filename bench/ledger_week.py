@@ -27,8 +27,8 @@ from typing import Any
 from bench.moto import local_s3
 from bench.s3_metrics import counting
 from bench.tables import Section, Stopwatch, Table, cli, fmt, ratio
-from spotrun.orchestrator.dashboard.access import open_readonly
 from spotrun.orchestrator.dashboard.views import Reader
+from spotrun.orchestrator.ledger.access import open_readonly
 from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     BundlePublished,

@@ -126,7 +126,7 @@ class Worker:
         self.grad_clip = 0.0
         if config.get("job_update"):
             from bench.plain_ddp import ema_of
-            from spotrun.orchestrator.cli.specfile import load_spec
+            from spotrun.orchestrator.control.specfile import load_spec
             from spotrun.trainer.job.contract import build_job
 
             spec = load_spec(config["job_update"]["config"], config["job_update"]["sets"], "peer")

@@ -86,7 +86,7 @@ def _dataset(job: Any, spec: Any) -> tuple[Dataset, Any]:
 
 
 def _rank(rank: int, world: int, port: int, config: str, sets: list[str], out: str) -> None:
-    from spotrun.orchestrator.cli.specfile import load_spec
+    from spotrun.orchestrator.control.specfile import load_spec
     from spotrun.trainer.job.contract import build_job
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)

@@ -61,8 +61,8 @@ VARIANTS = (System("Ray Train, loader without the fix", poll_s=FAST_POLL_S, load
 def spotrun_job(root: Path, job_id: str, shape: Shape, every: int, kill: bool, spares: int = 0) -> Run:
     """spotrun with its defaults (restart backoff included) and ``spares`` spares; the JSONL sink keeps the
     timed write log."""
-    from spotrun.orchestrator.cli.specfile import load_spec
     from spotrun.orchestrator.control.launch import run_on_ray
+    from spotrun.orchestrator.control.specfile import load_spec
     from spotrun.trainer.storage import open_storage
 
     sets = [f"storage=file://{root}", f"data.shards={ROOT / 'configs/data/tiny'}", f"world.size={WORLD}",
@@ -83,7 +83,7 @@ def spotrun_job(root: Path, job_id: str, shape: Shape, every: int, kill: bool, s
 
 def peer_config(out: Path, shape: Shape, every: int, kill: bool, system: System) -> dict:
     """The same job as configs/tiny.yaml at world size 2 (model, seq_len, micro-batch, accumulation, lr)."""
-    from spotrun.orchestrator.cli.specfile import load_spec
+    from spotrun.orchestrator.control.specfile import load_spec
 
     spec = load_spec(ROOT / "configs/tiny.yaml", [f"data.shards={ROOT / 'configs/data/tiny'}"], "peer")
     return {"out": str(out), "shards": spec.data.shards, "vocab": spec.data.vocab, "seq_len": spec.data.seq_len,

@@ -102,8 +102,8 @@ def kill_fault(update: int, rank: int = 1) -> str:
 
 def ray_kill(mode: str, workers: int, root: Path, updates: int, kill_at: int) -> dict[str, Any]:
     """A 2-rank job whose rank 1 dies before update ``kill_at``; the restart's timeline in seconds."""
-    from spotrun.orchestrator.cli.specfile import load_spec
     from spotrun.orchestrator.control.launch import run_on_ray
+    from spotrun.orchestrator.control.specfile import load_spec
     from spotrun.trainer.storage import open_storage
 
     job_id = f"restart-{mode}-w{workers}"
@@ -185,11 +185,11 @@ def path_kill(path: str, cluster, root: Path, updates: int, hold_at: int) -> dic
     cluster. The restart's timeline in seconds, from the removal; the node is added back after."""
     import threading
 
-    from spotrun.orchestrator.cli.specfile import load_spec
     from spotrun.orchestrator.control.launch import run_on_ray
+    from spotrun.orchestrator.control.specfile import load_spec
     from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, SparesReady
     from spotrun.orchestrator.ledger.store import Ledger
-    from spotrun.trainer.run.faults import FaultLog
+    from spotrun.trainer.observe.faults import FaultLog
     from spotrun.trainer.storage import open_storage
 
     published = hold_at - 1 - (hold_at - 1) % 5

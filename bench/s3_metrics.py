@@ -21,8 +21,8 @@ from typing import Any
 
 from bench.moto import local_s3
 from bench.tables import Section, Stopwatch, Table, cli
-from spotrun.orchestrator.dashboard.access import open_readonly
 from spotrun.orchestrator.dashboard.views import Reader
+from spotrun.orchestrator.ledger.access import open_readonly
 from spotrun.orchestrator.ledger.events import AttemptStarted
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.metrics import S3Sink, points_of

@@ -32,7 +32,7 @@ from bench.checkpoint_stall import Size
 from bench.synthetic import synthetic_session
 from bench.tables import Section, Stopwatch, Table, cli, median, mib, ratio, work_folder
 from spotrun.trainer.bundle.bundles import BundleWriter
-from spotrun.trainer.run.faults import FaultInjector
+from spotrun.trainer.observe.faults import FaultInjector
 from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.storage import LocalStorage
 

@@ -129,8 +129,8 @@ def plain_run(job: Job, world: int, shape: Shape, folder: Path) -> Window:
 
 
 def spotrun_run(job: Job, world: int, shape: Shape, folder: Path, *, on_ray: bool) -> Window:
-    from spotrun.orchestrator.cli.specfile import load_spec
     from spotrun.orchestrator.control.launch import run_in_process, run_on_ray
+    from spotrun.orchestrator.control.specfile import load_spec
     from spotrun.trainer.metrics import SqliteSink, metrics_dir
 
     updates = shape.warmup + shape.timed
@@ -147,7 +147,7 @@ def spotrun_run(job: Job, world: int, shape: Shape, folder: Path, *, on_ray: boo
 def ray_train_run(job: Job, world: int, shape: Shape, folder: Path) -> Window:
     from bench.peer_loop import fit
     from bench.runs import read_jsonl
-    from spotrun.orchestrator.cli.specfile import load_spec
+    from spotrun.orchestrator.control.specfile import load_spec
 
     updates = shape.warmup + shape.timed
     sets = spec_sets(job, world, updates, folder)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.trainer.job.spec import ModelSpec
 from spotrun.trainer.run.session import TrainSession
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.tables import ROOT, Job, Section, Stopwatch, Table, cli, fmt, median, pct, ratio, work_folder
-from spotrun.orchestrator.cli.specfile import load_spec
 from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.trainer.metrics import SqliteSink, metrics_dir
 from spotrun.trainer.run import loop
 

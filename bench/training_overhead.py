@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.tables import ROOT, Job, Section, Stopwatch, Table, cli, fmt, median, pct, ratio, work_folder
-from spotrun.orchestrator.cli.specfile import load_spec
 from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.orchestrator.ledger.events import BundlePublished
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.metrics import SqliteSink, metrics_dir

@@ -29,8 +29,8 @@ PARTS: dict[str, list[tuple[str, str]]] = {
     "backward": [("torch/_tensor.py", "backward")],
     "sync, clip, optimizer and scheduler step": [("trainer/run/loop.py", "_step")],
     "seeding the global streams per microstep": [("trainer/state/rng.py", "seed_all")],
-    "loss mean and boundary flags (collective)": [("trainer/run/collective.py", "mean_and_agree"),
-                                                  ("trainer/run/collective.py", "mean")],
+    "loss mean and boundary flags (collective)": [("trainer/runtime/collective.py", "mean_and_agree"),
+                                                  ("trainer/runtime/collective.py", "mean")],
     "metric points: build": [("trainer/metrics/points.py", "points_of")],
     "metric points: write (training thread)": [("trainer/metrics/writer.py", "write"),
                                                ("trainer/metrics/sinks.py", "write")],
@@ -46,8 +46,8 @@ def _cumulative(stats: pstats.Stats, suffix: str, name: str) -> float | None:
 
 def profile_updates(config: str, sets: list[str], updates: int, folder: Path) -> dict[str, float]:
     """Milliseconds per update of each part (and ``total``), under cProfile."""
-    from spotrun.orchestrator.cli.specfile import load_spec
     from spotrun.orchestrator.control.launch import run_in_process
+    from spotrun.orchestrator.control.specfile import load_spec
     from spotrun.trainer.run import rank
 
     spec = load_spec(ROOT / config, [*sets, f"storage=file://{folder}", f"train.updates={updates}",

@@ -16,7 +16,7 @@ from spotrun.trainer.data.kinds import DataError, MapData, StreamData, TokenData
 from spotrun.trainer.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from spotrun.trainer.job.contract import BuildContext, Job, JobError
 from spotrun.trainer.job.spec import JobSpec, ModelSpec
-from spotrun.trainer.state.stateful import Stateful
+from spotrun.trainer.job.stateful import Stateful
 
 __all__ = [
     "BuildContext", "CharTokenizer", "DataError", "HFTokenizer", "Job", "JobError", "JobSpec", "MapData",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.trainer.job.spec import JobSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ def spec_factory(tmp_path: Path):
 
 
 def chunked_sha256(data: bytes, chunk: int) -> str:
-    """The ``sha256-chunks-<chunk>`` digest of ``data`` as trainer/bundle/digest.py documents it, computed here
+    """The ``sha256-chunks-<chunk>`` digest of ``data`` as trainer/storage/digest.py documents it, computed here
     on one thread without that module's code: the reference every writer and verifier must equal."""
     chunks = [data[i:i + chunk] for i in range(0, len(data), chunk)]
     head, tail = b"spotrun sha256-chunks v1\n" + struct.pack(">Q", chunk), struct.pack(">Q", len(data))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.orchestrator.ledger.events import AttemptStarted
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.observe.trace import UpdateRecord, latest_per_update, read_trace, trace_lines

@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
 
-from spotrun.orchestrator.cli.specfile import SpecError, load_spec
+from spotrun.orchestrator.control.specfile import SpecError, load_spec
 from spotrun.orchestrator.control.supervisor import JobFailedError
 from spotrun.orchestrator.ledger.goodput import TERMS as GOODPUT_TERMS
 from spotrun.orchestrator.workers.groups import RankFailed
@@ -67,9 +67,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     """Run the job to its end (0), or stop it on SIGTERM (143). What its storage and code already show
     is settled before anything starts (:mod:`~spotrun.orchestrator.control.preflight`): a finished job says
     so (0), a newest bundle that cannot take this spec refuses the run (2); neither starts Ray."""
-    from spotrun.orchestrator.cli.progress import for_terminal
     from spotrun.orchestrator.control.launch import check_entrypoint, run_in_process, run_on_ray
     from spotrun.orchestrator.control.preflight import preflight
+    from spotrun.orchestrator.control.progress import for_terminal
     from spotrun.trainer.metrics.mlflow_sink import check_tracker
 
     if (a.config is None) == (a.spec_json is None):
@@ -87,7 +87,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         err.print(f"spotrun run: {escape(finished)}", highlight=False, soft_wrap=True)
         return 0
     kw = dict(trace_path=a.trace, record_ids=a.trace_ids, init_from=init_from, reset=reset,
-              drop=getattr(a, "drop", ()),  # set only by spotrun.orchestrator.verify.mutant (verify --mutate)
+              drop=getattr(a, "drop", ()),  # set only by spotrun.orchestrator.cli.mutant (verify --mutate)
               progress=for_terminal(spec.train.updates, spec.global_sequences, sys.stdout, quiet=a.quiet))
     outcome = run_in_process(spec, **kw) if a.no_ray else run_on_ray(spec, address=a.address, **kw)
     if outcome.state == "stopped":
@@ -125,7 +125,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     """A bundle is data: without ``--explain`` nothing the bundle names is imported, called or
     contacted. ``--explain CONFIG`` builds the job from the user's LOCAL spec (never the bundle's),
     checks the bundle fits it as a restore would, and computes the next occurrences and scaler skip."""
-    from spotrun.trainer.state.explain import read_next
+    from spotrun.trainer.run.explain import read_next
 
     root, key = _split_bundle_uri(a.bundle)
     storage = open_storage(root, a.endpoint_url, check=False)  # read only: no write probe
@@ -145,8 +145,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 def _explain(a: argparse.Namespace, storage: Storage, key: str, job_id: str, world_size: int) -> dict[str, Any]:
     from spotrun.orchestrator.control.launch import check_entrypoint
+    from spotrun.trainer.run.explain import explain_next
     from spotrun.trainer.run.session import TrainSession
-    from spotrun.trainer.state.explain import explain_next
 
     spec = load_spec(a.explain, a.set, a.job_id or job_id)
     check_entrypoint(spec)  # as `spotrun run` imports it: from the working directory first

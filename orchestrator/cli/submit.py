@@ -87,7 +87,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, TextIO
 
-from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.trainer.job.spec import JobSpec
 
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})

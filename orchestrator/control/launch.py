@@ -8,7 +8,7 @@ working directory is on their path).
 
 ``drop`` builds a deliberately broken job whose restores lose the named state
 categories; only ``spotrun verify --mutate`` asks for one (through
-:mod:`spotrun.orchestrator.verify.mutant`), never ``spotrun run``.
+:mod:`spotrun.orchestrator.cli.mutant`), never ``spotrun run``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from spotrun.orchestrator.cli.progress import Progress
+from spotrun.orchestrator.control.progress import Progress
 from spotrun.orchestrator.control.supervisor import Outcome, Supervisor
 from spotrun.orchestrator.notices.clouds import watch_clouds
 from spotrun.orchestrator.workers.groups import InProcessGroup

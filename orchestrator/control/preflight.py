@@ -40,7 +40,7 @@ from spotrun.trainer.data.identity import DataIdentity
 from spotrun.trainer.job.code_identity import code_identity
 from spotrun.trainer.job.contract import build_job
 from spotrun.trainer.job.spec import JobSpec
-from spotrun.trainer.state.rng import forked_streams, seed_all
+from spotrun.trainer.runtime.streams import forked_streams, seed_all
 from spotrun.trainer.storage import Storage, open_storage
 
 

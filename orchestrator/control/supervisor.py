@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
-from spotrun.orchestrator.cli.progress import NullProgress, Progress, echo_rank_output
+from spotrun.orchestrator.control.progress import NullProgress, Progress, echo_rank_output
 from spotrun.orchestrator.ledger import interval_inputs
 from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
@@ -89,9 +89,9 @@ from spotrun.trainer.bundle.manifest import Manifest, UnknownSchemaError, runtim
 from spotrun.trainer.data.listing import open_source
 from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.job.spec import JobSpec
+from spotrun.trainer.observe.faults import FaultInjector, FaultLog
 from spotrun.trainer.observe.ranklog import RankLine
 from spotrun.trainer.observe.trace import TraceWriter
-from spotrun.trainer.run.faults import FaultInjector, FaultLog
 from spotrun.trainer.state.counters import Counters
 from spotrun.trainer.storage import open_storage
 

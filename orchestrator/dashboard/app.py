@@ -18,10 +18,10 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
 from spotrun.orchestrator.dashboard import charts, labs, prometheus
-from spotrun.orchestrator.dashboard.access import JobNotFound, open_readonly, redact
 from spotrun.orchestrator.dashboard.security import guard
 from spotrun.orchestrator.dashboard.templating import FILTERS, RESTART_COLUMNS
 from spotrun.orchestrator.dashboard.views import Reader
+from spotrun.orchestrator.ledger.access import JobNotFound, open_readonly, redact
 from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError
 
 HERE = Path(__file__).resolve().parent

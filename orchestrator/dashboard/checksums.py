@@ -3,7 +3,7 @@
 A published bundle never changes (its manifest is create-only and its files were
 written before it), so a verdict about its *contents* can be cached by bundle key.
 Verification streams every file the manifest lists, read :data:`CHUNK_BYTES` at a
-time, through the digest its manifest entry names (:mod:`spotrun.trainer.bundle.digest`, the
+time, through the digest its manifest entry names (:mod:`spotrun.trainer.storage.digest`, the
 same code the writer hashed it with; at most :data:`IN_FLIGHT` + 1 of its chunks are
 held, so memory stays bounded whatever the bundle's size) and compares size and
 digest, exactly what a restore checks before it deserialises anything; it never
@@ -24,9 +24,9 @@ from datetime import UTC, datetime
 from typing import Any, Literal, TypedDict
 
 from spotrun.trainer.bundle.bundles import BundleError, read_manifest
-from spotrun.trainer.bundle.digest import SHA256, WORKERS, digest_of
 from spotrun.trainer.bundle.manifest import ManifestError
 from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError
+from spotrun.trainer.storage.digest import SHA256, WORKERS, digest_of
 
 State = Literal["unverified", "ok", "corrupt", "unreadable"]
 CHUNK_BYTES = 1 << 20

@@ -17,9 +17,9 @@ from types import TracebackType
 import uvicorn
 from fastapi import FastAPI
 
-from spotrun.orchestrator.dashboard.access import redact
 from spotrun.orchestrator.dashboard.app import create_app
 from spotrun.orchestrator.dashboard.security import TOKEN_ENV, BindError, check_bind, check_tls, is_loopback
+from spotrun.orchestrator.ledger.access import redact
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8263
 Tls = tuple[str, str]  # (certificate PEM, private key PEM) paths

@@ -15,8 +15,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from spotrun.orchestrator.dashboard import observed
-from spotrun.orchestrator.dashboard.access import JobNotFound, job_ids, require_job
 from spotrun.orchestrator.dashboard.checksums import ChecksumCache
+from spotrun.orchestrator.ledger.access import JobNotFound, job_ids, require_job
 from spotrun.orchestrator.ledger.events import CorruptEvent
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.points import LogCache, ObjectCache, Points, read_points, replaced

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
+from spotrun.orchestrator.ledger.access import ReadOnlyLocalStorage
 from spotrun.trainer.metrics import MetricPoint, metrics_dir, read_object_points, upsert
 from spotrun.trainer.storage import Storage, list_versions
 

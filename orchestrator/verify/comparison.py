@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from spotrun.trainer.bundle.bundles import list_bundles, load_bundle
 from spotrun.trainer.job.spec import FaultSpec
 from spotrun.trainer.metrics import MetricPoint
+from spotrun.trainer.observe.faults import FaultFired
 from spotrun.trainer.observe.trace import UpdateRecord
-from spotrun.trainer.run.faults import FaultFired
 
 NODE_SITE = "node-removed"  # only on a multi-node cluster (verify --nodes N)
 WARM_SITE = "warm-rejoin"  # only where a restart can be warm (verify.restarts_warm)

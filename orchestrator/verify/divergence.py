@@ -19,8 +19,8 @@ from typing import Any
 from spotrun.orchestrator.ledger.events import Restored, WorkerLost
 from spotrun.orchestrator.verify.comparison import site_name
 from spotrun.trainer.bundle.manifest import DataInfo
+from spotrun.trainer.observe.faults import FaultFired
 from spotrun.trainer.observe.trace import BlockDigests, RankDigests, UpdateRecord
-from spotrun.trainer.run.faults import FaultFired
 
 STAGES = ("occurrences", "batch", "loss", "gradient", "parameters")  # the order an update goes through
 

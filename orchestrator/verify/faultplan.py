@@ -15,10 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from spotrun.orchestrator.cli.specfile import SpecError
+from spotrun.orchestrator.control.specfile import SpecError
 from spotrun.orchestrator.verify.comparison import NODE_SITE, WARM_SITE, site_name
 from spotrun.trainer.job.spec import FaultSpec, JobSpec
-from spotrun.trainer.run.faults import FaultFired
+from spotrun.trainer.observe.faults import FaultFired
 from spotrun.trainer.run.warm import ineligible
 
 SITES = ("mid-accumulation", "mid-microstep", "bundle-write", "publish-to-offsets", "notice")

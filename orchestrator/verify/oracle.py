@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spotrun.orchestrator.cli.specfile import SpecError
 from spotrun.orchestrator.control.launch import embedded_cpus
+from spotrun.orchestrator.control.specfile import SpecError
 from spotrun.orchestrator.control.supervisor import JobFailedError
 from spotrun.orchestrator.ledger.events import AttemptStarted, Restored
 from spotrun.orchestrator.ledger.history import history
@@ -79,8 +79,8 @@ from spotrun.trainer.bundle.manifest import DataInfo, ManifestError
 from spotrun.trainer.job.spec import FaultSpec, JobSpec
 from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_sinks
 from spotrun.trainer.metrics.mlflow_sink import SEND_AT_WRITE, Tracker
+from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.observe.trace import UpdateRecord, last_update, latest_per_update, read_trace, update_epochs
-from spotrun.trainer.run.faults import FaultLog
 from spotrun.trainer.run.warm import ineligible
 from spotrun.trainer.storage import Storage, open_storage
 
@@ -210,7 +210,7 @@ class Verifier:
         self.head_args: dict[str, Any] = {} if no_ray else head_node_args(spec, nodes, local_gpus())
 
     def _cmd(self, job: str, trace: Path, extra: list[str], drop: tuple[str, ...] = ()) -> list[str]:
-        build = ["spotrun.orchestrator.verify.mutant", "--drop", ",".join(drop)] if drop else ["spotrun"]
+        build = ["spotrun.orchestrator.cli.mutant", "--drop", ",".join(drop)] if drop else ["spotrun"]
         cmd = [sys.executable, "-m", *build, "run", self.config, "--job-id", job, "--trace", str(trace),
                "--trace-ids"]
         for s in [*self.overrides, *extra]:

@@ -24,9 +24,9 @@ from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.ranklog import RankLog
 from spotrun.trainer.observe.redirect import working_for
-from spotrun.trainer.run.collective import LocalCollective
-from spotrun.trainer.run.device import rank_device
 from spotrun.trainer.run.rank import RankRunner, Report
+from spotrun.trainer.runtime.collective import LocalCollective
+from spotrun.trainer.runtime.device import rank_device
 from spotrun.trainer.storage import open_storage
 
 

@@ -24,18 +24,18 @@ from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.ranklog import RankLog
 from spotrun.trainer.observe.redirect import FdRedirect
-from spotrun.trainer.run.collective import Collective, LocalCollective, TorchCollective
-from spotrun.trainer.run.device import rank_device
 from spotrun.trainer.run.rank import RankRunner, Report
 from spotrun.trainer.run.session import TrainSession
-from spotrun.trainer.run.warm import Kept
-from spotrun.trainer.storage import open_storage
-from spotrun.trainer.storage.visibility import (
+from spotrun.trainer.run.visibility import (
     Node,
     Probe,
     RankProbe,
     answer_probe,
 )
+from spotrun.trainer.run.warm import Kept
+from spotrun.trainer.runtime.collective import Collective, LocalCollective, TorchCollective
+from spotrun.trainer.runtime.device import rank_device
+from spotrun.trainer.storage import open_storage
 
 # A poll waits this long at most for the rank's output to be read (a millisecond, unless the process is starved).
 POLL_DRAIN_S = 0.2

@@ -43,9 +43,7 @@ from spotrun.trainer.bundle.manifest import Manifest, ManifestError
 from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.run.rank import Report
-from spotrun.trainer.run.warm import ineligible
-from spotrun.trainer.storage import Storage
-from spotrun.trainer.storage.visibility import (
+from spotrun.trainer.run.visibility import (
     Node,
     Probe,
     RankProbe,
@@ -54,6 +52,8 @@ from spotrun.trainer.storage.visibility import (
     post_driver_probe,
     remove_probes,
 )
+from spotrun.trainer.run.warm import ineligible
+from spotrun.trainer.storage import Storage
 
 # What a survivor's collective raises when a peer died or hung (gloo, NCCL, c10d).
 COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|c10d|Connection (closed|reset) by peer|[Tt]imed out")
@@ -152,7 +152,7 @@ class RayGroup:
                  storage: Storage, restore_mode: RestoreMode | None = None, drop: tuple[str, ...] = (),
                  record_ids: bool = False, trace: bool = True, placement_timeout_s: float = 60.0) -> None:
         """Place and start the ranks of one attempt. ``storage`` is the job's storage as the driver
-        opened it: every rank must see it too (:mod:`~spotrun.trainer.storage.visibility`), or
+        opened it: every rank must see it too (:mod:`~spotrun.trainer.run.visibility`), or
         ``StorageNotShared`` is raised before any rank restores or trains."""
         t0 = time.perf_counter()
         self.spec = spec

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from spotrun.orchestrator.workers.groups import RankLost
+from spotrun.trainer.bundle.description import versions
 from spotrun.trainer.bundle.manifest import Versions
 from spotrun.trainer.run.rank import Report
-from spotrun.trainer.state.description import versions
 
 
 class ScriptedGroup:

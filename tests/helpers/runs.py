@@ -15,9 +15,9 @@ from spotrun.orchestrator.control.launch import run_on_ray
 from spotrun.orchestrator.ledger.events import BundlePublished
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import list_bundles
+from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.observe.ranklog import list_rank_logs, read_rank_log
 from spotrun.trainer.observe.trace import UpdateRecord
-from spotrun.trainer.run.faults import FaultLog
 from spotrun.trainer.storage import Storage, open_storage
 from tests.conftest import ROOT
 from tests.helpers.ray_local import job_thread

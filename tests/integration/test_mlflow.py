@@ -10,13 +10,14 @@ import json
 import pytest
 from mlflow import MlflowClient
 
-from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.publish.metric_commit import MetricCommitter, restart_tags, sent_prefix
 from spotrun.orchestrator.verify.comparison import compare_metrics
 from spotrun.orchestrator.verify.oracle import Verifier, read_sink
 from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
-from spotrun.trainer.bundle.manifest import CodeInfo, Manifest, Versions
+from spotrun.trainer.bundle.manifest import Manifest, Versions
+from spotrun.trainer.job.code_identity import CodeInfo
 from spotrun.trainer.job.spec import FaultSpec
 from spotrun.trainer.metrics import SEGMENTS, JsonlSink, metrics_dir, open_sinks, points_of
 from spotrun.trainer.metrics.mlflow_sink import ATTEMPT, SEND_AT_WRITE, Tracker

@@ -25,8 +25,8 @@ from spotrun.orchestrator.ledger.events import (
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import list_bundles
+from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
-from spotrun.trainer.run.faults import FaultLog
 from spotrun.trainer.storage import open_storage
 from tests.conftest import make_spec
 from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray

@@ -48,7 +48,7 @@ def test_put_chunks_stores_the_concatenation_and_returns_its_digest(moto, bucket
     import hashlib
     import os
 
-    from spotrun.trainer.bundle.digest import CHUNK_BYTES, SHA256
+    from spotrun.trainer.storage.digest import CHUNK_BYTES, SHA256
     from tests.conftest import chunked_sha256
 
     s = storage(moto, bucket, transfer=SMALL_PARTS)

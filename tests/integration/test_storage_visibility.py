@@ -23,8 +23,8 @@ from ray.cluster_utils import Cluster
 from spotrun.orchestrator.ledger.events import AttemptStarted, JobFailed, RunRefused
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import list_bundles
+from spotrun.trainer.run.visibility import probes_prefix
 from spotrun.trainer.storage import LocalStorage
-from spotrun.trainer.storage.visibility import probes_prefix
 from tests.helpers.ray_local import local_cluster
 from tests.helpers.runs import run_cmd, run_to_end
 

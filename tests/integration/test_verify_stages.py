@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.orchestrator.verify.oracle import Report, Verifier
 from spotrun.trainer.job.spec import FaultSpec
 from tests.conftest import ROOT

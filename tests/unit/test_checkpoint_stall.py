@@ -11,8 +11,8 @@ import threading
 import time
 
 from spotrun.trainer.bundle.bundles import BundleWriter
-from spotrun.trainer.run.collective import LocalCollective
 from spotrun.trainer.run.rank import RankRunner
+from spotrun.trainer.runtime.collective import LocalCollective
 from tests.conftest import make_spec
 
 HOLD_S = 0.3

@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.plain_ddp import free_port
-from spotrun.trainer.run.collective import LocalCollective, TorchCollective
+from spotrun.trainer.runtime.collective import LocalCollective, TorchCollective
 
 
 def _rank(rank: int, port: int, out: str) -> None:

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import pytest
 
 from spotrun.orchestrator.control.launch import run_in_process
-from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
 from spotrun.orchestrator.dashboard.checksums import IN_FLIGHT, ChecksumCache, verify
-from spotrun.trainer.bundle.digest import CHUNK_BYTES, DEFAULT
+from spotrun.orchestrator.ledger.access import ReadOnlyLocalStorage
 from spotrun.trainer.storage import LocalStorage
+from spotrun.trainer.storage.digest import CHUNK_BYTES, DEFAULT
 from tests.conftest import make_spec
 
 JOB = "sums"

@@ -13,9 +13,9 @@ from fastapi.testclient import TestClient
 
 from spotrun.orchestrator.cli.main import main
 from spotrun.orchestrator.dashboard import create_app
-from spotrun.orchestrator.dashboard.access import ReadOnlyError, open_readonly, redact
 from spotrun.orchestrator.dashboard.security import COOKIE, TOKEN_ENV, BindError, check_bind
 from spotrun.orchestrator.dashboard.server import BackgroundServer, resolve_token
+from spotrun.orchestrator.ledger.access import ReadOnlyError, open_readonly, redact
 from spotrun.orchestrator.ledger.events import AttemptStarted
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.storage import open_storage

@@ -33,7 +33,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
-from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.orchestrator.control.specfile import load_spec
 from tests.conftest import ROOT
 
 DEPLOY = ROOT / "deploy"

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from spotrun.trainer.run.device import DeviceError, select_device, set_determinism
+from spotrun.trainer.runtime.device import DeviceError, select_device, set_determinism
 
 
 def test_a_rank_without_gpus_trains_on_the_cpu():
@@ -43,7 +43,7 @@ def test_an_assigned_gpu_this_process_cannot_see_is_refused_naming_the_fix():
     (0.25, ["two ranks on one GPU", "or 0 to train on CPUs"]),
     (2, ["world.num_gpus_per_rank=2", "sit idle", "set world.num_gpus_per_rank=1 and world.size"])])
 def test_a_fraction_or_several_gpus_per_rank_are_refused_with_exit_2_naming_the_fix(tmp_path, share, words):
-    from spotrun.orchestrator.cli.specfile import SpecError
+    from spotrun.orchestrator.control.specfile import SpecError
     from tests.conftest import make_spec
 
     with pytest.raises(SpecError) as e:  # the CLI's exit 2
@@ -143,7 +143,7 @@ def test_determinism_reaches_inductor_without_importing_it(inductor_first):
     probe = (
         "import sys, torch\n"
         + ("import torch._inductor.config\n" if inductor_first else "")
-        + "from spotrun.trainer.run.device import set_determinism\n"
+        + "from spotrun.trainer.runtime.device import set_determinism\n"
         "set_determinism(1)\n"
         "imported = 'torch._inductor' in sys.modules\n"
         "import torch._inductor.config as c\n"

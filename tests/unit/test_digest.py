@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from spotrun.trainer.bundle.digest import (
+from spotrun.trainer.storage.digest import (
     CHUNK_BYTES,
     DEFAULT,
     SHA256,

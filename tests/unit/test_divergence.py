@@ -12,6 +12,7 @@ import torch
 
 from spotrun.orchestrator.ledger.events import Restored, WorkerLost
 from spotrun.orchestrator.verify.divergence import divergence_rows, explain, first_stage, restore_before
+from spotrun.trainer.observe.faults import FaultFired
 from spotrun.trainer.observe.trace import (
     BlockDigests,
     RankDigests,
@@ -22,7 +23,6 @@ from spotrun.trainer.observe.trace import (
     read_trace,
     unpack_stages,
 )
-from spotrun.trainer.run.faults import FaultFired
 
 
 def h(label: str) -> str:

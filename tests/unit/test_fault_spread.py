@@ -11,8 +11,8 @@ import pytest
 from spotrun.orchestrator.verify import faultplan
 from spotrun.orchestrator.verify.faultplan import NodeRemoval, fault_rows, plan_faults
 from spotrun.trainer.job.spec import FaultSpec
+from spotrun.trainer.observe.faults import FaultFired
 from spotrun.trainer.observe.trace import UpdateRecord, update_epochs
-from spotrun.trainer.run.faults import FaultFired
 from tests.conftest import make_spec
 
 UPDATES, EVERY = 120, 5

@@ -22,11 +22,10 @@ import torch
 
 from spotrun.orchestrator.control import launch
 from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
-from spotrun.trainer.bundle.manifest import CodeInfo
 from spotrun.trainer.data.identity import SPREAD, fingerprint_difference, map_fingerprint, record_digest, spread
 from spotrun.trainer.data.kinds import DataCaution
 from spotrun.trainer.data.transform import OccurrenceStreams
-from spotrun.trainer.job.code_identity import code_problem, user_modules
+from spotrun.trainer.job.code_identity import CodeInfo, code_problem, user_modules
 from spotrun.trainer.observe.trace import read_trace
 from spotrun.trainer.storage import LocalStorage
 from tests.conftest import make_spec

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from spotrun.orchestrator.cli.specfile import SpecError
+from spotrun.orchestrator.control.specfile import SpecError
 from spotrun.orchestrator.ledger import interval_inputs
 from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, NoticeHandled, WorkerLost
 from spotrun.orchestrator.policy import interval

@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from spotrun.orchestrator.dashboard.access import ReadOnlyLocalStorage
 from spotrun.orchestrator.dashboard.views import Reader
+from spotrun.orchestrator.ledger.access import ReadOnlyLocalStorage
 from spotrun.orchestrator.ledger.events import CorruptEvent
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.storage import LocalStorage, StorageError

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from spotrun.orchestrator.cli.specfile import load_spec
 from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.trainer.metrics import MetricPoint, NullSink, SqliteSink, points_of
 from spotrun.trainer.metrics.writer import BackgroundWriter, MetricSinkError
 from spotrun.trainer.run import rank as rank_module
 from spotrun.trainer.run.session import TrainSession
-from spotrun.trainer.state.rng import seed_all
+from spotrun.trainer.runtime.streams import seed_all
 from tests.conftest import ROOT
 
 

@@ -7,7 +7,7 @@ import math
 import re
 from datetime import UTC, datetime, timedelta
 
-from spotrun.orchestrator.cli.progress import PlainProgress
+from spotrun.orchestrator.control.progress import PlainProgress
 from spotrun.orchestrator.ledger.events import AttemptStarted, Restored, WorkerLost
 from spotrun.trainer.observe.trace import UpdateRecord
 

@@ -23,13 +23,13 @@ from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.orchestrator.ledger.events import AttemptStarted, BundleRejected, Restored
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import BundleCorrupt, BundleIncompatible, list_bundles, load_bundle, load_latest
-from spotrun.trainer.bundle.digest import DEFAULT as DEFAULT_DIGEST
 from spotrun.trainer.bundle.manifest import ManifestError, UnknownSchemaError
 from spotrun.trainer.data.listing import scan
 from spotrun.trainer.data.tokenizer import CharTokenizer
 from spotrun.trainer.job.spec import DEFAULT_VOCAB
 from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.storage import LocalStorage
+from spotrun.trainer.storage.digest import DEFAULT as DEFAULT_DIGEST
 from tests.conftest import ROOT, chunked_sha256, make_spec
 
 JOB = "job"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from spotrun.trainer.job.spec import TrainSpec
-from spotrun.trainer.run.sharding import LAYOUT, Pieces, ShardError, rows_of
+from spotrun.trainer.runtime.sharding import LAYOUT, Pieces, ShardError, rows_of
 
 
 def test_rows_follow_torch_chunk():

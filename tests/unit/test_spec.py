@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from spotrun.orchestrator.cli.specfile import SpecError, load_spec, parse_override
+from spotrun.orchestrator.control.specfile import SpecError, load_spec, parse_override
 from spotrun.trainer.job.spec import FaultSpec, JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]

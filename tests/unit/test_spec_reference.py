@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from spotrun.orchestrator.cli.main import main
-from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.trainer.job.specdoc import APPLIES_TO, keys, markdown
 from tests.conftest import ROOT
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from spotrun.trainer.bundle import aligned, tensorfile
-from spotrun.trainer.bundle.digest import CHUNK_BYTES, SHA256
-from spotrun.trainer.storage import LocalStorage, StorageError, UnsafeKeyError, check_key, open_storage
+from spotrun.trainer.bundle import tensorfile
+from spotrun.trainer.storage import LocalStorage, StorageError, UnsafeKeyError, aligned, check_key, open_storage
+from spotrun.trainer.storage.digest import CHUNK_BYTES, SHA256
 from tests.conftest import chunked_sha256
 
 

@@ -18,7 +18,7 @@ def test_the_entrypoint_carries_the_spec_inline(tmp_path):
     assert argv[:4] == ["python", "-m", "spotrun", "run"] and argv[-2:] == ["--address", "auto"]
     assert not any(a.endswith(".yaml") for a in argv), "the head must not need the spec file"
     text = argv[argv.index("--spec-json") + 1]
-    from spotrun.orchestrator.cli.specfile import load_spec
+    from spotrun.orchestrator.control.specfile import load_spec
 
     assert load_spec(None, text=text) == spec  # every override and absolute path made it across
 

@@ -82,7 +82,7 @@ def test_an_elastic_restore_on_another_device_model_is_labelled_exact_data(tmp_p
     elastic allows: strict ranks refuse it) is not an exact continuation."""
     from spotrun.orchestrator.control.launch import run_in_process
     from spotrun.orchestrator.ledger.events import Restored
-    from spotrun.trainer.state.description import versions
+    from spotrun.trainer.bundle.description import versions
 
     spec = make_spec(tmp_path, "train.updates=4", "checkpoint.every_updates=2", "world.policy=elastic", job_id="g")
     run_in_process(spec.model_copy(update={"train": spec.train.model_copy(update={"updates": 2})}))

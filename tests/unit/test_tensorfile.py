@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from spotrun.orchestrator.control.launch import run_in_process
-from spotrun.trainer.bundle import aligned
 from spotrun.trainer.bundle.bundles import BundleCorrupt, encode, load_bundle
-from spotrun.trainer.bundle.digest import DEFAULT as DEFAULT_DIGEST
 from spotrun.trainer.bundle.manifest import SCHEMA_VERSION
 from spotrun.trainer.bundle.tensorfile import PAD, TENSOR_REF, TensorFileError, chunks, decode, join, split
 from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.state.training import Capture
-from spotrun.trainer.storage import LocalStorage
+from spotrun.trainer.storage import LocalStorage, aligned
+from spotrun.trainer.storage.digest import DEFAULT as DEFAULT_DIGEST
 from tests.conftest import make_spec
 
 
@@ -79,7 +78,7 @@ def test_the_layout_is_safetensors():
 
 
 def test_a_tensor_in_an_aligned_buffer_sits_on_a_block_with_its_padding_listed_and_skipped():
-    """Aligned host buffers (trainer/bundle/aligned.py) are laid out at block-aligned offsets of the file, and
+    """Aligned host buffers (trainer/storage/aligned.py) are laid out at block-aligned offsets of the file, and
     their view is the buffer's whole memory (bytes and zero padding): what direct I/O writes with no
     copy. The padding is in the index as U8 tensors, so the offsets still tile the data, and readers
     skip it."""

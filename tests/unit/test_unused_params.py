@@ -22,10 +22,10 @@ import torch.multiprocessing as mp
 
 from bench.plain_ddp import free_port
 from spotrun.trainer.job.spec import JobSpec
-from spotrun.trainer.run.collective import LocalCollective, TorchCollective
 from spotrun.trainer.run.rank import _grad_sync
 from spotrun.trainer.run.session import TrainSession
-from spotrun.trainer.run.sharding import gathered
+from spotrun.trainer.runtime.collective import LocalCollective, TorchCollective
+from spotrun.trainer.runtime.sharding import gathered
 
 UPDATES = 4
 GLOBAL = 12  # sequences an update: 12 = 1 x 6 x 2 = 2 x 3 x 2 = 3 x 2 x 2

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from spotrun.orchestrator.cli.specfile import load_spec
+from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.verify.comparison import compare_metrics
 from spotrun.orchestrator.verify.oracle import Verifier
 from spotrun.trainer.job.spec import FaultSpec
 from spotrun.trainer.metrics import MetricPoint
-from spotrun.trainer.run.faults import FaultLog
+from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.storage import open_storage
 from tests.conftest import ROOT
 from tests.helpers.runs import run_cmd, run_to_end

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.cli.specfile import SpecError, load_spec
+from spotrun.orchestrator.control.specfile import SpecError, load_spec
 from spotrun.orchestrator.verify import oracle as verify_module
 from spotrun.orchestrator.verify.oracle import Verifier, head_node_args
 from tests.conftest import ROOT, make_spec

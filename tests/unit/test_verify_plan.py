@@ -128,7 +128,7 @@ def test_a_rejoin_fault_fires_at_the_warm_restart_resuming_at_or_before_its_upda
     import signal
 
     from spotrun.trainer.job.spec import FaultSpec
-    from spotrun.trainer.run.faults import FaultInjector, FaultLog
+    from spotrun.trainer.observe.faults import FaultInjector, FaultLog
     from spotrun.trainer.storage import open_storage
 
     planned = FaultSpec(site="rejoin", update=11, attempt=2, rank=1)

@@ -9,8 +9,7 @@ import pytest
 
 from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.trainer.bundle.bundles import list_bundles
-from spotrun.trainer.storage import LocalStorage
-from spotrun.trainer.storage.visibility import (
+from spotrun.trainer.run.visibility import (
     Node,
     RankProbe,
     StorageNotShared,
@@ -21,6 +20,7 @@ from spotrun.trainer.storage.visibility import (
     remove_probes,
     resolved,
 )
+from spotrun.trainer.storage import LocalStorage
 
 HEAD = Node(node_id="a" * 56, ip="10.0.0.1", host="head-host")
 WORKER = Node(node_id="b" * 56, ip="10.0.0.2", host="worker-host")

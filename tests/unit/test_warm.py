@@ -93,7 +93,7 @@ def test_each_capture_fills_the_set_the_one_before_it_does_not():
     (("train.grad_sync=ddp",), "train.grad_sync=ddp"),
 ])
 def test_spares_a_job_never_restarting_warm_could_use_are_refused_naming_why(tmp_path, sets, why):
-    from spotrun.orchestrator.cli.specfile import SpecError
+    from spotrun.orchestrator.control.specfile import SpecError
 
     with pytest.raises(SpecError, match=f"world.spares=1 take a lost rank's place.*{why}"):
         make_spec(tmp_path, "world.size=2", "world.spares=1", *sets)

@@ -14,7 +14,7 @@ schema 2 hold whole payloads in their ``.pt`` files and load as before.
 
 Loading reads the manifest first (schema, then the compatibility contract),
 and only then the files, each checked against its recorded size and digest
-(:mod:`spotrun.trainer.bundle.digest`) before it is deserialised. Tensor files are
+(:mod:`spotrun.trainer.storage.digest`) before it is deserialised. Tensor files are
 parsed without unpickling and skeletons load with ``weights_only=True``: a
 bundle is data, never code.
 """
@@ -32,10 +32,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from spotrun.trainer.bundle.digest import DEFAULT as DEFAULT_DIGEST
-from spotrun.trainer.bundle.digest import digest_of
+from spotrun.trainer.bundle.description import Description
 from spotrun.trainer.bundle.manifest import (
-    CodeInfo,
     FileEntry,
     Manifest,
     ManifestError,
@@ -48,14 +46,15 @@ from spotrun.trainer.bundle.tensorfile import chunks as tensorfile_chunks
 from spotrun.trainer.bundle.tensorfile import decode as decode_tensors
 from spotrun.trainer.data.identity import DataIdentity, fingerprint_difference
 from spotrun.trainer.data.listing import changed_shards
-from spotrun.trainer.job.code_identity import code_problem
+from spotrun.trainer.job.code_identity import CodeInfo, code_problem
 from spotrun.trainer.job.contract import check_weights_only
-from spotrun.trainer.run.faults import FaultInjector
-from spotrun.trainer.run.sharding import Pieces, ShardError
+from spotrun.trainer.observe.faults import FaultInjector
+from spotrun.trainer.runtime.sharding import Pieces, ShardError
 from spotrun.trainer.state.counters import READABLE_CONVENTIONS
-from spotrun.trainer.state.description import Description
 from spotrun.trainer.state.training import Capture
 from spotrun.trainer.storage import Storage
+from spotrun.trainer.storage.digest import DEFAULT as DEFAULT_DIGEST
+from spotrun.trainer.storage.digest import digest_of
 
 BUNDLE_DIR = re.compile(r"^u(\d{10})-a(\d+)$")
 
@@ -333,7 +332,7 @@ class WriteResult:
 class BundleWriter:
     """Writes one rank's captures in a background thread, at most one capture in flight, its
     files several at a time (``files_in_flight``): each file's digest (``digest``, an algorithm of
-    :mod:`spotrun.trainer.bundle.digest`) hashes its chunks on every core while the file is written."""
+    :mod:`spotrun.trainer.storage.digest`) hashes its chunks on every core while the file is written."""
 
     def __init__(self, storage: Storage, faults: FaultInjector, files_in_flight: int = 4,
                  digest: str = DEFAULT_DIGEST, ship: Callable[[Encoded], dict[str, bytes]] | None = None) -> None:

@@ -14,12 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from spotrun.trainer.bundle.digest import SHA256, chunk_bytes_of
 from spotrun.trainer.data.identity import DataFingerprint
 from spotrun.trainer.data.listing import ShardInfo
 from spotrun.trainer.data.planner import Cursor
+from spotrun.trainer.job.code_identity import CodeInfo
 from spotrun.trainer.state.counters import Counters
 from spotrun.trainer.storage import UnsafeKeyError, check_key
+from spotrun.trainer.storage.digest import SHA256, chunk_bytes_of
 
 # 2: the job's code (entrypoint, fingerprint) and data kind; 3: tensors in <stem>.safetensors;
 # 4: world.parallelism, and sharded bundles (every rank's model.pt/optimizer.pt with a layout);
@@ -53,7 +54,7 @@ class FileEntry(_M):
     path: str  # relative to the bundle directory
     bytes: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # the file's digest under ``digest`` (a sha256 either way)
-    digest: str = SHA256  # the algorithm (spotrun.trainer.bundle.digest); an unknown one is refused, naming it
+    digest: str = SHA256  # the algorithm (spotrun.trainer.storage.digest); an unknown one is refused, naming it
 
     @field_validator("digest")
     @classmethod
@@ -75,16 +76,6 @@ class TensorInfo(_M):
     shape: tuple[int, ...]
     dtype: str
 
-
-class CodeInfo(_M):
-    """The job's code: a bundle restores only into the code that wrote it
-    (:mod:`spotrun.trainer.job.code_identity`)."""
-
-    entrypoint: str
-    fingerprint: str  # sha256 (16 hex) of the entrypoint module's source
-    # every user module the entrypoint imports (itself included), by module name: sha256 (16 hex) of
-    # its source. Empty for the built-in recipe, and in manifests written before schema 6.
-    files: dict[str, str] = {}
 
 
 class ModelInfo(_M):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from spotrun.trainer.bundle import aligned
+from spotrun.trainer.storage import aligned
 
 TENSOR_REF = "__spotrun_tensor__"
 PAD = "__pad__"  # padding to a block boundary, listed as a tensor (see chunks); never a payload's
@@ -98,7 +98,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 def chunks(tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
     """The file's bytes as views: the header, then each tensor's bytes where the tensor lives.
 
-    A tensor in an aligned host buffer (:mod:`~spotrun.trainer.bundle.aligned`) is laid out at a
+    A tensor in an aligned host buffer (:mod:`~spotrun.trainer.storage.aligned`) is laid out at a
     block-aligned offset, and its view is its whole buffer: its bytes and the zero padding after
     them, to the next block. Direct I/O writes such a view with no copy. The padding before and
     after it is listed in the header as ``U8`` tensors named ``__pad__<k>``, which readers skip: the

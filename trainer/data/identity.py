@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from spotrun.trainer.data.listing import ShardInfo
 from spotrun.trainer.data.transform import OccurrenceStreams
-from spotrun.trainer.state.rng import derive_seed
+from spotrun.trainer.runtime.streams import derive_seed
 
 SPREAD = 64  # records of a map dataset whose digests make its fingerprint
 FINGERPRINT_EPOCH = -1  # the occurrence identity's epoch while a record is read for its digest

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from spotrun.trainer.state.stateful import check_version
+from spotrun.trainer.job.stateful import check_version
 
 
 class Span(NamedTuple):

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from spotrun.trainer.data.packer import Occurrence, Packer, Span
 from spotrun.trainer.data.shuffle import EpochStream, logged_growth
-from spotrun.trainer.state.stateful import check_version
+from spotrun.trainer.job.stateful import check_version
 
 RestoreMode = Literal["snapshot", "replay", "fresh-epoch", "bounded-repetition"]
 

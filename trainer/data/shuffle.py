@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from spotrun.trainer.state.stateful import check_version
+from spotrun.trainer.job.stateful import check_version
 
 
 def epoch_order(n_records: int, seed: int, epoch: int) -> np.ndarray:

@@ -23,7 +23,7 @@ from typing import Any
 from spotrun.trainer.data.kinds import DataError, StreamData
 from spotrun.trainer.data.packer import Span
 from spotrun.trainer.data.transform import OccurrenceStreams
-from spotrun.trainer.state.stateful import check_version
+from spotrun.trainer.job.stateful import check_version
 
 
 class StreamPlanner:

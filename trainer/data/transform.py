@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from spotrun.trainer.state.rng import SavedStreams, derive_seed, restore_streams, save_streams
+from spotrun.trainer.runtime.streams import SavedStreams, derive_seed, restore_streams, save_streams
 
 
 def occurrence_seed(seed: int, epoch: int, record: int) -> int:

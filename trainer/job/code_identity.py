@@ -28,9 +28,23 @@ from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
-from spotrun.trainer.bundle.manifest import CodeInfo
+from pydantic import BaseModel, ConfigDict
+
 from spotrun.trainer.job.contract import entrypoint_of
 from spotrun.trainer.job.spec import JobSpec
+
+
+class CodeInfo(BaseModel):
+    """The job's code: a bundle restores only into the code that wrote it
+    (:func:`code_identity`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    entrypoint: str
+    fingerprint: str  # sha256 (16 hex) of the entrypoint module's source
+    # every user module the entrypoint imports (itself included), by module name: sha256 (16 hex) of
+    # its source. Empty for the built-in recipe, and in manifests written before schema 6.
+    files: dict[str, str] = {}
 
 
 def code_identity(spec: JobSpec) -> CodeInfo:

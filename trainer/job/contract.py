@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from spotrun.trainer.job.spec import JobSpec
-from spotrun.trainer.state.stateful import Stateful
+from spotrun.trainer.job.stateful import Stateful
 
 BUILTIN = "spotrun.recipes.char_lm:build"
 

@@ -19,6 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from spotrun.trainer.job.contract import RESERVED_METRICS, JobError
+from spotrun.trainer.observe.faults import FaultInjector
 from spotrun.trainer.observe.trace import (
     TRACE_VERSION,
     BlockDigests,
@@ -29,10 +30,9 @@ from spotrun.trainer.observe.trace import (
     digest_tensors,
     span_ids,
 )
-from spotrun.trainer.run.faults import FaultInjector
-from spotrun.trainer.run.sharding import gathered
 from spotrun.trainer.run.step_guard import StepGuard
-from spotrun.trainer.state.rng import microbatch_seed, seed_all
+from spotrun.trainer.runtime.sharding import gathered
+from spotrun.trainer.runtime.streams import microbatch_seed, seed_all
 from spotrun.trainer.state.training import TrainState, wait_for_copies
 
 # Syncs the gradients and sums ``riders`` (the update's loss, metrics and boundary flags) over the

@@ -33,6 +33,7 @@ from spotrun.trainer.bundle.bundles import (
     check_compatible,
     load_bundle,
 )
+from spotrun.trainer.bundle.description import build_manifest
 from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.data.feed import TokenFeed
 from spotrun.trainer.data.growth import GrowthRecords
@@ -41,17 +42,16 @@ from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.metrics import MetricSink, NullSink, metrics_dir, open_sinks, points_of
 from spotrun.trainer.metrics.mlflow_sink import SEND_AT_WRITE
 from spotrun.trainer.metrics.writer import BackgroundWriter
+from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.observe.ranklog import RankLine
 from spotrun.trainer.observe.trace import UpdateRecord, pack_stages, unpack_stages
-from spotrun.trainer.run.collective import Collective
-from spotrun.trainer.run.faults import FaultLog
 from spotrun.trainer.run.overlap import WriteOverlap
 from spotrun.trainer.run.session import TrainSession
+from spotrun.trainer.run.visibility import Probe, RankProbe, answer_probe
 from spotrun.trainer.run.warm import REPLICATED, Held, Kept, assemble, ineligible, shipped
-from spotrun.trainer.state.description import build_manifest
+from spotrun.trainer.runtime.collective import Collective
 from spotrun.trainer.state.training import CopiesDone
 from spotrun.trainer.storage import open_storage
-from spotrun.trainer.storage.visibility import Probe, RankProbe, answer_probe
 
 
 @dataclass
@@ -91,7 +91,7 @@ class RankRunner:
                  drop: tuple[str, ...] = (), record_ids: bool = False, trace: bool = True,
                  device: str = "cpu", probe: RankProbe | None = None, session: TrainSession | None = None,
                  held: Held | None = None) -> None:
-        """``probe``: the driver's storage probe (:mod:`~spotrun.trainer.storage.visibility`), read back and
+        """``probe``: the driver's storage probe (:mod:`~spotrun.trainer.run.visibility`), read back and
         answered before anything is built; ``StorageNotShared`` when this rank cannot see it. None
         where the driver shares this process (nothing to prove).
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from spotrun.trainer.bundle.bundles import BundleCorrupt, BundleIncompatible, LoadedBundle
+from spotrun.trainer.bundle.description import Description, describe
 from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.data.feed import TokenFeed, bind
 from spotrun.trainer.data.kinds import DataCaution
@@ -27,15 +28,15 @@ from spotrun.trainer.data.loader import PlanDataset, PlanSampler, make_loader
 from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.job.contract import build_job
 from spotrun.trainer.job.spec import JobSpec
+from spotrun.trainer.observe.faults import FaultInjector
 from spotrun.trainer.observe.trace import UpdateRecord
-from spotrun.trainer.run.device import deterministic_env
-from spotrun.trainer.run.faults import FaultInjector
 from spotrun.trainer.run.loop import BoundaryFlags, GradSync, TrainLoop
-from spotrun.trainer.run.sharding import ShardError, rows_of
+from spotrun.trainer.runtime.device import deterministic_env
+from spotrun.trainer.runtime.sharding import ShardError, rows_of
+from spotrun.trainer.runtime.streams import seed_all
 from spotrun.trainer.state.counters import CountersState
-from spotrun.trainer.state.description import Description, describe
 from spotrun.trainer.state.inventory import DATA_CATEGORIES, categories_of, roundtrip_mismatches
-from spotrun.trainer.state.rng import GeneratorMismatch, seed_all
+from spotrun.trainer.state.rng import GeneratorMismatch
 from spotrun.trainer.state.training import Capture, TrainState
 
 

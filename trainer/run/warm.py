@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from spotrun.trainer.bundle.bundles import TENSORS_SUFFIX, BundleCorrupt, Encoded, decode_payloads
-from spotrun.trainer.bundle.digest import digest_of
 from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.job.spec import JobSpec
+from spotrun.trainer.storage.digest import digest_of
 
 # The most bytes of one rank's own state (its files other than a replicated model and optimizer)
 # sent to the driver with each write: beyond it that rank's state comes back only from storage.

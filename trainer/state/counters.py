@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from spotrun.trainer.state.stateful import check_version
+from spotrun.trainer.job.stateful import check_version
 
 # How the loop advances its counters; bump it when that order changes, because a
 # restored counter is only meaningful under the convention that wrote it.

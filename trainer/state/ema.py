@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from spotrun.trainer.run.sharding import local
+from spotrun.trainer.runtime.sharding import local
 
 
 class EMA:

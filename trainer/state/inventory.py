@@ -20,7 +20,7 @@ from spotrun.trainer.data.feed import TokenFeed
 from spotrun.trainer.data.listing import scan
 from spotrun.trainer.data.planner import Planner
 from spotrun.trainer.data.stream import StreamPlanner
-from spotrun.trainer.run.sharding import full, is_sharded, local
+from spotrun.trainer.runtime.sharding import full, is_sharded, local
 from spotrun.trainer.state.ema import EMA
 from spotrun.trainer.state.training import TrainState
 

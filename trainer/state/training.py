@@ -17,7 +17,7 @@ A capture is a host-memory copy of everything, split into bundle files:
 The model and optimizer are replicas across data-parallel ranks, so rank 0
 alone writes them; every rank writes its own random streams and registered state.
 Under ``train.parallelism: fsdp`` the parameters, EMA and optimizer state are sharded
-(:mod:`spotrun.trainer.run.sharding`): every rank writes ``rank-<r>/model.pt`` and
+(:mod:`spotrun.trainer.runtime.sharding`): every rank writes ``rank-<r>/model.pt`` and
 ``rank-<r>/optimizer.pt`` with its own rows of each sharded tensor and their layout, and
 a restore puts together the rows it holds now from whichever ranks' files cover them.
 """
@@ -37,13 +37,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from spotrun.trainer.bundle import aligned
 from spotrun.trainer.data.feed import Feed
 from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.job.contract import Job, JobError, check_weights_only
 from spotrun.trainer.job.spec import JobSpec
-from spotrun.trainer.run.device import set_determinism
-from spotrun.trainer.run.sharding import (
+from spotrun.trainer.job.stateful import check_version
+from spotrun.trainer.runtime.device import set_determinism
+from spotrun.trainer.runtime.sharding import (
     LAYOUT,
     GradUse,
     Pieces,
@@ -54,11 +54,12 @@ from spotrun.trainer.run.sharding import (
     like,
     local,
 )
+from spotrun.trainer.runtime.streams import seed_all
 from spotrun.trainer.state.counters import CountersState
 from spotrun.trainer.state.ema import EMA
 from spotrun.trainer.state.optim import build_scaler, group_names, load_named_state, named_state
-from spotrun.trainer.state.rng import RngState, seed_all
-from spotrun.trainer.state.stateful import check_version
+from spotrun.trainer.state.rng import RngState
+from spotrun.trainer.storage import aligned
 
 STATE_VERSION = 2  # 2: the scheduler in optimizer.pt, registered state in rank-<r>/user.pt
 
@@ -160,7 +161,7 @@ class HostBuffers:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             # from a GPU, pinned memory (the copies are asynchronous); on the CPU, aligned: the
-            # writer's direct I/O writes large ones from here with no copy (trainer/bundle/aligned.py)
+            # writer's direct I/O writes large ones from here with no copy (trainer/storage/aligned.py)
             buf = self._buffers[key] = (torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if t.is_cuda
                                         else aligned.empty(t.shape, t.dtype))
         if defer and self._stream is None:
@@ -345,7 +346,7 @@ class TrainState:
 
     def _model_files(self, d: str) -> dict[str, dict[str, Any]]:
         """The model, EMA, optimizer and scheduler: the same on every rank, so rank 0 writes them; or,
-        sharded, each rank its own rows of them, with their layout (:mod:`~spotrun.trainer.run.sharding`).
+        sharded, each rank its own rows of them, with their layout (:mod:`~spotrun.trainer.runtime.sharding`).
 
         Parameters, EMA and optimizer state change only in the next optimizer step, so their
         copies are deferred (:class:`HostBuffers`); buffers (batch-norm statistics, say) may change
@@ -408,7 +409,7 @@ class TrainState:
 
     def _restore_model(self, payloads: dict[str, Any]) -> None:
         """The model, EMA, optimizer and scheduler: each tensor's rows this rank holds, put together
-        from the bundle's pieces (:class:`~spotrun.trainer.run.sharding.Pieces`: the one file of a
+        from the bundle's pieces (:class:`~spotrun.trainer.runtime.sharding.Pieces`: the one file of a
         replicated bundle, or the shards of a sharded one, at any world size)."""
         model = Pieces(payloads, "model.pt", "bundle")
         check_version(f"rank-{model.files[0][0]}/model.pt", model.template, STATE_VERSION)

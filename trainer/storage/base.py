@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import PurePosixPath
 from typing import Protocol
 
-from spotrun.trainer.bundle.digest import DEFAULT
+from spotrun.trainer.storage.digest import DEFAULT
 
 
 class StorageError(RuntimeError):
@@ -41,7 +41,7 @@ class Storage(Protocol):
 
     def put_chunks(self, key: str, chunks: Sequence[bytes | memoryview], algorithm: str = DEFAULT) -> str:
         """Write the concatenation of ``chunks`` as :meth:`put` does, without joining them in memory
-        first; returns its digest under ``algorithm`` (:mod:`spotrun.trainer.bundle.digest`, hex), computed
+        first; returns its digest under ``algorithm`` (:mod:`spotrun.trainer.storage.digest`, hex), computed
         on threads while the bytes are written. The chunks must not change until the call returns."""
 
     def get(self, key: str) -> bytes: ...

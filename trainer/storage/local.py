@@ -12,9 +12,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
-from spotrun.trainer.bundle.aligned import BLOCK, address, round_up
-from spotrun.trainer.bundle.digest import DEFAULT, FileDigest
+from spotrun.trainer.storage.aligned import BLOCK, address, round_up
 from spotrun.trainer.storage.base import StorageError, check_key
+from spotrun.trainer.storage.digest import DEFAULT, FileDigest
 
 # From this size a file goes to disk with direct I/O. Measured here, bundle write / dd direct, with the
 # tensors written from aligned host buffers (medians of 3-7 interleaved repetitions, a loaded machine):
@@ -32,7 +32,7 @@ def _write_direct(path: str, chunks: Chunks, nbytes: int) -> bool:
     through the cache.
 
     A chunk that O_DIRECT can take as it is (its memory, its length and its place in the file
-    all block-aligned: a tensor in an aligned host buffer, see :mod:`~spotrun.trainer.bundle.aligned`)
+    all block-aligned: a tensor in an aligned host buffer, see :mod:`~spotrun.trainer.storage.aligned`)
     is written from its own memory. The other chunks are gathered into two page-aligned staging
     buffers in turn: one is filled while a thread writes the other."""
     if not hasattr(os, "O_DIRECT"):

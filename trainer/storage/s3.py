@@ -67,8 +67,8 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from spotrun.trainer.bundle.digest import DEFAULT, FileDigest
 from spotrun.trainer.storage.base import StorageError, UnsafeKeyError, check_key
+from spotrun.trainer.storage.digest import DEFAULT, FileDigest
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ class Collective(Protocol):
         """FSDP reduced the gradients during backward: sum ``riders`` over the ranks, and broadcast
         rank 0's buffers as :meth:`sync_gradients` does, in one rendezvous of the ranks. ``used``
         says which trainable parameters (in the model's order) this rank's backward passes reached:
-        a parameter no rank reached is left without a gradient (see :class:`~spotrun.trainer.run.sharding.GradUse`;
+        a parameter no rank reached is left without a gradient (see :class:`~spotrun.trainer.runtime.sharding.GradUse`;
         None: not known, none is dropped)."""
 
     def mean_and_agree(self, values: list[float], flags: list[bool]) -> tuple[list[float], list[bool]]:

@@ -22,7 +22,7 @@ from spotrun.trainer.data.planner import slice_for
 from spotrun.trainer.observe.trace import span_ids
 from spotrun.trainer.run.loop import forward
 from spotrun.trainer.run.session import TrainSession
-from spotrun.trainer.state.rng import microbatch_seed, seed_all
+from spotrun.trainer.runtime.streams import microbatch_seed, seed_all
 
 
 def read_next(bundle: LoadedBundle) -> dict[str, Any]:

@@ -21,7 +21,6 @@ import torchdata
 from spotrun.trainer import __version__ as spotrun_version
 from spotrun.trainer.bundle.manifest import (
     SCHEMA_VERSION,
-    CodeInfo,
     DataInfo,
     ManifestDraft,
     ModelInfo,
@@ -34,8 +33,8 @@ from spotrun.trainer.bundle.manifest import (
 from spotrun.trainer.data.identity import DataIdentity
 from spotrun.trainer.data.listing import ShardInfo, version_of
 from spotrun.trainer.data.planner import Cursor
-from spotrun.trainer.job.code_identity import code_identity
-from spotrun.trainer.run.device import gpu_facts
+from spotrun.trainer.job.code_identity import CodeInfo, code_identity
+from spotrun.trainer.runtime.device import gpu_facts
 from spotrun.trainer.state.counters import LOOP_CONVENTION
 from spotrun.trainer.state.training import TrainState
 

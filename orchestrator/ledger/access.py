@@ -14,8 +14,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlparse, urlunparse
 
-from spotrun.trainer.bundle.digest import DEFAULT
 from spotrun.trainer.storage import LocalStorage, Storage, StorageError, UnsafeKeyError, check_key
+from spotrun.trainer.storage.digest import DEFAULT
 
 # The JobSpec's own rule for job ids: a plain name, never "." or "..", never a path.
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
