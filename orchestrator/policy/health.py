@@ -1,0 +1,124 @@
+"""Which ranks are hung, stuck or straggling, from what the driver's health poll saw (runs in the driver; pure).
+
+Two signals per rank (:mod:`spotrun.trainer.run.beacon`):
+
+- **liveness**: the rank answers the poll. A process that is stopped, dead, or wedged whole (a C call
+  holding the GIL forever) answers nothing; silent for :attr:`Bounds.hang_after_s`, it is **hung**.
+- **progress**: the update, microstep and phase it is in, and since when. A rank that answers but has
+  stayed in one phase of its own work past the adaptive bound *while at least one peer waits for it at a
+  collective* is **stuck** (a deadlock in the job's step, a blocking read, one rank taking a branch with
+  an extra collective). The bound is :attr:`Bounds.stuck_factor` times the job's median update time,
+  never under :attr:`Bounds.stuck_floor_s`; before any update was measured, and while a rank builds,
+  restores or captures (work that does not scale with an update), it is :attr:`Bounds.start_s`.
+
+What is never a hang: a rank waiting at a collective (its phase waits for peers: the one it waits for is
+judged, not it); every rank in its own work at once (a slow job, a loaded host, a GC pause: nobody
+waits); a background bundle write (the loop goes on beside it).
+
+A **straggler** keeps answering and progressing, only slower: over the last :attr:`Bounds.window`
+updates its median own-work time is :attr:`Bounds.straggler_ratio` times the median of its peers'.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from spotrun.trainer.run.beacon import Phase, Reading
+
+NOT_UPDATE_SIZED = (Phase.START, Phase.CAPTURE)  # phases whose length does not follow the update time
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How long silence or standing still may last before a rank is judged."""
+
+    hang_after_s: float = 5.0
+    stuck_factor: float = 10.0
+    stuck_floor_s: float = 30.0
+    start_s: float = 300.0
+    straggler_ratio: float = 1.5
+    window: int = 20
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One rank as the poll knows it: seconds since it last answered, and its last answer."""
+
+    rank: int
+    silent_s: float
+    reading: Reading | None  # None: it never answered this attempt
+
+
+@dataclass(frozen=True)
+class Hung:
+    """The rank answered nothing for ``silent_s``; ``reading`` is what it last said (None: never)."""
+
+    rank: int
+    silent_s: float
+    reading: Reading | None
+    signal: Literal["hang"] = "hang"
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """The rank stood in ``reading.phase`` of its own work past ``bound_s`` while ``waiting`` peers waited."""
+
+    rank: int
+    reading: Reading
+    bound_s: float
+    waiting: tuple[int, ...]
+    signal: Literal["stuck"] = "stuck"
+
+
+Verdict = Hung | Stuck
+
+
+def stuck_bound(phase: Phase, update_seconds: Sequence[float], bounds: Bounds) -> float:
+    """How long a rank may stand in ``phase`` while a peer waits for it."""
+    if phase in NOT_UPDATE_SIZED or not update_seconds:
+        return bounds.start_s
+    return max(bounds.stuck_floor_s, bounds.stuck_factor * statistics.median(update_seconds))
+
+
+def judge(seen: Sequence[Seen], update_seconds: Sequence[float], bounds: Bounds) -> list[Verdict]:
+    """Every rank that is hung or stuck now; hung first. ``update_seconds``: the job's recent update
+    times as the driver measured them (empty: none yet)."""
+    hung: list[Verdict] = [Hung(s.rank, s.silent_s, s.reading) for s in seen if s.silent_s > bounds.hang_after_s]
+    judged = {v.rank for v in hung}
+    waiting = tuple(s.rank for s in seen if s.rank not in judged and s.reading is not None
+                    and s.reading.phase.waits_for_peers)
+    stuck: list[Verdict] = []
+    if waiting:
+        for s in seen:
+            r = s.reading
+            if s.rank in judged or r is None or r.phase.waits_for_peers or r.phase is Phase.DONE:
+                continue
+            bound = stuck_bound(r.phase, update_seconds, bounds)
+            if r.age_s > bound:
+                stuck.append(Stuck(s.rank, r, bound, waiting))
+    return hung + stuck
+
+
+def slowdowns(seen: Sequence[Seen], bounds: Bounds) -> dict[int, float]:
+    """Each rank's median own-work time over the last ``bounds.window`` updates, as a multiple of the
+    median of its peers' medians. Empty until every rank answered with a full window (two ranks at least)."""
+    medians: dict[int, float] = {}
+    for s in seen:
+        if s.reading is None or len(s.reading.recent) < bounds.window:
+            return {}
+        medians[s.rank] = statistics.median(x.compute_s for x in s.reading.recent[-bounds.window:])
+    if len(medians) < 2:
+        return {}
+    out = {}
+    for rank, own in medians.items():
+        peers = statistics.median(m for r, m in medians.items() if r != rank)
+        out[rank] = own / peers if peers > 0 else 1.0
+    return out
+
+
+def stragglers(slowdown: Mapping[int, float], bounds: Bounds) -> list[int]:
+    """The ranks slower than their peers by ``bounds.straggler_ratio`` or more, slowest first."""
+    return sorted((r for r, x in slowdown.items() if x >= bounds.straggler_ratio), key=lambda r: -slowdown[r])
