@@ -24,7 +24,7 @@ MODULES = {"1-checkpoint-stall": "bench.checkpoint_stall", "2-training-overhead"
            "5-grad-sync": "bench.grad_sync", "6-s3-metrics": "bench.s3_metrics", "7-trace-cost": "bench.trace_cost",
            "8-steady-speed": "bench.steady_speed", "9-sharded-bundles": "bench.sharded_bundles",
            "10-ledger-week": "bench.ledger_week", "11-auto-interval": "bench.auto_interval",
-           "12-data-identity": "bench.data_identity"}
+           "12-data-identity": "bench.data_identity", "13-health-poll": "bench.health_poll"}
 
 
 def main() -> int:
