@@ -27,7 +27,9 @@ With ``usd_per_rank_hour`` each window also costs world size × its length × th
 
 from __future__ import annotations
 
+import bisect
 import statistics
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -112,16 +114,23 @@ def goodput(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[Metric
                 "replayed_updates": 0, "attempts": []}
     kept = _update_times(final)
     logged = _update_times(log or [])
-    windows = _windows(evs, started, kept, logged)
+    # indexed once, so that the job costs O(events), not O(attempts x events)
+    own: dict[int, list[LedgerEvent]] = defaultdict(list)
+    for e in evs:
+        own[e.attempt].append(e)
+    waits = sorted((e.at, e.waited_seconds) for e in evs if isinstance(e, CapacityWait))
+    wait_times = [at for at, _ in waits]
+    windows = _windows(evs, own, started, kept, logged)
     reach = reaches(evs, final, log)
     counts = update_counts([w.attempt for w in windows], reach, resumed_from(evs))
     reached = 0  # the furthest update any earlier attempt computed
     for w in windows:
         w.productive_updates, w.replayed_updates = counts[w.attempt]
         times = kept.get(w.attempt, {})
-        stalls = {e.update: e.stall_seconds for e in evs if isinstance(e, BundlePublished) and e.attempt == w.attempt}
-        w.add("capacity_wait_seconds", min((w.ready - w.begin).total_seconds(), sum(
-            e.waited_seconds for e in evs if isinstance(e, CapacityWait) and w.begin < e.at <= w.ready)))
+        stalls = {e.update: e.stall_seconds for e in own[w.attempt] if isinstance(e, BundlePublished)}
+        # the capacity waits recorded in (begin, ready]
+        lo, hi = bisect.bisect_right(wait_times, w.begin), bisect.bisect_right(wait_times, w.ready)
+        w.add("capacity_wait_seconds", min((w.ready - w.begin).total_seconds(), sum(x for _, x in waits[lo:hi])))
         w.add("downtime_seconds", (w.ready - w.begin).total_seconds() - w.terms["capacity_wait_seconds"])
         previous, intervals = w.ready, []
         for update in sorted(times):
@@ -136,7 +145,7 @@ def goodput(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[Metric
         tail = (w.end - previous).total_seconds()
         stall = min(max(0.0, tail), stalls.get(last, 0.0)) if last else 0.0
         w.add("checkpoint_stall_seconds", stall)
-        lost_work = _lost_work(w, evs, previous, last, furthest, logged, intervals)
+        lost_work = _lost_work(w, own[w.attempt], previous, last, furthest, logged, intervals)
         w.add("productive_seconds", lost_work)
         w.add("downtime_seconds", tail - stall - lost_work)
         reached = max(reached, furthest)
@@ -149,7 +158,8 @@ def goodput(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[Metric
             "attempts": [w.doc(usd_per_rank_hour) for w in windows]}
 
 
-def _windows(evs: list[LedgerEvent], started: list[AttemptStarted], kept: dict[int, dict[int, datetime]],
+def _windows(evs: list[LedgerEvent], own: dict[int, list[LedgerEvent]], started: list[AttemptStarted],
+             kept: dict[int, dict[int, datetime]],
              logged: dict[int, dict[int, datetime]]) -> list[_Window]:
     """The attempts' windows, back to back: each begins where the one before ended (the first at its
     start-up, or at the capacity wait before it) and ends at the attempt's last sign of life."""
@@ -165,7 +175,7 @@ def _windows(evs: list[LedgerEvent], started: list[AttemptStarted], kept: dict[i
     for i, s in enumerate(started):
         nxt = started[i + 1].at if i + 1 < len(started) else None
         # its own events, less the capacity waits its supervisor recorded while placing the next attempt
-        signs = [e.at for e in evs if e.attempt == s.attempt and not isinstance(e, CapacityWait)]
+        signs = [e.at for e in own[s.attempt] if not isinstance(e, CapacityWait)]
         signs += [*kept.get(s.attempt, {}).values(), *logged.get(s.attempt, {}).values()]
         end = max(signs)
         if nxt is not None:
@@ -176,12 +186,12 @@ def _windows(evs: list[LedgerEvent], started: list[AttemptStarted], kept: dict[i
     return windows
 
 
-def _lost_work(w: _Window, evs: list[LedgerEvent], previous: datetime, last: int, furthest: int,
+def _lost_work(w: _Window, own: list[LedgerEvent], previous: datetime, last: int, furthest: int,
                logged: dict[int, dict[int, datetime]], intervals: list[float]) -> float:
     """The time an attempt spent on updates after its last surviving point (they were lost with it)."""
     if furthest <= last:
         return 0.0
-    loss = next((e for e in evs if isinstance(e, WorkerLost) and e.attempt == w.attempt), None)
+    loss = next((e for e in own if isinstance(e, WorkerLost)), None)
     limit = ((loss.detected_at or loss.at) if loss else w.end) - previous
     beyond = [t for u, t in logged.get(w.attempt, {}).items() if u > last]
     if beyond:
