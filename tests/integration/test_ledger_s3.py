@@ -26,7 +26,7 @@ def counting(storage: S3Storage) -> Counter[str]:
     def count(event_name: str, **_: Any) -> None:
         sent[event_name.rsplit(".", 1)[-1]] += 1
 
-    storage._client.meta.events.register("before-send.s3", count)
+    storage.s3.client.meta.events.register("before-send.s3", count)
     return sent
 
 

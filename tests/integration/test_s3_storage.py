@@ -18,7 +18,9 @@ from boto3.s3.transfer import TransferConfig
 from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.trainer.metrics import S3Sink, open_sinks, points_of
 from spotrun.trainer.storage import StorageError, UnsafeKeyError, open_storage
-from spotrun.trainer.storage.s3 import MiB, RetryPolicy, S3Storage
+from spotrun.trainer.storage.s3 import S3Storage
+from spotrun.trainer.storage.s3_client import RetryPolicy
+from spotrun.trainer.storage.s3_multipart import MiB
 from tests.conftest import make_spec
 from tests.helpers.s3 import FaultProxy, MotoServer, bucket, moto, s3_env  # noqa: F401 - fixtures
 
@@ -66,11 +68,11 @@ def test_a_large_body_goes_in_parts_gathered_from_the_chunks_never_joined_whole(
     the file (the old path joined every chunk into one, then copied each part out of it)."""
     import os
 
-    from spotrun.trainer.storage import s3
+    from spotrun.trainer.storage import s3_multipart
 
     reads: list[int] = []
-    read = s3._Slices.read
-    monkeypatch.setattr(s3._Slices, "read", lambda self, off, n: reads.append(n) or read(self, off, n))
+    read = s3_multipart.Slices.read
+    monkeypatch.setattr(s3_multipart.Slices, "read", lambda self, off, n: reads.append(n) or read(self, off, n))
     chunks = [os.urandom(n) for n in (3 * MiB, 1, 5 * MiB + 7, 2 * MiB)]  # parts straddle every boundary
     s = storage(moto, bucket, transfer=SMALL_PARTS)
     s.put_chunks("b/rank-0/model.safetensors", [memoryview(c) for c in chunks])
