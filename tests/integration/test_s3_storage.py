@@ -17,7 +17,13 @@ from boto3.s3.transfer import TransferConfig
 
 from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.trainer.metrics import S3Sink, open_sinks, points_of
-from spotrun.trainer.storage import StorageError, UnsafeKeyError, open_storage
+from spotrun.trainer.storage import (
+    StorageError,
+    StoragePermanentError,
+    StorageUnavailableError,
+    UnsafeKeyError,
+    open_storage,
+)
 from spotrun.trainer.storage.s3 import S3Storage
 from spotrun.trainer.storage.s3_client import RetryPolicy
 from spotrun.trainer.storage.s3_multipart import MiB
@@ -332,7 +338,7 @@ def test_put_new_whose_reply_was_lost_is_still_ours(moto, bucket):
 def test_permanent_errors_are_not_retried(moto, bucket):
     moto.client().put_bucket_policy(Bucket=bucket, Policy=deny_put_policy(bucket, "root/locked"))
     s = storage(moto, bucket)
-    with pytest.raises(StorageError, match="cannot write .*/locked/x.*AccessDenied"):
+    with pytest.raises(StoragePermanentError, match="cannot write .*/locked/x.*AccessDenied"):
         s.put("locked/x", b"x")
     with pytest.raises(FileNotFoundError):
         s.get("locked/x")
@@ -342,9 +348,13 @@ def test_permanent_errors_are_not_retried(moto, bucket):
 def test_gives_up_after_the_attempts(moto, bucket):
     with FaultProxy(moto.url, rate=1.0, faults=("503",)) as proxy:
         s = S3Storage(f"s3://{bucket}/p", proxy.url, retry=RetryPolicy(max_attempts=3, initial_s=0.001, max_s=0.01))
-        with pytest.raises(StorageError, match="cannot write .*SlowDown .*gave up after 3 attempts"):
+        with pytest.raises(StorageUnavailableError, match="cannot write .*SlowDown .*gave up after 3 attempts"):
             s.put("k", b"v")
         assert s.retries == 2 and proxy.requests == 3
+    with FaultProxy(moto.url, rate=1.0, faults=("reset",)) as proxy:
+        s = S3Storage(f"s3://{bucket}/p", proxy.url, retry=RetryPolicy(max_attempts=2, initial_s=0.001, max_s=0.01))
+        with pytest.raises(StorageUnavailableError, match="cannot list"):
+            s.list("k")
 
 
 # -- the S3 metric sink ------------------------------------------------------------------------------

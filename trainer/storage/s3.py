@@ -51,13 +51,20 @@ from urllib.parse import urlparse
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError
 
-from spotrun.trainer.storage.base import StorageError, UnsafeKeyError, check_key
+from spotrun.trainer.storage.base import (
+    StorageError,
+    StoragePermanentError,
+    StorageUnavailableError,
+    UnsafeKeyError,
+    check_key,
+)
 from spotrun.trainer.storage.digest import DEFAULT, FileDigest
 from spotrun.trainer.storage.s3_client import DEFAULT_RETRY, RetryPolicy, S3Client
 from spotrun.trainer.storage.s3_errors import (
     CONFLICT,
     CREDENTIAL_CODES,
     DENIED_CODES,
+    TRANSIENT_CODES,
     TRANSIENT_EXCEPTIONS,
     error_code,
     is_transient,
@@ -148,8 +155,12 @@ class S3Storage:
 
 
     def _fail(self, what: str, key: str | None, exc: BaseException) -> StorageError:
-        gave_up = f" (gave up after {self.retry.max_attempts} attempts)" if is_transient(exc) else ""
-        return StorageError(f"cannot {what} {self._where(key)}: {self.s3.describe(exc)}{gave_up}")
+        """``exc`` as the storage error of its kind: unavailable when it passes by itself (it was retried
+        to the end of :attr:`retry`), else permanent (believed once it persists: :mod:`.outage`)."""
+        if is_transient(exc):
+            return StorageUnavailableError(f"cannot {what} {self._where(key)}: {self.s3.describe(exc)} "
+                                           f"(gave up after {self.retry.max_attempts} attempts)")
+        return StoragePermanentError(f"cannot {what} {self._where(key)}: {self.s3.describe(exc)}")
 
     # -- the protocol -------------------------------------------------------------------------
 
@@ -342,7 +353,8 @@ class S3Storage:
             errors = [e for e in reply.get("Errors", []) if e.get("Code") not in ("NoSuchKey",)]
             if errors:
                 first = errors[0]
-                raise StorageError(
+                kind = StorageUnavailableError if first.get("Code") in TRANSIENT_CODES else StoragePermanentError
+                raise kind(
                     f"cannot delete {where}: {len(errors)} object(s) refused, first "
                     f"{first.get('Key', '')[len(self.root):]}: {first.get('Code')}: {first.get('Message', '')}")
 

@@ -33,9 +33,11 @@ T = TypeVar("T")
 class RetryPolicy:
     """Tenacity's full-jitter exponential backoff: attempt ``n`` waits ``uniform(0, min(max_s, initial_s * 2**n))``."""
 
-    max_attempts: int = 8
+    # Short on purpose: a call rides out a blip (worst case ~5 s of waits); a longer outage is the
+    # storage path's to ride out (spotrun.trainer.storage.outage), without holding a thread or the loop.
+    max_attempts: int = 6
     initial_s: float = 0.1
-    max_s: float = 10.0
+    max_s: float = 2.0
     check_attempts: int = 5  # the startup check gives up sooner: it must fail fast (yet ride out a 10 % fault rate)
 
 
