@@ -15,7 +15,7 @@ from tests.helpers.outage import Flaky, quick
 
 
 def ledger(storage: Flaky, **kw: object) -> Ledger:
-    led = Ledger(storage, "j", fold=POLICY, **kw)  # type: ignore[arg-type]
+    led = Ledger(storage, "j", fold=POLICY, **kw)
     led.outage = quick(led.outage)
     return led
 
