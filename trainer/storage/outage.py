@@ -35,7 +35,7 @@ class Backoff:
     waits ``uniform(0, min(max_s, initial_s * 2**n))``."""
 
     initial_s: float = 0.5
-    max_s: float = 10.0
+    max_s: float = 5.0  # a path probes a down storage at most every 5 s: cheap, and quick to see it back
 
 
 class Outage:
