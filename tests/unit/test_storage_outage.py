@@ -121,3 +121,48 @@ def test_call_raises_a_permanent_refusal_that_outlasts_the_bound():
     with pytest.raises(StoragePermanentError, match="NoSuchBucket"):
         o.call(fn)
     assert len(calls) == 6  # refusals at 1..5 s after the first one: the sixth is past the bound
+
+
+def test_the_s3_sink_keeps_a_refused_segment_and_writes_it_with_the_next_flush(tmp_path):
+    from spotrun.trainer.metrics import S3Sink, points_of
+    from tests.helpers.outage import NO_WAIT, Flaky
+
+    storage = Flaky(tmp_path)
+    sink = S3Sink(storage, Outage("the sink", backoff=NO_WAIT))  # any storage: it writes through the protocol
+    points = [points_of("j", u, 1, "L", {"loss": float(u)}) for u in range(1, 7)]
+    sink.write(points[0])
+    sink.flush()
+    storage.down = True
+    for p in points[1:4]:
+        sink.write(p)
+        with pytest.raises(StorageUnavailableError):
+            sink.flush()  # the rank skips the checkpoint this flush preceded
+    storage.down = False
+    sink.write(points[4])
+    sink.flush()
+    storage.down, storage.up_after = True, 3
+    sink.write(points[5])
+    sink.close()  # waits the outage out
+    assert [(p.update, p.value) for p in sink.read("j")] == [(u, float(u)) for u in range(1, 7)]
+
+
+def test_a_rank_skips_checkpoints_while_storage_is_down_abandons_refused_writes_but_waits_for_its_last():
+    from spotrun.trainer.run.write_gate import WriteGate
+
+    gate = WriteGate(rank=1, outage_s=60)
+    clock = Clock()
+    gate.outage = Outage("rank 1", 60, Backoff(initial_s=10, max_s=10), clock)
+    assert gate.opens(4, final=False)
+
+    def refused() -> None:
+        raise StorageUnavailableError("503 SlowDown")
+
+    assert gate.finished(refused) is None and gate.outage.down  # abandoned, not raised
+    clock.now += 0.001
+    assert not gate.opens(8, final=False)  # known down, backoff not over: no capture, no write
+    assert gate.opens(24, final=True)  # the last checkpoint is always taken
+    assert not gate.attempt(8, refused, final=False)  # a refused metric flush skips the checkpoint
+    clock.now += 11
+    assert gate.opens(12, final=False)  # the backoff passed: try again
+    assert gate.finished(lambda: "result") == "result" and not gate.outage.down
+    assert gate.skipped == 3
