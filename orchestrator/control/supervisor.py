@@ -269,6 +269,7 @@ class Supervisor:
         self.publisher = Publisher(self.storage, self.ledger, spec.job_id, spec.checkpoint.keep_last,
                                    after_publish=self._after_publish,
                                    source_offsets=source, points=points, outage_s=spec.storage_outage_s)
+        self.progress.watch_storage(lambda: max(self.ledger.outage.down_s(), self.publisher.outage.down_s()))
 
     def _restart_rows(self) -> list[dict]:
         """History's restart rows (the MLflow run's restart tags), read again only once another attempt
