@@ -31,7 +31,12 @@ only (5xx, throttling such as SlowDown, timeouts, connection resets and
 closed connections, botocore's retryable codes); permanent errors (no such
 bucket, access denied, bad credentials, missing key) raise at once. Every retry
 is counted in :attr:`S3Storage.retries` (and by reason in
-:attr:`S3Storage.retry_reasons`) so that the ledger can record them.
+:attr:`S3Storage.retry_reasons`) so that the ledger can record them. What is
+left is raised as :class:`~.base.StorageUnavailableError` (transient, retried to
+the end of the policy: a few seconds) or :class:`~.base.StoragePermanentError`
+(the rest); a missing key stays ``FileNotFoundError``. A longer outage is the
+caller's to ride out (:mod:`.outage`). The startup check (:meth:`S3Storage.check`)
+raises a plain :class:`~.base.StorageError` naming the fix.
 
 The parts: :mod:`.s3_errors` (how a failure is read), :mod:`.s3_client` (the client and its retry
 layer), :mod:`.s3_multipart` (uploads in parts); this module is the backend on top of them.
