@@ -194,6 +194,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             return self._error(500, "InternalError", "We encountered an internal error. Please try again.")
         if fault == "503":
             return self._error(503, "SlowDown", "Please reduce your request rate.")
+        if fault == "403":  # an outage's only: a denial that may or may not pass (a credential refresh)
+            return self._error(403, "AccessDenied", "Access Denied")
         if fault in ("drop", "reset"):
             return self._cut(reset=fault == "reset")
         up = HTTPConnection(self.server.upstream_host, self.server.upstream_port, timeout=60)
@@ -317,11 +319,11 @@ class FaultProxy:
             self._server.rate = value
 
     def outage(self, seconds: float, fault: str = "503", after: str | None = None) -> threading.Event:
-        """Answer every request with ``fault`` ("503": SlowDown; "reset": the connection reset) for
+        """Answer every request with ``fault`` ("503": SlowDown; "403": AccessDenied; "reset": the connection reset) for
         ``seconds``: from now, or from the first request whose path holds ``after`` (that request is
         forwarded). Returns an event set when the outage begins."""
-        if fault not in ("503", "500", "reset", "drop"):
-            raise ValueError(f"an outage answers 503, 500, reset or drop, not {fault!r}")
+        if fault not in ("503", "500", "403", "reset", "drop"):
+            raise ValueError(f"an outage answers 503, 500, 403, reset or drop, not {fault!r}")
         srv = self._server
         with srv.lock:
             srv.outage_s, srv.outage_fault = seconds, fault
