@@ -62,6 +62,9 @@ class Progress(Protocol):
 
     def close(self) -> None: ...
 
+    def watch_storage(self, down_s: Callable[[], float]) -> None:
+        """``down_s``: seconds the driver's storage has been unavailable (0 while it answers)."""
+
 
 class NullProgress:
     def event(self, e: LedgerEvent) -> None:
@@ -71,6 +74,9 @@ class NullProgress:
         return None
 
     def close(self) -> None:
+        return None
+
+    def watch_storage(self, down_s: Callable[[], float]) -> None:
         return None
 
 
@@ -122,6 +128,8 @@ class _Figures:
         self.world_size: int | None = None
         self.loss: float | None = None
         self.bundle = "none yet"
+        self.bundle_update: int | None = None  # the newest published (or restored) bundle's update
+        self.storage_down_s: Callable[[], float] = lambda: 0.0  # the driver's storage outage, if any
         self._rate = UpdateRate()
         self._restarting = False  # a loss was seen and no restart line followed yet
         self._rejected: list[str] = []  # bundles refused before the restore that follows
@@ -161,7 +169,7 @@ class _Figures:
                                f"downtime {self._downtime(e.at)}")
             return None
         if isinstance(e, BundlePublished):
-            self.bundle = f"{_name(e.bundle)} (update {e.update})"
+            self.bundle, self.bundle_update = f"{_name(e.bundle)} (update {e.update})", e.update
             return None
         if isinstance(e, WorkerLost):
             self._restarting, self._loss = True, e
@@ -172,6 +180,7 @@ class _Figures:
             down = self._downtime(e.at) if self._restarting else "not seen here"
             self._restarting = False
             self.done, self.bundle = e.update, f"{_name(e.bundle)} (update {e.update}, restored)"
+            self.bundle_update = e.update
             lost = "not recorded" if e.lost_updates is None else str(e.lost_updates)
             rejected, self._rejected = self._rejected, []
             return (f"restart: attempt {e.attempt} restored {_name(e.bundle)} (update {e.update}, {e.recovery_label}); "
@@ -212,8 +221,11 @@ class _Figures:
         rate = "-" if per_s is None else f"{per_s:.2f} upd/s, {per_s * self.samples_per_update:.0f} samples/s"
         eta = "-" if not self.rate else f"{(self.total - self.done) / self.rate:.0f}s"
         loss = "-" if self.loss is None else f"{self.loss:.4f}"
+        down = self.storage_down_s()
+        outage = "" if down < 1 else (f"  storage unavailable for {down:.0f} s, last bundle at update "
+                                      f"{'-' if self.bundle_update is None else self.bundle_update}")
         return (f"{rate}  loss {loss}  eta {eta}  attempt {self.attempt}  world {self.world_size or '-'}  "
-                f"bundle {self.bundle}")
+                f"bundle {self.bundle}{outage}")
 
 
 class PlainProgress:
@@ -247,6 +259,9 @@ class PlainProgress:
     def close(self) -> None:
         return None
 
+    def watch_storage(self, down_s: Callable[[], float]) -> None:
+        self.figures.storage_down_s = down_s
+
 
 class LiveProgress:
     """A rich progress bar redrawn in place; event lines print above it."""
@@ -271,6 +286,9 @@ class LiveProgress:
 
     def _redraw(self) -> None:
         self.bar.update(self.task, completed=self.figures.done, info=self.figures.summary())
+
+    def watch_storage(self, down_s: Callable[[], float]) -> None:
+        self.figures.storage_down_s = down_s
 
     def close(self) -> None:
         self._redraw()

@@ -224,7 +224,7 @@ class Supervisor:
         self.make_group = make_group
         self.capacity = capacity
         self.storage = open_storage(spec.storage, spec.storage_endpoint_url)
-        self.ledger = Ledger(self.storage, spec.job_id, on_append=self.progress.event)
+        self.ledger = Ledger(self.storage, spec.job_id, on_append=self.progress.event, outage_s=spec.storage_outage_s)
         self.trace = TraceWriter(trace_path, record_ids) if trace_path else None
         self.init_from = init_from  # (storage uri, bundle key) of another job's bundle
         self.reset = reset
@@ -268,7 +268,8 @@ class Supervisor:
             points = MetricCommitter(self.storage, spec, restarts=self._restart_rows)
         self.publisher = Publisher(self.storage, self.ledger, spec.job_id, spec.checkpoint.keep_last,
                                    after_publish=self._after_publish,
-                                   source_offsets=source, points=points)
+                                   source_offsets=source, points=points, outage_s=spec.storage_outage_s)
+        self.progress.watch_storage(lambda: max(self.ledger.outage.down_s(), self.publisher.outage.down_s()))
 
     def _restart_rows(self) -> list[dict]:
         """History's restart rows (the MLflow run's restart tags), read again only once another attempt
@@ -791,7 +792,8 @@ class Supervisor:
                 if self.trace:
                     self.trace.write(record)
         self.publisher.retries_elsewhere = sum(self._rank_retries.values())
-        new = self.publisher.collect([b for r in reports for b in r.bundles])
+        new = self.publisher.collect([b for r in reports for b in r.bundles],  # finished: the last bundle waits
+                                     wait=all(r.state == "finished" for r in reports))
         if new:
             self.budgets.published()
         self.published += new

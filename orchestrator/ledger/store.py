@@ -4,18 +4,33 @@ Each event is one JSON file ``<job_id>/events/<seq:012d>.json`` written with
 create-only semantics, so two writers never overwrite each other: a writer that
 loses the race for a sequence number takes the next one. A later process (the
 ``history`` command, the dashboard) rebuilds the whole story from these files.
+
+While the storage is unavailable, appended events wait in order in the writer's memory and are written,
+sequence numbers contiguous, once it answers (each later append tries again when the outage's backoff
+allows; a job's last event waits for it): an outage delays the ledger, it never ends the job.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from spotrun.orchestrator.ledger.events import EVENT, AttemptStarted, CorruptEvent, Event, LedgerEvent
+from spotrun.orchestrator.ledger.events import (
+    EVENT,
+    AttemptStarted,
+    CorruptEvent,
+    Event,
+    JobFailed,
+    JobFinished,
+    LedgerEvent,
+    RunRefused,
+)
 from spotrun.orchestrator.ledger.folding import (
     DEFAULT_FOLD,
     SEGMENTS,
@@ -31,7 +46,8 @@ from spotrun.orchestrator.ledger.folding import (
     single_key,
     single_line,
 )
-from spotrun.trainer.storage import Storage, StorageError, list_versions
+from spotrun.trainer.storage import Outage, Storage, StorageError, list_versions
+from spotrun.trainer.storage.outage import DEFAULT_BOUND_S
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +63,7 @@ class _SegmentLine(BaseModel):
 
 _LINE = TypeAdapter(_SegmentLine)
 READ_LISTINGS = 5  # listings a read makes while folds remove what the previous one named
+LAST = (JobFinished, JobFailed, RunRefused)  # a job's last event: its append waits for the storage
 
 
 @dataclass
@@ -65,12 +82,17 @@ class Ledger:
     dashboard at every refresh. Reads and appends of one instance are serialised."""
 
     def __init__(self, storage: Storage, job_id: str, on_append: Callable[[LedgerEvent], None] | None = None, *,
-                 fold: FoldPolicy | None = DEFAULT_FOLD) -> None:
+                 fold: FoldPolicy | None = DEFAULT_FOLD, outage_s: float = DEFAULT_BOUND_S) -> None:
         """``on_append``: told of every event once it is written (``spotrun run``'s progress display).
         ``fold``: the segment sizes this instance folds to when it appends; None: it never folds and
         writes as the ledger did before segments (a reader's choice, or a benchmark's baseline; a writer
-        racing a folding one needs the check a folding writer makes after each write)."""
+        racing a folding one needs the check a folding writer makes after each write). ``outage_s``: how
+        long a permanent-looking refusal must persist before an append raises it (the spec's
+        ``storage_outage_s``)."""
         self.storage = storage
+        self.outage = Outage(f"the ledger of {job_id}", outage_s)
+        self._pending: deque[tuple[LedgerEvent, bytes]] = deque()  # appended, not yet written: in order
+        self._uncertain: tuple[int, bytes] | None = None  # a write that failed after it may have landed
         self.on_append = on_append
         self.fold = fold
         self.prefix = f"{job_id}/events/"
@@ -90,37 +112,84 @@ class Ledger:
                 del cache[key]
         return listing
 
-    def append(self, event: LedgerEvent) -> str:
-        """Write ``event`` under the next free sequence number; returns its key. A folding instance
-        first makes sure the event will be read (see :mod:`~spotrun.orchestrator.ledger.folding`), then folds
-        when a block may have closed: at its first append, at each block boundary, and after a fold
-        that found work (one fold per append, so an append never waits for a long catch-up)."""
-        blob = event.model_dump_json().encode()
+    def append(self, event: LedgerEvent) -> str | None:
+        """Write ``event`` under the next free sequence number; returns its key, or None while the storage
+        is unavailable: the event then waits in memory behind any others and is written, in order, by a
+        later append once the outage's backoff allows (a job's last event, :data:`LAST`, waits for the
+        storage). Raises :class:`~spotrun.trainer.storage.StoragePermanentError` only once such a refusal
+        has persisted ``outage_s``. A folding instance first makes sure the event will be read (see
+        :mod:`~spotrun.orchestrator.ledger.folding`), then folds when a block may have closed: at its first
+        append, at each block boundary, and after a fold that found work (one fold per append, so an
+        append never waits for a long catch-up)."""
         with self._lock:
-            seq = self._write(blob)
-            if self.on_append is not None:
-                self.on_append(event)
-            if self.fold is not None and (self._due or seq % self.fold.block == 0):
-                self._due = self._fold(self._list(), self.fold)
-            return single_key(self.prefix, seq)
+            self._pending.append((event, event.model_dump_json().encode()))
+            written = self.flush(wait=isinstance(event, LAST))
+            return written[-1] if written and not self._pending else None
+
+    @property
+    def pending(self) -> int:
+        """Events appended but not yet written (the storage was unavailable)."""
+        return len(self._pending)
+
+    def flush(self, wait: bool = False) -> list[str]:
+        """Write the waiting events in order; their keys. ``wait``: until every one is written, riding
+        out an outage (a permanent refusal is raised once it persisted); else stop at the first refusal,
+        and start only once the outage's backoff allows."""
+        written: list[str] = []
+        with self._lock:
+            while self._pending:
+                if not wait and not self.outage.due():
+                    break
+                event, blob = self._pending[0]
+                try:
+                    seq = self.outage.call(partial(self._write, blob)) if wait else self._write(blob)
+                except StorageError as e:
+                    self.outage.failed(e)  # raises a permanent refusal past the bound
+                    break
+                self.outage.recovered()
+                self._pending.popleft()
+                written.append(single_key(self.prefix, seq))
+                if self.on_append is not None:
+                    self.on_append(event)
+                if self.fold is not None and (self._due or seq % self.fold.block == 0):
+                    try:
+                        self._due = self._fold(self._list(), self.fold)
+                    except StorageError as e:  # the event is written; the next append folds
+                        log.warning("ledger %s/%s: no fold now (%s)", self.storage.uri, self.prefix, e)
+                        self._due = True
+        return written
 
     def _write(self, blob: bytes) -> int:
-        """Create the next free single holding ``blob`` that readers will see; its sequence number."""
+        """Create the next free single holding ``blob`` that readers will see; its sequence number. A write
+        that fails leaves the number to the next try, which recognises its own object had it landed."""
         while True:
             if self._next is None:
                 self._next = self._list().top + 1
             seq, self._next = self._next, self._next + 1
-            key = single_key(self.prefix, seq)
-            if not self.storage.put_new(key, blob):
-                continue
-            if self.fold is None:
-                return seq
-            if self._visible(seq, blob):
-                self._raw[key] = blob
-                return seq
-            # a segment holds another event under this number: ours would never be read
-            self.storage.delete([key])
-            self._next, self._due = max(self._next, self._list().top + 1), True
+            try:
+                if self._try(seq, blob):
+                    return seq
+            except StorageError:
+                self._next, self._uncertain = seq, (seq, blob)
+                raise
+
+    def _try(self, seq: int, blob: bytes) -> bool:
+        """Create single ``seq`` holding ``blob``; False if the number is someone else's."""
+        key = single_key(self.prefix, seq)
+        if not self.storage.put_new(key, blob):
+            if self._uncertain != (seq, blob) or self.storage.get(key) != blob:
+                return False
+            # our own write, landed before the failure that hid it
+        self._uncertain = None
+        if self.fold is None:
+            return True
+        if self._visible(seq, blob):
+            self._raw[key] = blob
+            return True
+        # a segment holds another event under this number: ours would never be read
+        self.storage.delete([key])
+        self._next, self._due = max(self._next or 0, self._list().top + 1), True
+        return False
 
     def _visible(self, seq: int, blob: bytes) -> bool:
         """False if a segment holds another event under ``seq``, just written with ``blob``: the slot was
@@ -188,13 +257,13 @@ class Ledger:
         # else another writer folded this block: it removes what it folded, or a later _remove_replaced does
 
     def read(self) -> list[LedgerEvent | CorruptEvent]:
-        """Every event in sequence order, each once; one that does not parse is a :class:`CorruptEvent`
-        (read again next time)."""
+        """Every event in sequence order, each once, then those still waiting to be written; one that does
+        not parse is a :class:`CorruptEvent` (read again next time)."""
         with self._lock:
             for _ in range(READ_LISTINGS):
                 listing = self._list()
                 try:
-                    return self._assemble(listing)
+                    return self._assemble(listing) + [event for event, _ in self._pending]
                 except FileNotFoundError:
                     continue  # folded away since the listing: the next one names the segment that holds it
             raise self._unsettled()
@@ -256,4 +325,5 @@ class Ledger:
         return segment
 
     def next_attempt(self) -> int:
-        return 1 + sum(1 for e in self.read() if isinstance(e, AttemptStarted))
+        """The number of the next attempt, from the ledger: a restart waits for the storage to answer."""
+        return 1 + sum(1 for e in self.outage.call(self.read) if isinstance(e, AttemptStarted))

@@ -11,6 +11,13 @@ attempts that could change what it publishes.
 Retention runs last and only removes what a newer published bundle supersedes:
 published bundles beyond ``keep_last``, and unpublished (orphaned) directories
 older than the newest published bundle; a newer one may be a write in flight.
+
+A storage outage delays publication, it never ends the job: a complete bundle whose manifest cannot be
+written waits (oldest first) and is published when the outage's capped backoff next allows, by a later
+:meth:`Publisher.collect`; offsets that could not be committed are committed then too; retention skips
+a round rather than fail (it never removes the newest published bundle). A manifest that landed before
+its reply was lost is recognised as ours. When the ranks have finished, :meth:`Publisher.collect` with
+``wait`` rides the outage out (a permanent refusal ends the job once it persisted ``outage_s``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 from spotrun.orchestrator.ledger.events import BundlePublished, OffsetsCommitted
 from spotrun.orchestrator.ledger.store import Ledger
@@ -26,7 +35,8 @@ from spotrun.orchestrator.publish.offsets import OffsetsStore
 from spotrun.trainer.bundle.bundles import list_bundles, publish
 from spotrun.trainer.bundle.manifest import FileEntry, Manifest
 from spotrun.trainer.run.rank import BundleReport
-from spotrun.trainer.storage import Storage
+from spotrun.trainer.storage import Outage, Storage, StorageError
+from spotrun.trainer.storage.outage import DEFAULT_BOUND_S
 
 log = logging.getLogger("spotrun.publisher")
 STOPPED_SEND_WAIT_S = 10.0  # a stopped or failed job's wait for its last metric sends (the rest: the next run)
@@ -36,11 +46,27 @@ class PublishError(RuntimeError):
     """The ranks' reports of a bundle contradict each other; nothing was published from them."""
 
 
+@dataclass(frozen=True)
+class _Ready:
+    """A bundle every rank wrote, merged, waiting for its manifest to be written."""
+
+    key: str
+    manifest: Manifest
+    overlap: float | None
+    shipped: dict[str, bytes]
+
+
 class Publisher:
     def __init__(self, storage: Storage, ledger: Ledger, job_id: str, keep_last: int,
                  after_publish: Callable[[int], None] = lambda update: None,
-                 source_offsets: OffsetsStore | None = None, points: MetricCommitter | None = None) -> None:
+                 source_offsets: OffsetsStore | None = None, points: MetricCommitter | None = None,
+                 outage_s: float = DEFAULT_BOUND_S) -> None:
+        """``outage_s``: how long a permanent-looking refusal must persist before it is raised."""
         self.storage = storage
+        self.outage = Outage(f"publishing {job_id}", outage_s)
+        self._ready: list[_Ready] = []  # complete, unpublished while the storage is unavailable; oldest first
+        self._tried: set[str] = set()  # bundles whose manifest write failed: it may have landed
+        self._offsets_due: tuple[Manifest, str, int] | None = None  # a commit the outage held back
         self.ledger = ledger
         self.job_id = job_id
         self.keep_last = keep_last
@@ -63,16 +89,20 @@ class Publisher:
             log.info("bundle %s was not written by every rank of its attempt (ranks %s of %d reported): "
                      "not published; retention removes it", key, sorted({p.rank for p in parts}),
                      self._world_size)
-        self._reports = defaultdict(list)
+        for ready in self._ready:  # the new attempt starts from a published bundle: these stay orphans
+            log.info("bundle %s was not published: the storage was unavailable until its attempt ended; "
+                     "retention removes it", ready.key)
+        self._reports, self._ready = defaultdict(list), []
         self._attempt, self._world_size = attempt, world_size
 
-    def collect(self, reports: list[BundleReport]) -> list[Manifest]:
+    def collect(self, reports: list[BundleReport], wait: bool = False) -> list[Manifest]:
         """Add the current attempt's rank reports; publish every bundle that every rank of the attempt
-        has reported. Returns those published, oldest first. Raises :class:`PublishError` when the
-        reports of a bundle contradict each other (nothing of it is published)."""
+        has reported, and those an outage held back. Returns those published, oldest first. Raises
+        :class:`PublishError` when the reports of a bundle contradict each other (nothing of it is
+        published). ``wait``: ride out an outage until every complete bundle is published (the ranks
+        have finished); else what the storage refuses waits for a later call."""
         if self._attempt is None:
             raise RuntimeError("Publisher.collect before begin_attempt")
-        done = []
         for r in reports:
             if r.attempt != self._attempt:
                 log.warning("ignoring rank %d's report of bundle %s from attempt %d (collecting attempt %d)",
@@ -89,10 +119,43 @@ class Publisher:
             del self._reports[key]
             manifest = self._merge(key, parts)
             overlap = next((p.overlap_seconds for p in parts if p.rank == 0), None)
-            if self.publish(manifest, key, overlap):
-                done.append(manifest)
-                self.newest = (key, manifest, {path: blob for p in parts for path, blob in p.shipped.items()})
+            self._ready.append(_Ready(key, manifest, overlap,
+                                      {path: blob for p in parts for path, blob in p.shipped.items()}))
+        return self._publish_ready(wait)
+
+    def _publish_ready(self, wait: bool) -> list[Manifest]:
+        """Publish the waiting bundles in order, and commit offsets an outage held back; those published."""
+        done = []
+        while self._ready or self._offsets_due is not None:
+            if not wait and not self.outage.due():
+                break
+            try:
+                if self._offsets_due is not None:
+                    manifest, key, attempt = self._offsets_due
+                    self._call(partial(self._commit_offsets, manifest, key, attempt, False), wait)
+                    self._offsets_due = None
+                    continue
+                ready = self._ready[0]
+                ours = self._call(partial(self._create, ready.manifest, ready.key), wait)
+            except StorageError as e:
+                self.outage.failed(e)  # raises a permanent refusal past the bound
+                log.warning("publish deferred (storage unavailable for %.0f s): %s", self.outage.down_s(), e)
+                break
+            self.outage.recovered()
+            del self._ready[0]
+            if ours:
+                self._after_create(ready.manifest, ready.key, ready.overlap)
+                done.append(ready.manifest)
+                self.newest = (ready.key, ready.manifest, ready.shipped)
         return done
+
+    def _call(self, fn: Callable[[], bool], wait: bool) -> bool:
+        return self.outage.call(fn) if wait else fn()
+
+    @property
+    def waiting(self) -> int:
+        """Complete bundles waiting for the storage to publish them."""
+        return len(self._ready)
 
     def _merge(self, key: str, parts: list[BundleReport]) -> Manifest:
         """Rank 0's draft with every rank's files: the manifest of a bundle all ranks wrote."""
@@ -110,8 +173,28 @@ class Publisher:
     def publish(self, manifest: Manifest, bundle_key: str, overlap_seconds: float | None = None) -> bool:
         """Create the manifest; False if it already existed (another publisher won). ``overlap_seconds``:
         rank 0's measure of the write's slowdown of training, for the ledger (the manifest has no field)."""
-        if not publish(self.storage, manifest, bundle_key):
+        if not self._create(manifest, bundle_key):
             return False
+        self._after_create(manifest, bundle_key, overlap_seconds)
+        return True
+
+    def _create(self, manifest: Manifest, bundle_key: str) -> bool:
+        """Create the manifest; False if another publisher's is there. A write that failed may have landed:
+        the next try finds our own bytes and says True."""
+        try:
+            if publish(self.storage, manifest, bundle_key):
+                return True
+        except StorageError:
+            self._tried.add(bundle_key)
+            raise
+        if bundle_key in self._tried and self.storage.get(f"{bundle_key}/manifest.json") == manifest.to_json():
+            self._tried.discard(bundle_key)
+            return True
+        return False
+
+    def _after_create(self, manifest: Manifest, bundle_key: str, overlap_seconds: float | None) -> None:
+        """What follows the commit point: the ledger event, offsets, metric points, retention. An outage
+        here costs nothing: offsets wait for the next try, retention for the next publish."""
         update = manifest.counters.attempted_updates
         self.ledger.append(BundlePublished(
             attempt=manifest.attempt, bundle=bundle_key, update=update, bytes=manifest.total_bytes,
@@ -119,14 +202,26 @@ class Publisher:
             capture_seconds=manifest.capture_seconds, write_wait_seconds=manifest.write_wait_seconds,
             overlap_seconds=overlap_seconds, storage_retries=self.storage_retries))
         self.after_publish(update)
-        self.commit_offsets(manifest, bundle_key, manifest.attempt)
+        try:
+            self.commit_offsets(manifest, bundle_key, manifest.attempt)
+        except StorageError as e:
+            self.outage.failed(e)
+            self._offsets_due = (manifest, bundle_key, manifest.attempt)
+            log.warning("offsets of %s not committed yet (storage unavailable): %s", bundle_key, e)
         self.commit_points(manifest, bundle_key)
-        self.retain()
-        return True
+        try:
+            self.retain()
+        except StorageError as e:  # the next publish retains; the newest published bundle is never a candidate
+            self.outage.failed(e)
+            log.warning("retention skipped (storage unavailable): %s", e)
 
     @property
     def storage_retries(self) -> int:
         return getattr(self.storage, "retries", 0) + self.retries_elsewhere
+
+    def _commit_offsets(self, manifest: Manifest, bundle_key: str, attempt: int, recommit: bool) -> bool:
+        self.commit_offsets(manifest, bundle_key, attempt, recommit)
+        return True
 
     def commit_offsets(self, manifest: Manifest, bundle_key: str, attempt: int, recommit: bool = False) -> bool:
         """Commit the bundle's offsets to every store that does not hold them (or newer) yet."""

@@ -6,6 +6,9 @@
   of requests, answers 500 InternalError or 503 SlowDown, drops or resets the connection
   before forwarding, or forwards and then drops the reply (the write happened, the client
   never hears it).
+  :meth:`FaultProxy.outage` turns it into an outage: every request gets one fault (503 SlowDown,
+  or a reset connection) for a set time, from now or from the first request whose path holds a
+  given text (mid-run, at a point the test names).
 - Fixtures (import them into a test module): ``moto`` (one server per module),
   ``s3_env`` (dummy credentials in the environment for the test only), ``bucket``
   (a fresh bucket per test).
@@ -186,11 +189,13 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
     def _proxy(self) -> None:
         body = self._body()
-        fault = self.server.choose()
+        fault = self.server.in_outage(self.path) or self.server.choose()
         if fault == "500":
             return self._error(500, "InternalError", "We encountered an internal error. Please try again.")
         if fault == "503":
             return self._error(503, "SlowDown", "Please reduce your request rate.")
+        if fault == "403":  # an outage's only: a denial that may or may not pass (a credential refresh)
+            return self._error(403, "AccessDenied", "Access Denied")
         if fault in ("drop", "reset"):
             return self._cut(reset=fault == "reset")
         up = HTTPConnection(self.server.upstream_host, self.server.upstream_port, timeout=60)
@@ -244,6 +249,24 @@ class _ProxyServer(ThreadingHTTPServer):
         self.requests = 0
         self.injected: Counter[str] = Counter()
         self.script = list(script)
+        self.outage_s = 0.0
+        self.outage_fault = "503"
+        self.outage_trigger: str | None = None  # a path holding this starts the outage (forwarded itself)
+        self.outage_until: float | None = None  # monotonic end of the outage under way
+        self.outage_began = threading.Event()
+
+    def in_outage(self, path: str) -> str | None:
+        """The outage's fault for a request to ``path`` while it lasts; starts a triggered one."""
+        with self.lock:
+            now = time.monotonic()
+            if self.outage_until is not None and now < self.outage_until:
+                self.requests += 1
+                self.injected[self.outage_fault] += 1
+                return self.outage_fault
+            if self.outage_trigger is not None and self.outage_trigger in path:
+                self.outage_trigger, self.outage_until = None, now + self.outage_s
+                self.outage_began.set()
+            return None
 
     def choose(self) -> str | None:
         with self.lock:
@@ -294,6 +317,22 @@ class FaultProxy:
     def rate(self, value: float) -> None:
         with self._server.lock:
             self._server.rate = value
+
+    def outage(self, seconds: float, fault: str = "503", after: str | None = None) -> threading.Event:
+        """Answer every request with ``fault`` ("503": SlowDown; "403": AccessDenied; "reset": the connection reset) for
+        ``seconds``: from now, or from the first request whose path holds ``after`` (that request is
+        forwarded). Returns an event set when the outage begins."""
+        if fault not in ("503", "500", "403", "reset", "drop"):
+            raise ValueError(f"an outage answers 503, 500, 403, reset or drop, not {fault!r}")
+        srv = self._server
+        with srv.lock:
+            srv.outage_s, srv.outage_fault = seconds, fault
+            if after is None:
+                srv.outage_until = time.monotonic() + seconds
+                srv.outage_began.set()
+            else:
+                srv.outage_trigger = after
+        return srv.outage_began
 
     def start(self) -> FaultProxy:
         self._thread.start()

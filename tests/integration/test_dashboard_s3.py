@@ -64,7 +64,7 @@ def _count_requests(app) -> Counter:
     def count(request, event_name, **_):  # event_name: before-send.s3.<Operation>
         seen[(event_name.rsplit(".", 1)[-1], "metrics" in request.url)] += 1
 
-    app.state.reader.storage.inner._client.meta.events.register("before-send.s3", count)
+    app.state.reader.storage.inner.s3.client.meta.events.register("before-send.s3", count)
     return seen
 
 

@@ -26,7 +26,7 @@ def counting(storage: S3Storage) -> Counter[str]:
     def count(event_name: str, **_: Any) -> None:
         sent[event_name.rsplit(".", 1)[-1]] += 1
 
-    storage._client.meta.events.register("before-send.s3", count)
+    storage.s3.client.meta.events.register("before-send.s3", count)
     return sent
 
 
@@ -70,3 +70,25 @@ def test_a_writer_behind_another_never_loses_its_event(moto, bucket):
     late = event(1, "late")
     assert old.append(late).endswith(singles(21)[0])  # slot 1 was free again: a segment holds it
     assert Ledger(S3Storage(f"s3://{bucket}/runs", moto.url), "j").read() == [event(0, "old"), *theirs, late]
+
+
+def test_the_ledger_waits_out_connections_reset_and_writes_every_event_once_in_order(moto, bucket):
+    """Every connection reset for 2 s (far longer than these calls' own retries): the events wait in the
+    writer, the job's last event waits for the storage, and all of them land once, in order."""
+    from spotrun.orchestrator.ledger.events import JobFinished
+    from spotrun.trainer.storage.outage import Backoff, Outage
+    from spotrun.trainer.storage.s3_client import RetryPolicy
+
+    quick = RetryPolicy(max_attempts=2, initial_s=0.001, max_s=0.01)
+    with s3_helpers.FaultProxy(moto.url, rate=0.0) as proxy:
+        led = Ledger(S3Storage(f"s3://{bucket}/runs", proxy.url, retry=quick, connect_timeout_s=1), "j",
+                     fold=POLICY)
+        led.outage = Outage("the ledger", backoff=Backoff(initial_s=0.05, max_s=0.2))
+        written = [event(i) for i in range(6)]
+        led.append(written[0])
+        proxy.outage(2.0, "reset")
+        assert [led.append(e) for e in written[1:]] == [None] * 5  # kept, in order
+        assert led.pending == 5 and proxy.injected["reset"] > 0
+        written.append(JobFinished(attempt=1, counters={"attempted_updates": 3}))
+        assert led.append(written[-1]) is not None  # waited for the storage
+    assert Ledger(S3Storage(f"s3://{bucket}/runs", moto.url), "j", fold=None).read() == written

@@ -17,8 +17,16 @@ from boto3.s3.transfer import TransferConfig
 
 from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.trainer.metrics import S3Sink, open_sinks, points_of
-from spotrun.trainer.storage import StorageError, UnsafeKeyError, open_storage
-from spotrun.trainer.storage.s3 import MiB, RetryPolicy, S3Storage
+from spotrun.trainer.storage import (
+    StorageError,
+    StoragePermanentError,
+    StorageUnavailableError,
+    UnsafeKeyError,
+    open_storage,
+)
+from spotrun.trainer.storage.s3 import S3Storage
+from spotrun.trainer.storage.s3_client import RetryPolicy
+from spotrun.trainer.storage.s3_multipart import MiB
 from tests.conftest import make_spec
 from tests.helpers.s3 import FaultProxy, MotoServer, bucket, moto, s3_env  # noqa: F401 - fixtures
 
@@ -66,11 +74,11 @@ def test_a_large_body_goes_in_parts_gathered_from_the_chunks_never_joined_whole(
     the file (the old path joined every chunk into one, then copied each part out of it)."""
     import os
 
-    from spotrun.trainer.storage import s3
+    from spotrun.trainer.storage import s3_multipart
 
     reads: list[int] = []
-    read = s3._Slices.read
-    monkeypatch.setattr(s3._Slices, "read", lambda self, off, n: reads.append(n) or read(self, off, n))
+    read = s3_multipart.Slices.read
+    monkeypatch.setattr(s3_multipart.Slices, "read", lambda self, off, n: reads.append(n) or read(self, off, n))
     chunks = [os.urandom(n) for n in (3 * MiB, 1, 5 * MiB + 7, 2 * MiB)]  # parts straddle every boundary
     s = storage(moto, bucket, transfer=SMALL_PARTS)
     s.put_chunks("b/rank-0/model.safetensors", [memoryview(c) for c in chunks])
@@ -330,7 +338,7 @@ def test_put_new_whose_reply_was_lost_is_still_ours(moto, bucket):
 def test_permanent_errors_are_not_retried(moto, bucket):
     moto.client().put_bucket_policy(Bucket=bucket, Policy=deny_put_policy(bucket, "root/locked"))
     s = storage(moto, bucket)
-    with pytest.raises(StorageError, match="cannot write .*/locked/x.*AccessDenied"):
+    with pytest.raises(StoragePermanentError, match="cannot write .*/locked/x.*AccessDenied"):
         s.put("locked/x", b"x")
     with pytest.raises(FileNotFoundError):
         s.get("locked/x")
@@ -340,9 +348,13 @@ def test_permanent_errors_are_not_retried(moto, bucket):
 def test_gives_up_after_the_attempts(moto, bucket):
     with FaultProxy(moto.url, rate=1.0, faults=("503",)) as proxy:
         s = S3Storage(f"s3://{bucket}/p", proxy.url, retry=RetryPolicy(max_attempts=3, initial_s=0.001, max_s=0.01))
-        with pytest.raises(StorageError, match="cannot write .*SlowDown .*gave up after 3 attempts"):
+        with pytest.raises(StorageUnavailableError, match="cannot write .*SlowDown .*gave up after 3 attempts"):
             s.put("k", b"v")
         assert s.retries == 2 and proxy.requests == 3
+    with FaultProxy(moto.url, rate=1.0, faults=("reset",)) as proxy:
+        s = S3Storage(f"s3://{bucket}/p", proxy.url, retry=RetryPolicy(max_attempts=2, initial_s=0.001, max_s=0.01))
+        with pytest.raises(StorageUnavailableError, match="cannot list"):
+            s.list("k")
 
 
 # -- the S3 metric sink ------------------------------------------------------------------------------

@@ -107,3 +107,25 @@ def test_a_restart_is_never_counted_as_progress():
     text = out.getvalue()
     assert _rates(text.split("restart: attempt 2")[1]), "attempt 2 shows a rate"
     assert all(19.9 <= r <= 20.1 for r in _rates(text)), _rates(text)
+
+
+def test_the_progress_line_says_how_long_storage_has_been_unavailable_and_the_last_bundle():
+    from spotrun.orchestrator.ledger.events import BundlePublished
+    from spotrun.trainer.storage import Outage, StorageUnavailableError
+
+    out, clock = io.StringIO(), Clock()
+    outage = Outage("the ledger", clock=clock)
+    progress = PlainProgress(total=100, samples_per_update=4, out=out, every=1, clock=clock)
+    progress.watch_storage(outage.down_s)
+    progress.event(BundlePublished(attempt=1, bundle="j/bundles/u0000000008-a1", update=8, bytes=1,
+                                   stall_seconds=0.1, write_seconds=0.1))
+    progress.updates([_record(9)], world_size=1)
+    outage.failed(StorageUnavailableError("503 SlowDown"))
+    clock.now += 42.0
+    progress.updates([_record(10)], world_size=1)
+    outage.recovered()
+    progress.updates([_record(11)], world_size=1)
+    lines = out.getvalue().splitlines()
+    assert "storage unavailable" not in lines[0]
+    assert lines[1].endswith("storage unavailable for 42 s, last bundle at update 8")
+    assert "storage unavailable" not in lines[2]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from spotrun.trainer.storage import StorageError
-from spotrun.trainer.storage.s3 import S3Storage, safe_endpoint
+from spotrun.trainer.storage.s3 import S3Storage
+from spotrun.trainer.storage.s3_errors import safe_endpoint
 from tests.helpers.s3 import s3_env  # noqa: F401 - fixture
 
 

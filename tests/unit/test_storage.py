@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from spotrun.trainer.bundle import tensorfile
-from spotrun.trainer.storage import LocalStorage, StorageError, UnsafeKeyError, aligned, check_key, open_storage
+from spotrun.trainer.storage import (
+    LocalStorage,
+    StorageError,
+    StorageUnavailableError,
+    UnsafeKeyError,
+    aligned,
+    check_key,
+    open_storage,
+)
 from spotrun.trainer.storage.digest import CHUNK_BYTES, SHA256
 from tests.conftest import chunked_sha256
 
@@ -93,7 +101,7 @@ def test_put_that_fails_midway_keeps_old_content_and_no_temp(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", failing_fsync)
-    with pytest.raises(OSError):
+    with pytest.raises(StorageUnavailableError, match="No space left"):  # a full disk is an outage
         storage.put("job/state.json", b"new and longer")
     monkeypatch.undo()
     assert storage.get("job/state.json") == b"old"
@@ -319,7 +327,7 @@ def test_a_direct_write_that_fails_on_the_write_thread_fails_the_put(tmp_path, m
 
     monkeypatch.setattr(storage_module.os, "write", write)
     s = LocalStorage(tmp_path)
-    with pytest.raises(OSError, match="Input/output"):
+    with pytest.raises(StorageUnavailableError, match="Input/output"):
         s.put_chunks("k", [aligned.padded_view(aligned.empty((2 << 20,), torch.uint8)) for _ in range(4)])
     assert len(calls) >= 3, "the failed write was the last: the test proved nothing"
     assert not s.exists("k") and os.listdir(tmp_path) == []
@@ -381,6 +389,6 @@ def test_a_short_direct_write_that_cannot_continue_is_refused(tmp_path, monkeypa
     and nothing is left under the key (before, the hole was zero-filled and kept)."""
     _short_writes(monkeypatch, lambda asked: asked - 100, lie=True)
     s = LocalStorage(tmp_path)
-    with pytest.raises(OSError, match="stopped short"):
+    with pytest.raises(StorageUnavailableError, match="stopped short"):
         s.put("k", os.urandom(3 * 4096))
     assert not s.exists("k") and os.listdir(tmp_path) == []

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -52,7 +53,7 @@ from spotrun.trainer.observe.faults import FaultInjector
 from spotrun.trainer.runtime.sharding import Pieces, ShardError
 from spotrun.trainer.state.counters import READABLE_CONVENTIONS
 from spotrun.trainer.state.training import Capture
-from spotrun.trainer.storage import Storage
+from spotrun.trainer.storage import Outage, Storage
 from spotrun.trainer.storage.digest import DEFAULT as DEFAULT_DIGEST
 from spotrun.trainer.storage.digest import digest_of
 
@@ -345,10 +346,13 @@ class BundleWriter:
         self._files = ThreadPoolExecutor(max_workers=files_in_flight, thread_name_prefix="bundle-file")
         self._pending: Future[WriteResult] | None = None
 
-    def submit(self, capture: Capture, bundle_key: str) -> WriteResult | None:
-        """Start writing ``capture``; returns the previous write's result if one was in flight."""
+    def submit(self, capture: Capture, bundle_key: str, until: Outage | None = None) -> WriteResult | None:
+        """Start writing ``capture``; returns the previous write's result if one was in flight. ``until``:
+        a write the storage refuses is written again, whole, until it succeeds (the job's last bundle;
+        :meth:`~spotrun.trainer.storage.Outage.call` raises a permanent refusal that persisted)."""
         previous = self.wait()
-        self._pending = self._pool.submit(self._write, capture, bundle_key)
+        write = partial(self._write, capture, bundle_key)
+        self._pending = self._pool.submit(write if until is None else partial(until.call, write))
         return previous
 
     def wait(self) -> WriteResult | None:

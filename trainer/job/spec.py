@@ -474,6 +474,10 @@ class JobSpec(_Strict):
                                                       "path, or `s3://BUCKET/PREFIX`")
     storage_endpoint_url: str | None = Field(None, description="an S3-compatible service for `s3://` storage "
                                                                "(none: AWS)")
+    storage_outage_s: float = Field(900, gt=0, description="how long a storage refusal that looks permanent (no such "
+                                    "bucket, access denied, not a directory) must persist before the job ends for it; "
+                                    "transient ones (throttling, 5xx, resets, a full disk) never end it",
+                                    json_schema_extra={"unit": "s"})
     job: JobCodeSpec | None = None  # None: the built-in character LM (spotrun.recipes.char_lm)
     model: ModelSpec = ModelSpec()
     data: DataSpec = DataSpec()

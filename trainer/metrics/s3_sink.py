@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pydantic import ValidationError
 
 from spotrun.trainer.metrics.points import MetricPoint
-from spotrun.trainer.storage import Storage
+from spotrun.trainer.storage import Outage, Storage, StorageError
 
 
 class S3Sink:
@@ -21,10 +21,15 @@ class S3Sink:
     last checkpoint, which the restart replays. Reading takes the segments in key order (attempt,
     then update) and keeps the last point per key: a replay's point replaces the lost attempt's,
     which is the upsert. Works over any :class:`~spotrun.trainer.storage.Storage`;
-    ``metrics.sinks: [s3]`` requires ``storage: s3://...``."""
+    ``metrics.sinks: [s3]`` requires ``storage: s3://...``.
 
-    def __init__(self, storage: Storage) -> None:
+    A segment the storage refuses is kept: its points stay first in the buffer, in order, and go with the
+    next flush (one segment, nothing lost or reordered); the refusal is raised so that the rank skips
+    the checkpoint it preceded. :meth:`close` waits an outage out."""
+
+    def __init__(self, storage: Storage, outage: Outage | None = None) -> None:
         self.storage = storage
+        self.outage = outage or Outage("the s3 metric sink")
         self._lock = threading.Lock()
         self._buffer: list[MetricPoint] = []
 
@@ -35,16 +40,23 @@ class S3Sink:
     def flush(self) -> None:
         with self._lock:
             points, self._buffer = self._buffer, []
-        if points:
+        if not points:
+            return
+        try:
             self.storage.put(segment_key(points[0].job_id, points[0].attempt, min(p.update for p in points)),
                              "".join(p.model_dump_json() + "\n" for p in points).encode())
+        except StorageError:
+            with self._lock:
+                self._buffer[:0] = points  # written with the next flush, ahead of what came since
+            raise
 
     def read(self, job_id: str) -> list[MetricPoint]:
         keys = [k for k in self.storage.list(f"{job_id}/metrics") if k.endswith((".json", ".jsonl"))]
         return upsert(read_object_points(key, self.storage.get(key), job_id) for key in keys)
 
     def close(self) -> None:
-        self.flush()
+        """Flush, waiting out an outage (a permanent refusal is raised once it persisted)."""
+        self.outage.call(self.flush)
 
 
 SEGMENTS = "metrics/segments"

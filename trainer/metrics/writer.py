@@ -18,10 +18,14 @@ the rank fails as it did when it wrote the points itself, one update later at mo
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 
 from spotrun.trainer.metrics import MetricPoint, MetricSink
+from spotrun.trainer.storage import StorageError
+
+log = logging.getLogger(__name__)
 
 
 class MetricSinkError(RuntimeError):
@@ -68,7 +72,10 @@ class BackgroundWriter:
         self._thread.join()
         try:
             self._raise_error()
-            self.sink.flush()
+            try:
+                self.sink.flush()
+            except StorageError as e:  # an outage: the sink keeps the points, and its close waits for storage
+                log.warning("metric points wait for the storage (%s)", e)
         finally:
             self.sink.close()
 

@@ -49,6 +49,7 @@ from spotrun.trainer.run.overlap import WriteOverlap
 from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.run.visibility import Probe, RankProbe, answer_probe
 from spotrun.trainer.run.warm import REPLICATED, Held, Kept, assemble, ineligible, shipped
+from spotrun.trainer.run.write_gate import WriteGate
 from spotrun.trainer.runtime.collective import Collective
 from spotrun.trainer.state.training import CopiesDone
 from spotrun.trainer.storage import open_storage
@@ -130,6 +131,7 @@ class RankRunner:
         self._asked = threading.Event()  # set by request() and abort(): ends a HOLD fault's wait
         self.session.faults.hold_with(self._hold)
         self.writer = BundleWriter(self.storage, self.session.faults, ship=shipped if self.warm else None)
+        self.gate = WriteGate(rank, spec.storage_outage_s)  # an outage skips checkpoints, never ends the job
         self.overlap = WriteOverlap()  # the write's cost beyond the stall, for checkpoint.every_updates=auto
         # Rank 0 writes the metric points, off the training thread; each upserts by <job>/<update>/<name>.
         self.metrics: MetricSink = NullSink()
@@ -273,11 +275,11 @@ class RankRunner:
                             # supervisor asks again and again, and one it made long ago holds nothing
                             self._asked.clear()
                     self._checkpoint(record.update)
-                self._collect(self.writer.poll())
+                self._collect(self.gate.finished(self.writer.poll))
                 if stop and not s.done:
                     state = "stopped"
                     break
-            self._collect(self.writer.wait())
+            self._collect(self.gate.finished(self.writer.wait))
         finally:
             self.writer.close()
             self.metrics.close()
@@ -313,14 +315,19 @@ class RankRunner:
         the host buffers it reads), the capture, rank 0's manifest draft. Rank 0's figures go into the manifest."""
         s = self.session
         key = bundle_dir(self.spec.job_id, update, self.attempt)
+        final = update >= self.spec.train.updates
+        if not self.gate.opens(update, final):
+            return
         prefetched = s.prefetched_ahead
         t0 = time.perf_counter()
         # Every point up to this update is in the sink before this bundle can be published (a kill
         # loses only points the restart replays). The loop waits for it because of the checkpoint,
         # so it is stall: the background writer's last batch and the s3 sink's one request per interval.
-        self.metrics.flush()
+        if not self.gate.attempt(update, self.metrics.flush, final):
+            return
         t1 = time.perf_counter()
-        self._collect(self.writer.wait())
+        self._collect(self.gate.finished(self.writer.wait))
+        self._drafts.clear()  # nothing is in flight now: a draft left is an abandoned write's
         waited = time.perf_counter() - t1
         capture = s.capture(keep_replica=self.warm, generation=self.held.next_generation() if self.warm else 0)
         draft = None
@@ -332,7 +339,7 @@ class RankRunner:
                 prefetched_ahead=prefetched, stall_seconds=0.0, shards=shards,  # known once handed off
                 source_offsets=s.source_offsets(shards),
             ).model_dump(mode="json")
-        self._collect(self.writer.submit(capture, key))
+        self._collect(self.writer.submit(capture, key, self.gate.outage if final else None))
         self.overlap.began(key)
         if draft is not None:
             # read when this bundle's write is collected, always later and on this thread

@@ -15,7 +15,23 @@ from spotrun.trainer.storage.digest import DEFAULT
 
 
 class StorageError(RuntimeError):
-    """The storage root is unusable (missing, unwritable, unreachable)."""
+    """The storage root is unusable (missing, unwritable, unreachable). A failure of a request on a
+    storage that was usable is one of the two kinds below, so that a caller can tell an outage from a
+    misconfiguration without reading the message."""
+
+
+class StorageUnavailableError(StorageError):
+    """A request failed for a reason that passes by itself: throttling (503 SlowDown, 429), a 5xx, a
+    connection reset or refused, a timeout, a full disk or quota (ENOSPC, EDQUOT), a stale NFS handle.
+    Nothing half-written is visible (writes are atomic); ask again later. Callers ride it out however
+    long it lasts (:class:`~spotrun.trainer.storage.outage.Outage`): it costs checkpoints, never the job."""
+
+
+class StoragePermanentError(StorageError):
+    """A request was refused in a way that does not pass by itself: no such bucket, access denied,
+    rejected credentials, a path that is not a directory, a read-only file system. Believed only once it
+    has persisted for the job's ``storage_outage_s`` (a refreshed credential or a recovered endpoint is
+    common on a long run); until then a caller treats it as :class:`StorageUnavailableError`."""
 
 
 class UnsafeKeyError(ValueError):

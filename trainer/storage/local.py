@@ -7,13 +7,13 @@ import errno
 import mmap
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from spotrun.trainer.storage.aligned import BLOCK, address, round_up
-from spotrun.trainer.storage.base import StorageError, check_key
+from spotrun.trainer.storage.base import StorageError, StoragePermanentError, StorageUnavailableError, check_key
 from spotrun.trainer.storage.digest import DEFAULT, FileDigest
 
 # From this size a file goes to disk with direct I/O. Measured here, bundle write / dd direct, with the
@@ -24,6 +24,19 @@ DIRECT_MIN_BYTES = 16 << 20
 _CHUNK = 16 << 20
 
 Chunks = Sequence[bytes | memoryview]
+T = TypeVar("T")
+
+# A full disk or quota, a stale NFS handle, an I/O error, a timeout: they pass (space is freed, the
+# server comes back). Everything else (not a directory, permission denied, a read-only file system)
+# is permanent in kind, believed once it persists (spotrun.trainer.storage.outage).
+UNAVAILABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ESTALE, errno.EIO, errno.ETIMEDOUT, errno.EAGAIN,
+                                errno.EINTR, errno.ENOLCK, errno.EBUSY})
+
+
+def storage_error(what: str, where: Path, e: OSError) -> StorageError:
+    """``e`` as the storage error of its kind (see :data:`UNAVAILABLE_ERRNOS`), naming the path."""
+    kind = StorageUnavailableError if e.errno in UNAVAILABLE_ERRNOS else StoragePermanentError
+    return kind(f"cannot {what} {where}: {e.strerror or e}")
 
 
 def _write_direct(path: str, chunks: Chunks, nbytes: int) -> bool:
@@ -190,12 +203,28 @@ class LocalStorage:
         finally:
             os.close(fd)
 
+    def _mapped(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        """``fn()``, an ``OSError`` from it raised as a storage error of its kind (a missing file stays
+        ``FileNotFoundError``: a reader relies on it)."""
+        try:
+            return fn()
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise storage_error(what, self.root / key, e) from e
+
     def put(self, key: str, data: bytes) -> None:
+        self._mapped("write", key, lambda: self._put(key, data))
+
+    def _put(self, key: str, data: bytes) -> None:
         path = self._path(key)
         os.replace(self._write_temp(path, [data], len(data)), path)
         self._fsync_dir(path.parent)
 
     def put_chunks(self, key: str, chunks: Chunks, algorithm: str = DEFAULT) -> str:
+        return self._mapped("write", key, lambda: self._put_chunks(key, chunks, algorithm))
+
+    def _put_chunks(self, key: str, chunks: Chunks, algorithm: str) -> str:
         path = self._path(key)
         digest = FileDigest(algorithm)
         try:
@@ -210,6 +239,9 @@ class LocalStorage:
         return hexdigest
 
     def put_new(self, key: str, data: bytes) -> bool:
+        return self._mapped("create", key, lambda: self._put_new(key, data))
+
+    def _put_new(self, key: str, data: bytes) -> bool:
         path = self._path(key)
         tmp = self._write_temp(path, [data], len(data))
         try:
@@ -222,7 +254,7 @@ class LocalStorage:
         return True
 
     def get(self, key: str) -> bytes:
-        return self._path(key).read_bytes()
+        return self._mapped("read", key, self._path(key).read_bytes)
 
     def read_chunks(self, key: str, chunk_bytes: int) -> Iterator[bytes]:
         with self._path(key).open("rb") as f:
@@ -234,15 +266,21 @@ class LocalStorage:
 
     def list(self, prefix: str) -> list[str]:
         base = self._path(prefix.rstrip("/")) if prefix else self.root
-        if not base.is_dir():
-            return []
-        return sorted(
-            p.relative_to(self.root).as_posix()
-            for p in base.rglob("*")
-            if p.is_file() and not p.name.endswith(".tmp")
-        )
+        try:
+            if not base.is_dir():
+                return []
+            return sorted(
+                p.relative_to(self.root).as_posix()
+                for p in base.rglob("*")
+                if p.is_file() and not p.name.endswith(".tmp")
+            )
+        except OSError as e:
+            raise storage_error("list", base, e) from e
 
     def delete_prefix(self, prefix: str) -> None:
+        self._mapped("delete under", prefix, lambda: self._delete_prefix(prefix))
+
+    def _delete_prefix(self, prefix: str) -> None:
         base = self._path(prefix.rstrip("/"))
         if not base.exists():
             return
@@ -255,4 +293,8 @@ class LocalStorage:
 
     def delete(self, keys: Sequence[str]) -> None:
         for key in keys:
-            self._path(key).unlink(missing_ok=True)
+            path = self._path(key)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as e:
+                raise storage_error("delete", path, e) from e

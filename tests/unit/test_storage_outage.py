@@ -1,0 +1,168 @@
+"""Storage failures have a kind (unavailable: it passes; permanent: it does not), and a storage path rides
+an outage out however long it lasts, believing a permanent refusal only once it has persisted."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from spotrun.trainer.storage import (
+    LocalStorage,
+    Outage,
+    StoragePermanentError,
+    StorageUnavailableError,
+)
+from spotrun.trainer.storage.outage import Backoff
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.ESTALE])
+def test_a_full_disk_or_a_stale_handle_is_unavailable_and_leaves_no_temp_file(tmp_path, monkeypatch, code):
+    s = LocalStorage(tmp_path)
+
+    def full(*a: object, **k: object) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "fsync", full)  # the write got as far as the sync
+    with pytest.raises(StorageUnavailableError, match=os.strerror(code)):
+        s.put("job/events/000000000001.json", b"{}")
+    with pytest.raises(StorageUnavailableError):
+        s.put_new("job/x", b"{}")
+    monkeypatch.undo()
+    assert s.list("job") == [] and not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+def test_a_path_that_is_not_a_directory_is_permanent_and_a_missing_key_stays_file_not_found(tmp_path):
+    s = LocalStorage(tmp_path)
+    s.put("job/file", b"x")
+    with pytest.raises(StoragePermanentError, match="job/file"):
+        s.put("job/file/under", b"y")  # "job/file" is a file: ENOTDIR
+    with pytest.raises(FileNotFoundError):
+        s.get("job/nothing")
+
+
+def test_an_unavailable_storage_is_ridden_out_however_long_and_its_end_is_measured():
+    clock = Clock()
+    o = Outage("the ledger", bound_s=60, clock=clock)
+    assert o.due() and not o.down
+    for _ in range(100):  # an hour and a half of refusals, far past the bound
+        o.failed(StorageUnavailableError("503 SlowDown"))
+        clock.now += 60
+    assert o.down and o.refused == 100 and o.down_s() == pytest.approx(6000)
+    assert o.recovered() == pytest.approx(6000)
+    assert not o.down and o.refused == 0 and o.outages == 1 and o.refused_total == 100
+
+
+def test_a_permanent_refusal_is_believed_only_once_it_persisted_for_the_bound():
+    clock = Clock()
+    o = Outage("publish", bound_s=60, clock=clock)
+    denied = StoragePermanentError("AccessDenied")
+    o.failed(denied)
+    clock.now += 59
+    o.failed(denied)  # a credential refresh is still possible
+    o.recovered()  # ... and it came: the clock starts again
+    clock.now += 30
+    o.failed(denied)
+    clock.now += 59
+    o.failed(denied)
+    clock.now += 1
+    with pytest.raises(StoragePermanentError):
+        o.failed(denied)
+
+
+def test_the_backoff_is_capped_exponential_and_says_when_to_try_again():
+    clock = Clock()
+    o = Outage("metrics", backoff=Backoff(initial_s=1, max_s=4), clock=clock)
+    waits = []
+    for _ in range(30):
+        o.failed(StorageUnavailableError("reset"))
+        t = clock.now
+        while not o.due():
+            clock.now += 0.01
+        waits.append(clock.now - t)
+        clock.now = t
+    assert max(waits) <= 4.01 and max(waits[8:]) > 1  # capped, yet grown past the first waits
+    assert len(set(round(w, 2) for w in waits)) > 5  # jittered
+
+
+def test_call_waits_out_refusals_then_returns_and_ends_the_outage(monkeypatch):
+    o = Outage("the last flush", backoff=Backoff(initial_s=0.001, max_s=0.002))
+    answers = iter([StorageUnavailableError("503"), StoragePermanentError("AccessDenied"), "done"])
+
+    def fn() -> str:
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    assert o.call(fn) == "done"
+    assert not o.down and o.refused_total == 2
+
+
+def test_call_raises_a_permanent_refusal_that_outlasts_the_bound():
+    clock = Clock()
+    o = Outage("the last flush", bound_s=5, backoff=Backoff(initial_s=0.0001, max_s=0.0001), clock=clock)
+    calls = []
+
+    def fn() -> None:
+        calls.append(1)
+        clock.now += 1
+        raise StoragePermanentError("NoSuchBucket")
+
+    with pytest.raises(StoragePermanentError, match="NoSuchBucket"):
+        o.call(fn)
+    assert len(calls) == 6  # refusals at 1..5 s after the first one: the sixth is past the bound
+
+
+def test_the_s3_sink_keeps_a_refused_segment_and_writes_it_with_the_next_flush(tmp_path):
+    from spotrun.trainer.metrics import S3Sink, points_of
+    from tests.helpers.outage import NO_WAIT, Flaky
+
+    storage = Flaky(tmp_path)
+    sink = S3Sink(storage, Outage("the sink", backoff=NO_WAIT))  # any storage: it writes through the protocol
+    points = [points_of("j", u, 1, "L", {"loss": float(u)}) for u in range(1, 7)]
+    sink.write(points[0])
+    sink.flush()
+    storage.down = True
+    for p in points[1:4]:
+        sink.write(p)
+        with pytest.raises(StorageUnavailableError):
+            sink.flush()  # the rank skips the checkpoint this flush preceded
+    storage.down = False
+    sink.write(points[4])
+    sink.flush()
+    storage.down, storage.up_after = True, 3
+    sink.write(points[5])
+    sink.close()  # waits the outage out
+    assert [(p.update, p.value) for p in sink.read("j")] == [(u, float(u)) for u in range(1, 7)]
+
+
+def test_a_rank_skips_checkpoints_while_storage_is_down_abandons_refused_writes_but_waits_for_its_last():
+    from spotrun.trainer.run.write_gate import WriteGate
+
+    gate = WriteGate(rank=1, outage_s=60)
+    clock = Clock()
+    gate.outage = Outage("rank 1", 60, Backoff(initial_s=10, max_s=10), clock)
+    assert gate.opens(4, final=False)
+
+    def refused() -> None:
+        raise StorageUnavailableError("503 SlowDown")
+
+    assert gate.finished(refused) is None and gate.outage.down  # abandoned, not raised
+    clock.now += 0.001
+    assert not gate.opens(8, final=False)  # known down, backoff not over: no capture, no write
+    assert gate.opens(24, final=True)  # the last checkpoint is always taken
+    assert not gate.attempt(8, refused, final=False)  # a refused metric flush skips the checkpoint
+    clock.now += 11
+    assert gate.opens(12, final=False)  # the backoff passed: try again
+    assert gate.finished(lambda: "result") == "result" and not gate.outage.down
+    assert gate.skipped == 3

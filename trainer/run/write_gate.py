@@ -1,0 +1,69 @@
+"""A rank's checkpoints through a storage outage: it costs checkpoints, never the job.
+
+At a checkpoint boundary the rank asks its :class:`WriteGate` whether to write at all: during an outage
+it skips until the outage's capped backoff allows another try, so a slow or absent store never piles
+captures up in memory and never stalls the loop (at most one write is in flight: the bundle writer's).
+A metric flush the storage refuses skips the checkpoint too (a bundle is never published ahead of its
+metric points). A write the storage refused is abandoned: never reported, so never published; its
+directory is an orphan that retention removes; the next boundary writes again. The job's last bundle
+is the exception: it waits the outage out (``storage_outage_s`` bounds only a permanent refusal).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+from spotrun.trainer.storage import Outage, StorageError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WriteGate:
+    """One rank's view of the storage for its checkpoints (see the module docstring)."""
+
+    def __init__(self, rank: int, outage_s: float) -> None:
+        self.outage = Outage(f"rank {rank}'s checkpoints", outage_s)
+        self.skipped = 0  # checkpoint boundaries skipped or writes abandoned for an outage
+
+    def opens(self, update: int, final: bool) -> bool:
+        """Whether to checkpoint at ``update``: always the job's last; otherwise not while the storage is
+        known to be down and its backoff has not passed."""
+        if final or self.outage.due():
+            return True
+        self._skip(update, f"storage unavailable for {self.outage.down_s():.0f} s")
+        return False
+
+    def attempt(self, update: int, fn: Callable[[], None], final: bool) -> bool:
+        """Run ``fn`` (the metric flush that precedes a capture); False when the storage refused it and the
+        checkpoint is skipped. The last checkpoint's waits the outage out."""
+        if final:
+            self.outage.call(fn)
+            return True
+        try:
+            fn()
+        except StorageError as e:
+            self.outage.failed(e)  # raises a permanent refusal past the bound
+            self._skip(update, str(e))
+            return False
+        return True
+
+    def finished(self, result: Callable[[], T | None]) -> T | None:
+        """The write in flight's result once done (``result``: the writer's ``wait`` or ``poll``); None,
+        the write abandoned, when the storage refused it."""
+        try:
+            done = result()
+        except StorageError as e:
+            self.outage.failed(e)
+            self.skipped += 1
+            log.warning("a bundle write was abandoned (never published; the next checkpoint writes again): %s", e)
+            return None
+        if done is not None:
+            self.outage.recovered()
+        return done
+
+    def _skip(self, update: int, why: str) -> None:
+        self.skipped += 1
+        log.warning("checkpoint at update %d skipped: %s; training goes on", update, why)
