@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.orchestrator.control.platform import Options, Platform
 from spotrun.orchestrator.control.supervisor import Supervisor
 from spotrun.orchestrator.ledger.events import BundlePublished
 from spotrun.orchestrator.ledger.store import Ledger
@@ -70,8 +71,8 @@ def test_a_dead_attempts_half_bundle_is_never_published_after_an_elastic_shrink(
     ])
     groups = {2: first, 1: second}
     capacities = iter([2, 1, 1, 1, 1])
-    sup = Supervisor(spec, lambda size, *args: groups[size], capacity=lambda: next(capacities),
-                     sleep=lambda s: None)
+    sup = Supervisor(spec, Platform(lambda size, *args: groups[size], capacity=lambda: next(capacities)),
+                     Options(sleep=lambda s: None))
     outcome = sup.run()
 
     assert outcome.state == "finished"
