@@ -42,7 +42,8 @@ class OracleMismatch(BundleCorrupt):
 
 def with_budget(error: RankFailed, verdict: str) -> RankFailed:
     """The job's last error, saying why it was not restarted again (raised by ``run()``)."""
-    out = RankFailed(f"{error} (not restarted: {verdict})", error.rank, error.collective, error.refusal)
+    out = RankFailed(f"{error} (not restarted: {verdict})", error.rank, error.collective, error.refusal,
+                     error.raised)
     out.__cause__ = error
     return out
 
