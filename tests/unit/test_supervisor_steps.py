@@ -8,6 +8,7 @@ the driver's: the job stops).
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -162,6 +163,15 @@ def test_recovering_fails_the_job_once_the_failure_budget_is_spent(tmp_path):
     assert lost.budget is not None and lost.budget.failures == 1 and lost.backoff_seconds is None
 
 
+@pytest.mark.parametrize("state", [Pending(), Placing(), Stopped("s"), Failed("f"),
+                                   Running(StepGroup(1, []), 1, 1, 0),
+                                   Recovering(StepGroup(1, []), 1, 1, 0, RankLost(0, "oom"))])
+def test_a_state_is_never_changed_a_transition_makes_a_new_one(state):
+    field = dataclasses.fields(state)[0].name if dataclasses.fields(state) else "x"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(state, field, None)
+
+
 def _notice(node_id: str | None) -> Notice:
     return Notice(source="aws", node_id=node_id, rank=0 if node_id else None,
                   deadline=datetime.now(UTC) + timedelta(minutes=2))
@@ -178,7 +188,6 @@ def test_a_notice_drains_the_attempt_after_its_emergency_bundle(tmp_path, draft,
     sup.notify(_notice(node_id))
     draining = sup.step(st)
     assert isinstance(draining, Running) and draining.draining is not None and group.requests == [(True, True)]
-    assert st.draining is None  # the state a step was given is never changed
     [seen] = events(sup, NoticeSeen)
     assert seen.action == "emergency-checkpoint"
     group.polls.append([Report(rank=0, last_update=2, state="stopped", bundles=[drafts.part("n", 0, 2, 1, 1, draft)])])
