@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from spotrun.orchestrator.control.platform import Options, Platform
 from spotrun.orchestrator.control.progress import Progress
 from spotrun.orchestrator.control.supervisor import Outcome, Supervisor
 from spotrun.orchestrator.notices.clouds import watch_clouds
@@ -78,9 +79,9 @@ def in_process_supervisor(spec: JobSpec, *, trace_path: str | None = None, recor
         return InProcessGroup(spec, attempt=attempt, lineage_id=lineage, recovery_label=label,
                               restore_mode=mode, drop=drop, record_ids=record_ids, trace=trace_path is not None)
 
-    return Supervisor(spec, make_group, capacity=lambda: 1, trace_path=trace_path, record_ids=record_ids,
-                      init_from=init_from, reset=reset, progress=progress, oracle_acts=not drop,
-                      send_at_publish=SEND_AT_WRITE not in drop)
+    return Supervisor(spec, Platform(make_group, capacity=lambda: 1),
+                      Options(trace_path=trace_path, record_ids=record_ids, init_from=init_from, reset=reset,
+                              progress=progress, oracle_acts=not drop, send_at_publish=SEND_AT_WRITE not in drop))
 
 
 def embedded_cpus(spec: JobSpec) -> int:
@@ -150,13 +151,19 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | N
     def capacity() -> int:
         return available_rank_slots(spec, exclude=drain_source() if drain_source else set())
 
-    def request_capacity(ranks: int) -> None:
-        from ray.autoscaler.sdk import request_resources
+    class RayScaler:
+        """Ray's autoscaler: asked for the job's ranks while placing; its scheduler says whether more fit."""
 
-        request_resources(bundles=[rank_bundle(spec)] * ranks)
+        def request(self, ranks: int) -> None:
+            from ray.autoscaler.sdk import request_resources
 
-    sup = Supervisor(spec, make_group, capacity=capacity, trace_path=trace_path, record_ids=record_ids,
-                     init_from=init_from, reset=reset, drain_source=drain_source, request_capacity=request_capacity,
-                     room_for=lambda extra: room_for_more_ranks(spec, extra), progress=progress,
-                     oracle_acts=not drop, send_at_publish=SEND_AT_WRITE not in drop)
+            request_resources(bundles=[rank_bundle(spec)] * ranks)
+
+        def room_for(self, extra: int) -> bool:
+            return room_for_more_ranks(spec, extra)
+
+    platform = Platform(make_group, capacity, scaler=RayScaler(), drains=drain_source)
+    sup = Supervisor(spec, platform, Options(trace_path=trace_path, record_ids=record_ids, init_from=init_from,
+                                             reset=reset, progress=progress, oracle_acts=not drop,
+                                             send_at_publish=SEND_AT_WRITE not in drop))
     return sup.run()

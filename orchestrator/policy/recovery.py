@@ -5,6 +5,8 @@ Two pure functions decide; the supervisor and the worker group only carry the de
 - :func:`plan_recovery`: after a loss, fail the job, restart warm (the survivors keep their
   processes and restore from memory) or restart cold (every rank anew, from storage), with the loss's
   class and the backoff before the restart.
+- :func:`warm_world`: for a warm restart, the world it restores into: the size the placement policy
+  chooses, as for any restart, when a warm restart can fill it (the lost attempt's size, or one less).
 - :func:`plan_warm`: for a warm restart, which path: ``warm-spare`` (a ready spare takes each lost
   rank's place), ``warm-replace`` (a new process in the lost rank's slot, still held), or
   ``warm-shrink`` (the survivors alone, where the policy allows that size).
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
+from spotrun.orchestrator.policy import topology
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.run.warm import ineligible
 
@@ -141,6 +144,17 @@ def why_cold(loss: Loss, spec: JobSpec, newest_bundle: str | None, group: GroupC
     if newest_bundle is None:
         return "no bundle published since the driver started: the newest is in storage only"
     return None
+
+
+def warm_world(placement: topology.Decision, world_size: int) -> int | str:
+    """The world a warm restart of an attempt of ``world_size`` ranks restores into, or why there is none
+    (the restart goes cold). The placement policy chooses the world as for any restart (the largest the
+    capacity holds: ``placement``); warm is how, never what: a spare (or a new process) keeps the size,
+    the survivors alone are the world only when that is it."""
+    size = placement.world_size
+    if placement.action != "restart" or size is None or size not in (world_size, world_size - 1):
+        return f"the policy restarts with {size or 'no'} ranks: {placement.reason}"
+    return size
 
 
 @dataclass(frozen=True)

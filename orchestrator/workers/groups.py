@@ -44,14 +44,17 @@ class RankFailed(RuntimeError):
 
     ``collective`` marks an error raised inside a collective (gloo, NCCL): a dead or hung peer
     causes those, so the group looks for one before it calls it a failure. ``refusal`` marks bad
-    input spotrun refused (:func:`refuses`): the job fails with it at once instead of restarting."""
+    input spotrun refused (:func:`refuses`): the job fails with it at once instead of restarting.
+    ``raised``: the exception the rank's code raised, where the group has it, so that a caller asks
+    its type (``isinstance(e.raised, NotInMemory)``) instead of reading the message."""
 
     def __init__(self, message: str, rank: int | None = None, collective: bool = False,
-                 refusal: bool = False) -> None:
+                 refusal: bool = False, raised: BaseException | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.collective = collective
         self.refusal = refusal
+        self.raised = raised
 
 
 def refuses(error: BaseException) -> bool:
@@ -195,7 +198,7 @@ class InProcessGroup:
     def poll(self) -> list[Report]:
         if self._error is not None:
             raise RankFailed(f"rank 0 raised {type(self._error).__name__}: {self._error}",
-                             refusal=refuses(self._error)) from self._error
+                             refusal=refuses(self._error), raised=self._error) from self._error
         report = self.runner.poll()
         report.output = self.output.take()
         return [report]

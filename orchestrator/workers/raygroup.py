@@ -52,7 +52,7 @@ from spotrun.trainer.run.visibility import (
     post_driver_probe,
     remove_probes,
 )
-from spotrun.trainer.run.warm import ineligible
+from spotrun.trainer.run.warm import NotInMemory, ineligible
 from spotrun.trainer.storage import Storage
 
 # What a survivor's collective raises when a peer died or hung (gloo, NCCL, c10d).
@@ -363,7 +363,7 @@ class RayGroup:
                                                   replica if id(a) in newcomers else None)
                                   for r, a in enumerate(members)], timeout=STARTUP_TIMEOUT_S)
         except RankFailed as e:
-            if "NotInMemory" in str(e):
+            if isinstance(e.raised, NotInMemory):  # a file held in no surviving memory: restart from storage
                 raise WarmUnavailable(str(e)) from e
             raise
         for r in sorted(set(filling) - set(replacing)):  # a new spare where a lost rank was, for the one it took
@@ -400,7 +400,8 @@ class RayGroup:
             if isinstance(cause, (BundleError, ManifestError, StorageNotShared)):
                 raise cause from e  # the supervisor decides: fall back, or refuse the job
             raise RankFailed(f"rank {rank} raised {type(cause).__name__}: {cause}", rank,
-                             collective=bool(COLLECTIVE_ERROR.search(str(cause))), refusal=refuses(cause)) from e
+                             collective=bool(COLLECTIVE_ERROR.search(str(cause))), refusal=refuses(cause),
+                             raised=cause) from e
         except (RayActorError, GetTimeoutError) as e:
             # its creation task raised: a bug or bad input (an import that fails), not a lost machine
             if isinstance(e, RayActorError) and e.actor_init_failed:

@@ -1,8 +1,8 @@
 """SIGTERM after SIGTERM to a driver busy polling: ``python -m tests.helpers.signal_storm SIGNALS STORAGE_DIR``.
 
-The main thread looks at a running attempt as ``Supervisor._look`` does (``_new_notices``, then the
+The main thread looks at a running attempt as ``Supervisor._look`` does (``NoticeDesk.take``, then the
 wait between polls on the wake event), without a pause between looks, while another thread sends
-this process SIGTERM ``SIGNALS`` times, each once the one before has come out of ``_new_notices``.
+this process SIGTERM ``SIGNALS`` times, each once the one before has come out of ``NoticeDesk.take``.
 A signal lands wherever the main thread happens to be, so over many signals some land while it
 holds the lock of the notice queue or of the wake event. Exits 0 once every signal came out as one
 notice. A handler that takes such a lock never returns: faulthandler's watchdog (a C thread, it
@@ -18,6 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
+from spotrun.orchestrator.control.platform import Platform
 from spotrun.orchestrator.control.supervisor import Running, Supervisor
 from tests.conftest import make_spec
 from tests.helpers.groups import ScriptedGroup
@@ -40,7 +41,7 @@ class WaitsForTheWake(ScriptedGroup):
 def storm(signals: int, storage_dir: Path) -> int:
     """Send ``signals`` SIGTERMs while the main thread polls; return how many notices it received."""
     spec = make_spec(storage_dir, job_id="storm")
-    sup = Supervisor(spec, lambda *args: WaitsForTheWake(1, []), capacity=lambda: 1)
+    sup = Supervisor(spec, Platform(lambda *args: WaitsForTheWake(1, []), capacity=lambda: 1))
     st = Running(group=WaitsForTheWake(1, []), attempt=1, world_size=1, last_update=0)
     arrived = threading.Semaphore(0)
 
@@ -58,11 +59,11 @@ def storm(signals: int, storage_dir: Path) -> int:
     try:
         sender.start()
         while received < signals:
-            for _ in sup._new_notices(st):
+            for _ in sup.notices.take(st):
                 received += 1
                 arrived.release()
             if received < signals:
-                st.group.wait(sup._until_next_look(st), sup._woken)
+                st.group.wait(sup.notices.until_next_look(st), sup.notices.woken)
     finally:
         restore()
     sender.join(ARRIVAL_TIMEOUT_S)

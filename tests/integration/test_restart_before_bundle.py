@@ -15,6 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from spotrun.orchestrator.cli.main import main
+from spotrun.orchestrator.control.platform import Options, Platform
 from spotrun.orchestrator.control.supervisor import Supervisor
 from spotrun.orchestrator.dashboard import create_app
 from spotrun.orchestrator.ledger.events import AttemptStarted
@@ -83,7 +84,8 @@ def test_a_rank_lost_before_the_first_bundle_is_a_restart_with_its_lost_updates(
                       salvage=[Report(rank=0, last_update=3)]),
         ScriptedGroup(2, [[Report(rank=r, last_update=4, state="finished") for r in (0, 1)]]),
     ])
-    outcome = Supervisor(spec, lambda *a: next(scripts), capacity=lambda: 2, sleep=lambda s: None).run()
+    outcome = Supervisor(spec, Platform(lambda *a: next(scripts), capacity=lambda: 2),
+                         Options(sleep=lambda s: None)).run()
     assert outcome.state == "finished" and outcome.restarts == 1
     [row] = history(open_storage(spec.storage), "s")["restarts"]
     assert (row["cause"], row["restored_from"], row["lost_updates"]) == ("process-exit", None, 3)

@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from spotrun.orchestrator.control.platform import Options, Platform
 from spotrun.orchestrator.control.supervisor import Supervisor
 from spotrun.orchestrator.ledger.events import JobFailed, WorkerLost
 from spotrun.orchestrator.ledger.store import Ledger
@@ -89,7 +90,8 @@ def test_the_job_s_code_raising_is_a_failure_restarted_within_the_budget(tmp_pat
     spec = make_spec(tmp_path, "train.updates=4", "world.max_restarts=1", job_id="b")
     groups = [ScriptedGroup(1, [RankFailed("rank 0 raised RuntimeError: a flaky read", 0)]),
               ScriptedGroup(1, [_finished(4)])]
-    outcome = Supervisor(spec, lambda *a: groups.pop(0), capacity=lambda: 1, sleep=lambda s: None).run()
+    outcome = Supervisor(spec, Platform(lambda *a: groups.pop(0), capacity=lambda: 1),
+                         Options(sleep=lambda s: None)).run()
     assert outcome.state == "finished" and outcome.restarts == 1
     [lost] = [e for e in Ledger(open_storage(spec.storage), "b").read() if isinstance(e, WorkerLost)]
     assert (lost.cause, lost.loss, lost.budget.failures, lost.budget.preemptions) == ("error", "failure", 1, 0)
@@ -109,7 +111,7 @@ def test_the_job_s_error_at_the_same_update_again_fails_the_job_at_once(tmp_path
                      job_id="d")
     groups = [ScriptedGroup(1, _raises_after(3, "bad record")), ScriptedGroup(1, _raises_after(second, "bad record")),
               ScriptedGroup(1, [_finished(8)])]
-    sup = Supervisor(spec, lambda *a: groups.pop(0), capacity=lambda: 1, sleep=lambda s: None)
+    sup = Supervisor(spec, Platform(lambda *a: groups.pop(0), capacity=lambda: 1), Options(sleep=lambda s: None))
     events = Ledger(open_storage(spec.storage), "d").read
     if second == 5:
         assert sup.run().state == "finished" and sup.restarts == 2
@@ -130,7 +132,7 @@ def test_a_process_that_dies_after_a_notice_for_its_node_is_a_preemption(tmp_pat
     group = ScriptedGroup(2, [[Report(rank=0, last_update=1), Report(rank=1, last_update=1)], "lost"],
                           salvage=[Report(rank=1, last_update=1)])
     groups = [group, ScriptedGroup(2, [_finished(4)])]
-    sup = Supervisor(spec, lambda *a: groups.pop(0), capacity=lambda: 2, sleep=lambda s: None)
+    sup = Supervisor(spec, Platform(lambda *a: groups.pop(0), capacity=lambda: 2), Options(sleep=lambda s: None))
     sup.notify(Notice(source="aws", node_id="node-0", rank=0, detail="terminate",
                       deadline=datetime.now(UTC) + timedelta(minutes=2)))
     outcome = sup.run()
@@ -154,7 +156,8 @@ def test_history_and_the_dashboard_show_both_budgets(tmp_path, capsys):
     groups = [ScriptedGroup(1, [RankFailed("rank 0 raised OSError: disk", 0)]),
               ScriptedGroup(1, [RankLost(0, "node-lost", "reclaimed", "node-0")]),
               ScriptedGroup(1, [_finished(4)])]
-    assert Supervisor(spec, lambda *a: groups.pop(0), capacity=lambda: 1, sleep=lambda s: None).run().restarts == 2
+    assert Supervisor(spec, Platform(lambda *a: groups.pop(0), capacity=lambda: 1),
+                         Options(sleep=lambda s: None)).run().restarts == 2
     runs = str(tmp_path / "runs")
     assert main(["history", "h", "--storage", f"file://{runs}", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from spotrun.orchestrator.cli.main import main, parser
+from spotrun.orchestrator.control.platform import Options, Platform
 from spotrun.orchestrator.control.supervisor import Supervisor
 from spotrun.trainer.run.rank import Report
 from tests.conftest import make_spec
@@ -15,7 +16,8 @@ from tests.helpers.groups import ScriptedGroup
 def test_history_of_a_job_never_restarted_prints_no_restarts_table(tmp_path, capsys):
     spec = make_spec(tmp_path, "train.updates=4", job_id="calm")
     group = ScriptedGroup(1, [[Report(rank=0, last_update=4, state="finished")]])
-    assert Supervisor(spec, lambda *a: group, capacity=lambda: 1, sleep=lambda s: None).run().restarts == 0
+    assert Supervisor(spec, Platform(lambda *a: group, capacity=lambda: 1),
+                         Options(sleep=lambda s: None)).run().restarts == 0
     assert main(["history", "calm", "--storage", spec.storage]) == 0
     out = capsys.readouterr().out
     assert "calm: attempts" in out and "goodput" in out
@@ -63,7 +65,8 @@ def test_the_restarts_table_keeps_each_value_whole(tmp_path, capsys):
     spec = make_spec(tmp_path, "train.updates=4", job_id="bumpy")
     groups = [ScriptedGroup(1, [RankLost(0, "process-exit", "killed", "node-0")]),
               ScriptedGroup(1, [[Report(rank=0, last_update=4, state="finished")]])]
-    assert Supervisor(spec, lambda *a: groups.pop(0), capacity=lambda: 1, sleep=lambda s: None).run().restarts == 1
+    assert Supervisor(spec, Platform(lambda *a: groups.pop(0), capacity=lambda: 1),
+                      Options(sleep=lambda s: None)).run().restarts == 1
     assert main(["history", "bumpy", "--storage", spec.storage]) == 0
     out = capsys.readouterr().out
     assert "│ process-exit │" in out, out

@@ -272,6 +272,7 @@ def test_a_rank_lost_while_the_notice_is_passed_on_is_a_loss_not_a_crash(tmp_pat
     """A node that is going away may take its rank before the request to checkpoint reaches it (CI
     saw it in the chaos suite: Ray's drain notice, then the node's removal): the supervisor recovers
     from that loss as from any other, instead of failing the job."""
+    from spotrun.orchestrator.control.platform import Options, Platform
     from spotrun.orchestrator.control.supervisor import Supervisor
     from spotrun.orchestrator.ledger.events import WorkerLost
     from spotrun.orchestrator.workers.groups import RankLost
@@ -287,7 +288,7 @@ def test_a_rank_lost_while_the_notice_is_passed_on_is_a_loss_not_a_crash(tmp_pat
     spec = make_spec(tmp_path, "train.updates=4", job_id="n")
     groups = [DiesOnRequest(1, [[Report(rank=0, last_update=1)]], salvage=[Report(rank=0, last_update=2)]),
               ScriptedGroup(1, [[Report(rank=0, last_update=4, state="finished")]])]
-    sup = Supervisor(spec, lambda *args: groups.pop(0), capacity=lambda: 1, sleep=lambda s: None)
+    sup = Supervisor(spec, Platform(lambda *args: groups.pop(0), capacity=lambda: 1), Options(sleep=lambda s: None))
     sup.notify(Notice(source="ray-drain", node_id="node-0", rank=0, deadline=_now() + timedelta(seconds=120)))
     outcome = sup.run()
     assert outcome.state == "finished" and outcome.restarts == 1
@@ -301,6 +302,7 @@ def test_the_wait_between_polls_ends_when_ray_drain_state_is_due(tmp_path, drain
                                                                  expected_reads):
     """The drain state is read after each wait, so a group polled every 5 s still has it read every
     ``preemption.drain_poll_s`` (and a longer drain poll leaves the group's interval as it is)."""
+    from spotrun.orchestrator.control.platform import Options, Platform
     from spotrun.orchestrator.control.supervisor import Supervisor
     from spotrun.trainer.run.rank import Report
     from tests.conftest import make_spec
@@ -324,8 +326,8 @@ def test_the_wait_between_polls_ends_when_ray_drain_state_is_due(tmp_path, drain
     spec = make_spec(tmp_path, "train.updates=4", f"preemption.drain_poll_s={drain_poll_s}", job_id="d")
     group = SlowPolls(1, [[Report(rank=0, last_update=u)] for u in (1, 2, 3)]
                       + [[Report(rank=0, last_update=4, state="finished")]])
-    sup = Supervisor(spec, lambda *args: group, capacity=lambda: 1, sleep=lambda s: None, clock=lambda: now[0],
-                     drain_source=draining)
+    sup = Supervisor(spec, Platform(lambda *args: group, capacity=lambda: 1, drains=draining),
+                     Options(sleep=lambda s: None, clock=lambda: now[0]))
     assert sup.run().state == "finished"
     assert waits == pytest.approx([expected_wait] * 3)
     assert reads == pytest.approx(expected_reads)  # when the drain state was read, on the job's clock
@@ -333,7 +335,7 @@ def test_the_wait_between_polls_ends_when_ray_drain_state_is_due(tmp_path, drain
 
 def test_a_storm_of_sigterms_to_a_polling_driver_neither_deadlocks_nor_loses_a_notice(tmp_path):
     """Python runs a signal handler on the main thread inside whatever it was doing, here the
-    supervisor's look at a running attempt (``_new_notices``, then the wait on the wake event): a
+    supervisor's look at a running attempt (``NoticeDesk.take``, then the wait on the wake event): a
     handler that took the notice queue's or the wake event's lock there would wait for itself
     forever. 500 SIGTERMs, one at a time, must all come out as notices (a deadlock is caught by the
     helper's watchdog, which prints every thread's stack and exits 1)."""

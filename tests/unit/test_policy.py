@@ -33,6 +33,7 @@ class _Group:
 
 
 def test_a_running_elastic_job_grows_only_when_the_scheduler_has_room(tmp_path):
+    from spotrun.orchestrator.control.platform import Options, Platform
     from spotrun.orchestrator.control.supervisor import Running, Supervisor
     from spotrun.orchestrator.ledger.events import Resizing
     from spotrun.orchestrator.ledger.store import Ledger
@@ -41,17 +42,26 @@ def test_a_running_elastic_job_grows_only_when_the_scheduler_has_room(tmp_path):
                      "world.grow_check_s=5", job_id="g")
     now = [0.0]
     room = [False]
-    sup = Supervisor(spec, make_group=None, capacity=lambda: 2, room_for=lambda extra: room[0],
-                     clock=lambda: now[0])
+    class Scheduler:
+        def request(self, ranks: int) -> None:
+            pass
+
+        def room_for(self, extra: int) -> bool:
+            return room[0]
+
+    def no_groups(*args):
+        raise AssertionError("nothing is placed here")
+
+    sup = Supervisor(spec, Platform(no_groups, capacity=lambda: 2, scaler=Scheduler()), Options(clock=lambda: now[0]))
     st = Running(group=_Group(), attempt=2, world_size=1, last_update=40)
-    sup._consider_growing(st)
+    st = sup.cadence.consider_growing(st)
     assert st.growing is None  # not yet: a fresh attempt waits world.grow_check_s
     now[0] = 6.0
-    sup._consider_growing(st)
+    st = sup.cadence.consider_growing(st)
     assert st.growing is None and not st.group.requests  # capacity says 2, the scheduler says no
     now[0] = 12.0
     room[0] = True
-    sup._consider_growing(st)
+    st = sup.cadence.consider_growing(st)
     assert st.growing == 2 and st.group.requests == [(True, True)]  # checkpoint at the next boundary, stop
     events = [e for e in Ledger(sup.storage, "g").read() if isinstance(e, Resizing)]
     assert [(e.world_size_before, e.world_size_target) for e in events] == [(1, 2)]

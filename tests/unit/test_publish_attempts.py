@@ -9,45 +9,24 @@ from __future__ import annotations
 
 import pytest
 
-from spotrun.orchestrator.control.launch import run_in_process
+from spotrun.orchestrator.control.platform import Options, Platform
 from spotrun.orchestrator.control.supervisor import Supervisor
 from spotrun.orchestrator.ledger.events import BundlePublished
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.publish.publisher import Publisher, PublishError
-from spotrun.trainer.bundle.bundles import bundle_dir, list_bundles, read_manifest
+from spotrun.trainer.bundle.bundles import bundle_dir, list_bundles
 from spotrun.trainer.bundle.manifest import Manifest
-from spotrun.trainer.run.rank import BundleReport, Report
+from spotrun.trainer.run.rank import Report
 from spotrun.trainer.storage import LocalStorage
+from tests.helpers import drafts
+from tests.helpers.drafts import SHA, draft_for, part
 from tests.helpers.groups import ScriptedGroup
-
-SHA = "0" * 64
 
 
 @pytest.fixture(scope="module")
 def real_draft(tmp_path_factory):
     """A manifest draft as rank 0 makes one (from a real run), minus its files."""
-    from tests.conftest import make_spec
-
-    tmp = tmp_path_factory.mktemp("draft")
-    run_in_process(make_spec(tmp, "train.updates=5", job_id="d"))
-    storage = LocalStorage(tmp / "runs")
-    m = read_manifest(storage, list_bundles(storage, "d")[0].key).model_dump(mode="json")
-    for k in ("files", "write_seconds"):
-        m.pop(k)
-    return m
-
-
-def draft_for(base: dict, job: str, update: int, attempt: int, world: int) -> dict:
-    return {**base, "job_id": job, "bundle_id": bundle_dir(job, update, attempt).rsplit("/", 1)[-1],
-            "attempt": attempt, "world": {**base["world"], "size": world},
-            "counters": {**base["counters"], "attempted_updates": update}}
-
-
-def part(job: str, rank: int, update: int, attempt: int, world: int, base: dict) -> BundleReport:
-    """Rank ``rank``'s report of its write of bundle u<update>-a<attempt>."""
-    return BundleReport(rank=rank, attempt=attempt, bundle_key=bundle_dir(job, update, attempt), update=update,
-                        files=[{"path": f"rank-{rank}/rng.json", "bytes": 10, "sha256": SHA}], write_seconds=0.1,
-                        draft=draft_for(base, job, update, attempt, world) if rank == 0 else None)
+    return drafts.real_draft(tmp_path_factory.mktemp("draft"))
 
 
 @pytest.mark.parametrize("survivor", [0, 1])
@@ -70,8 +49,8 @@ def test_a_dead_attempts_half_bundle_is_never_published_after_an_elastic_shrink(
     ])
     groups = {2: first, 1: second}
     capacities = iter([2, 1, 1, 1, 1])
-    sup = Supervisor(spec, lambda size, *args: groups[size], capacity=lambda: next(capacities),
-                     sleep=lambda s: None)
+    sup = Supervisor(spec, Platform(lambda size, *args: groups[size], capacity=lambda: next(capacities)),
+                     Options(sleep=lambda s: None))
     outcome = sup.run()
 
     assert outcome.state == "finished"

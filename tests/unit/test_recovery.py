@@ -3,6 +3,9 @@ and which path plan_warm chooses. The supervisor and the Ray group only carry th
 
 from __future__ import annotations
 
+from itertools import product
+from typing import Literal
+
 import pytest
 
 from spotrun.orchestrator.policy.recovery import (
@@ -15,7 +18,9 @@ from spotrun.orchestrator.policy.recovery import (
     WarmPlan,
     plan_recovery,
     plan_warm,
+    warm_world,
 )
+from spotrun.orchestrator.policy.topology import Decision
 from tests.conftest import make_spec
 
 RAY2 = GroupCan(reform=True, world_size=2)
@@ -120,3 +125,82 @@ def test_plan_warm(lost, survivors, spares, world, sizes, held, expected):
         assert isinstance(plan, str) and plan.startswith(expected), plan
     else:
         assert plan == expected
+
+
+# -- the whole table: every loss cause x world.policy x what the job and the group allow ---------------
+
+# Written out here, not read from LossCause: the rule as the design states it.
+WARM_CAUSES = {"node-lost", "notice:aws", "process-exit", "oom"}  # a process or node gone: nothing else suspect
+PREEMPTION_CAUSES = {"node-lost", "notice:aws"}  # the machine was taken, whatever came before
+CAUSES = ["node-lost", "notice:aws", "process-exit", "oom", "unresponsive", "error", "collective-error",
+          "collective-timeout", "start-failed"]
+POLICIES = ["strict", "elastic", "fresh-epoch"]
+JOBS = {(): None, ("world.warm_recovery=false",): "world.warm_recovery is off"}
+GROUPS = [RAY2, GroupCan(reform=False, world_size=2), GroupCan(reform=True, world_size=1)]
+
+
+def expected_row(cause: str, rank: int | None, noticed: bool, job_cold: str | None, group: GroupCan,
+                 newest: str | None, in_a_row: int) -> Fail | Warm | Cold:
+    loss_class = "preemption" if noticed or cause in PREEMPTION_CAUSES else "failure"
+    if job_cold is not None:
+        return Cold(job_cold, loss_class, 7.0)
+    if not group.reform or group.world_size < 2:
+        return Cold("one rank: no other process holds its state", loss_class, 7.0)
+    if rank is None or cause not in WARM_CAUSES:
+        return Cold(f"a loss of cause {cause}: the job restarts in new processes", loss_class, 7.0)
+    if newest is None:
+        return Cold("no bundle published since the driver started: the newest is in storage only", loss_class, 7.0)
+    return Warm(loss_class, 0.0 if in_a_row <= 1 else 7.0)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_row_of_the_recovery_table(tmp_path, policy):
+    """Each cause (of one rank, and of none), noticed or not, for each job, group, bundle and losses in a
+    row, under each policy: plan_recovery decides as the table says; a budget's verdict fails every row."""
+    wrong = []
+    rows = 0
+    for sets, job_cold in JOBS.items():
+        spec = make_spec(tmp_path / f"{policy}{len(sets)}", "world.size=2", f"world.policy={policy}", *sets)
+        for cause, rank, noticed, group, newest, in_a_row in product(CAUSES, (1, None), (False, True), GROUPS,
+                                                                     (BUNDLE, None), (1, 3)):
+            rows += 1
+            loss = Loss(cause, rank, noticed)
+            row = (cause, rank, noticed, sets, group, newest, in_a_row)
+            got = plan_recovery(loss, None, spec, newest, group, in_a_row, backoff)
+            want = expected_row(cause, rank, noticed, job_cold, group, newest, in_a_row)
+            if got != want:
+                wrong.append((*row, got, want))
+            if plan_recovery(loss, "spent", spec, newest, group, in_a_row, backoff) != Fail("spent"):
+                wrong.append((*row, "no Fail"))
+    assert rows == len(JOBS) * len(CAUSES) * 2 * 2 * len(GROUPS) * 2 * 2
+    assert wrong == []
+
+
+def _placement(action: Literal["restart", "wait", "raise"], size: int | None) -> Decision:
+    return Decision(action, size, "why")
+
+
+@pytest.mark.parametrize(("action", "size", "world", "expected"), [
+    ("restart", 2, 2, 2),  # the same size: a spare or a new process fills the lost rank's place
+    ("restart", 1, 2, 1),  # one less: the survivors alone
+    ("restart", 3, 2, "the policy restarts with 3 ranks: why"),  # larger: a warm restart cannot place more
+    ("restart", 2, 4, "the policy restarts with 2 ranks: why"),  # two less: more than the lost rank's
+    ("wait", None, 2, "the policy restarts with no ranks: why"),
+    ("raise", None, 2, "the policy restarts with no ranks: why"),
+])
+def test_warm_world(action, size, world, expected):
+    assert warm_world(_placement(action, size), world) == expected
+
+
+MORE_WARM_ROWS = [
+    ([1], [0, 2], 3, 3, [3], HELD, WarmPlan("warm-spare", 3, spares=1)),  # more spares than lost: one used
+    ([1, 2], [0, 3], 2, 4, [4], HELD, WarmPlan("warm-spare", 4, spares=2)),  # each lost rank takes a spare
+    ([1, 3], [0, 2], 1, 4, [4, 2], {3: False}, WarmPlan("warm-shrink", 2)),  # a spare too few, slot gone
+    ([1], [0, 2], 0, 3, [4], HELD, "2 ranks survived and 0 spares are ready; the policy allows [4] ranks"),
+    ([1], [0], 0, 2, [], HELD, "1 ranks survived and 0 spares are ready; the policy allows no ranks"),
+]
+
+
+@pytest.mark.parametrize(("lost", "survivors", "spares", "world", "sizes", "held", "expected"), MORE_WARM_ROWS)
+def test_plan_warm_more_rows(lost, survivors, spares, world, sizes, held, expected):
+    test_plan_warm(lost, survivors, spares, world, sizes, held, expected)

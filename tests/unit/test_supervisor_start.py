@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from spotrun.orchestrator.control.platform import Options, Platform
 from spotrun.orchestrator.control.supervisor import JobFailedError, Supervisor
 from spotrun.orchestrator.ledger.events import AttemptStarted
 from spotrun.orchestrator.ledger.store import Ledger
@@ -24,7 +25,7 @@ def test_a_rank_lost_while_starting_is_placed_again(tmp_path):
             raise RankLost(0, "unresponsive", "setup timed out")
         return ScriptedGroup(1, [[Report(rank=0, last_update=4, state="finished")]])
 
-    outcome = Supervisor(spec, make_group, capacity=lambda: 1, sleep=lambda s: None).run()
+    outcome = Supervisor(spec, Platform(make_group, capacity=lambda: 1), Options(sleep=lambda s: None)).run()
     assert outcome.state == "finished"
     assert tries == [1, 1], "nothing ran in the lost start: the attempt number is used again"
     started = [e.attempt for e in Ledger(open_storage(spec.storage), "s").read() if isinstance(e, AttemptStarted)]
@@ -40,7 +41,7 @@ def test_nodes_lost_at_every_start_use_up_the_preemption_budget_not_the_failure_
         raise RankLost(0, "node-lost", "gone")
 
     with pytest.raises(JobFailedError, match="3 preemptions, more than world.max_preemptions=2"):
-        Supervisor(spec, make_group, capacity=lambda: 1, sleep=lambda s: None).run()
+        Supervisor(spec, Platform(make_group, capacity=lambda: 1), Options(sleep=lambda s: None)).run()
     assert len(calls) == 3, "max_restarts=0 allows no failure, yet both preemptions were restarted"
 
 
@@ -55,7 +56,7 @@ def test_a_rank_that_cannot_start_is_a_failure_retried_until_the_crash_loop(tmp_
         raise RankFailed("rank 0 could not start: ModuleNotFoundError: No module named 'mine'")
 
     with pytest.raises(RankFailed, match=r"No module named 'mine' \(not restarted: a crash loop: 3 failures in a row"):
-        Supervisor(spec, make_group, capacity=lambda: 1, sleep=waits.append).run()
+        Supervisor(spec, Platform(make_group, capacity=lambda: 1), Options(sleep=waits.append)).run()
     assert len(calls) == 3
     assert len(waits) == 2, "a backoff before each restart, none after the last failure"
 
@@ -72,7 +73,7 @@ def test_bad_input_a_rank_refused_fails_the_job_at_once(tmp_path):
         raise RankFailed("rank 0 raised JobError: build() returned no model", refusal=refuses(JobError("x")))
 
     with pytest.raises(RankFailed, match="no model"):
-        Supervisor(spec, make_group, capacity=lambda: 1, sleep=lambda s: None).run()
+        Supervisor(spec, Platform(make_group, capacity=lambda: 1), Options(sleep=lambda s: None)).run()
     assert calls == [1]
     assert not refuses(RuntimeError("CUDA error")) and not refuses(ValueError("a user's own"))
 
@@ -88,7 +89,7 @@ def test_an_elastic_restore_on_another_device_model_is_labelled_exact_data(tmp_p
     run_in_process(spec.model_copy(update={"train": spec.train.model_copy(update={"updates": 2})}))
     group = ScriptedGroup(1, [[Report(rank=0, last_update=4, state="finished")]])
     group.runtimes = [versions().model_copy(update={"gpu": "NVIDIA H200"})]
-    Supervisor(spec, lambda *args: group, capacity=lambda: 1, sleep=lambda s: None).run()
+    Supervisor(spec, Platform(lambda *args: group, capacity=lambda: 1), Options(sleep=lambda s: None)).run()
     restored = [e for e in Ledger(open_storage(spec.storage), "g").read() if isinstance(e, Restored)]
     assert [(e.update, e.recovery_label) for e in restored] == [(2, "exact-data")]
 

@@ -1,0 +1,201 @@
+"""The supervisor driven one transition at a time through ``step()``, with a scripted group (no Ray).
+
+Each test arranges a state, makes one step, and checks the state it returns and what the ledger
+recorded for it: placing -> running, running -> recovering on a lost rank and the restart after it
+(warm, cold), recovering -> failed once a budget is spent, and a notice drained (a node's: a loss;
+the driver's: the job stops).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from spotrun.orchestrator.control.platform import Options, Platform
+from spotrun.orchestrator.control.supervisor import (
+    Failed,
+    Pending,
+    Placing,
+    Recovering,
+    Running,
+    Stopped,
+    Supervisor,
+)
+from spotrun.orchestrator.ledger.events import (
+    AttemptStarted,
+    NoticeHandled,
+    NoticeSeen,
+    Restored,
+    TopologyChanged,
+    WorkerLost,
+)
+from spotrun.orchestrator.notices.notice import Notice
+from spotrun.orchestrator.workers.groups import RankLost, Reformed
+from spotrun.trainer.run.rank import Report
+from tests.conftest import make_spec
+from tests.helpers import drafts
+from tests.helpers.groups import ScriptedGroup
+
+
+class StepGroup(ScriptedGroup):
+    """A scripted group that records what the supervisor asks of it, and re-forms warm as told."""
+
+    def __init__(self, world_size: int, polls: list, salvage: list[Report] = (), reformed: Reformed | None = None):
+        super().__init__(world_size, polls, salvage)
+        self.requests: list[tuple[bool, bool]] = []
+        self.reforms: list[tuple[set[int], str, list[int], int]] = []
+        self.torn_down = 0
+        self.reformed = reformed
+
+    def request(self, checkpoint=True, stop=False) -> None:
+        self.requests.append((checkpoint, stop))
+
+    def teardown(self) -> None:
+        self.torn_down += 1
+
+    # a WarmGroup: the supervisor may restart it warm
+    def reform(self, lost, bundle_key, manifest, shipped_files, sizes, attempt, lineage_id, label_for) -> Reformed:
+        self.reforms.append((set(lost), bundle_key, list(sizes), attempt))
+        assert self.reformed is not None
+        return self.reformed
+
+    def spares_ready(self) -> int:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    return drafts.real_draft(tmp_path_factory.mktemp("draft"))
+
+
+def supervisor(spec, *groups: StepGroup, capacity: int = 1) -> Supervisor:
+    queue = list(groups)
+    return Supervisor(spec, Platform(lambda *args: queue.pop(0), capacity=lambda: capacity),
+                      Options(sleep=lambda s: None))
+
+
+def events(sup: Supervisor, kind: type) -> list:
+    return [e for e in sup.ctx.ledger.read() if isinstance(e, kind)]
+
+
+def running(sup: Supervisor) -> Running:
+    """Pending -> Placing -> Running: the first attempt, fresh."""
+    placing = sup.step(Pending())
+    assert placing == Placing()
+    st = sup.step(placing)
+    assert isinstance(st, Running)
+    return st
+
+
+def test_placing_starts_an_attempt_and_records_it(tmp_path):
+    spec = make_spec(tmp_path, job_id="p")
+    group = StepGroup(1, [])
+    sup = supervisor(spec, group)
+    st = running(sup)
+    assert (st.group, st.attempt, st.world_size, st.last_update) == (group, 1, 1, 0)
+    assert [(e.attempt, e.world_size) for e in events(sup, AttemptStarted)] == [(1, 1)]
+    assert events(sup, Restored) == []  # fresh: nothing to restore
+
+
+def _published_running(sup: Supervisor, job: str, draft: dict, world: int) -> Running:
+    """The first attempt, once every rank reported its write of bundle 2 (published by this driver)."""
+    st = running(sup)
+    reports = [Report(rank=r, last_update=2, bundles=[drafts.part(job, r, 2, 1, world, draft)]) for r in range(world)]
+    st.group.polls.append(reports)
+    st = sup.step(st)
+    assert isinstance(st, Running) and st.last_update == 2 and sup.ctx.publisher.newest is not None
+    return st
+
+
+def _lose_rank_1(sup: Supervisor, st: Running) -> Recovering:
+    st.group.polls.append(RankLost(1, "process-exit", "SIGKILL", "node-1"))
+    st.group._salvage = [Report(rank=0, last_update=3)]
+    nxt = sup.step(st)
+    assert isinstance(nxt, Recovering)
+    assert (nxt.lost.rank, nxt.lost.cause, nxt.last_update) == (1, "process-exit", 3)  # the survivor got to 3
+    return nxt
+
+
+def test_a_lost_rank_recovers_warm_from_the_bundle_in_memory(tmp_path, draft):
+    spec = make_spec(tmp_path, "world.size=2", "world.restart_backoff_s=0", job_id="w")
+    group = StepGroup(2, [], reformed=Reformed("warm-replace", 2, "exact", 0.0, []))
+    sup = supervisor(spec, group, capacity=2)
+    recovering = _lose_rank_1(sup, _published_running(sup, "w", draft, 2))
+    st = sup.step(recovering)
+    assert isinstance(st, Running) and (st.group, st.attempt, st.world_size, st.last_update) == (group, 2, 2, 2)
+    assert group.reforms == [({1}, "w/bundles/u0000000002-a1", [2], 2)]
+    assert group.torn_down == 0  # the survivors kept their processes
+    [lost] = events(sup, WorkerLost)
+    assert (lost.rank, lost.cause, lost.loss, lost.last_update) == (1, "process-exit", "failure", 3)
+    [restored] = events(sup, Restored)
+    assert (restored.attempt, restored.recovery_path, restored.lost_updates, restored.cold_because) == (
+        2, "warm-replace", 1, None)
+
+
+def test_a_lost_rank_recovers_cold_when_the_job_restarts_in_new_processes(tmp_path, draft):
+    spec = make_spec(tmp_path, "world.size=2", "world.warm_recovery=false", "world.restart_backoff_s=0", job_id="c")
+    group, second = StepGroup(2, []), StepGroup(2, [])
+    sup = supervisor(spec, group, second, capacity=2)
+    recovering = _lose_rank_1(sup, _published_running(sup, "c", draft, 2))
+    placing = sup.step(recovering)
+    assert placing == Placing(cause="process-exit", last_update=3, world_before=2,
+                              cold_because="world.warm_recovery is off")
+    assert group.torn_down == 1 and group.reforms == []
+    st = sup.step(placing)  # placed anew, restored from storage
+    assert isinstance(st, Running) and (st.group, st.attempt, st.last_update) == (second, 2, 2)
+    assert second.restored == ["c/bundles/u0000000002-a1"]
+    [restored] = events(sup, Restored)
+    assert (restored.recovery_path, restored.cold_because) == ("cold", "world.warm_recovery is off")
+    assert events(sup, TopologyChanged) == []  # the same world size
+
+
+def test_recovering_fails_the_job_once_the_failure_budget_is_spent(tmp_path):
+    spec = make_spec(tmp_path, "world.max_restarts=0", job_id="f")
+    group = StepGroup(1, [])
+    sup = supervisor(spec, group)
+    st = running(sup)
+    failed = sup.step(Recovering(st.group, st.attempt, st.world_size, 0, RankLost(0, "process-exit", "SIGKILL")))
+    assert isinstance(failed, Failed) and "max_restarts=0" in failed.reason and not failed.refused
+    assert group.torn_down == 1
+    [lost] = events(sup, WorkerLost)
+    assert lost.budget is not None and lost.budget.failures == 1 and lost.backoff_seconds is None
+
+
+@pytest.mark.parametrize("state", [Pending(), Placing(), Stopped("s"), Failed("f"),
+                                   Running(StepGroup(1, []), 1, 1, 0),
+                                   Recovering(StepGroup(1, []), 1, 1, 0, RankLost(0, "oom"))])
+def test_a_state_is_never_changed_a_transition_makes_a_new_one(state):
+    field = dataclasses.fields(state)[0].name if dataclasses.fields(state) else "x"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(state, field, None)
+
+
+def _notice(node_id: str | None) -> Notice:
+    return Notice(source="aws", node_id=node_id, rank=0 if node_id else None,
+                  deadline=datetime.now(UTC) + timedelta(minutes=2))
+
+
+@pytest.mark.parametrize("node_id", ["node-0", None])
+def test_a_notice_drains_the_attempt_after_its_emergency_bundle(tmp_path, draft, node_id):
+    """A node's notice: checkpoint, stop, then a loss of that node (recovered like any other). The
+    driver's own notice: checkpoint, stop, and the job stops there."""
+    spec = make_spec(tmp_path, job_id="n")
+    group = StepGroup(1, [[Report(rank=0, last_update=1)]])
+    sup = supervisor(spec, group)
+    st = running(sup)
+    sup.notify(_notice(node_id))
+    draining = sup.step(st)
+    assert isinstance(draining, Running) and draining.draining is not None and group.requests == [(True, True)]
+    [seen] = events(sup, NoticeSeen)
+    assert seen.action == "emergency-checkpoint"
+    group.polls.append([Report(rank=0, last_update=2, state="stopped", bundles=[drafts.part("n", 0, 2, 1, 1, draft)])])
+    drained = sup.step(draining)
+    [handled] = events(sup, NoticeHandled)
+    assert (handled.bundle, handled.update, handled.early) == ("n/bundles/u0000000002-a1", 2, False)
+    if node_id is None:
+        assert isinstance(drained, Stopped) and "n/bundles/u0000000002-a1" in drained.reason
+    else:
+        assert isinstance(drained, Recovering)
+        assert (drained.lost.cause, drained.lost.node_id, drained.last_update) == ("notice:aws", "node-0", 2)
