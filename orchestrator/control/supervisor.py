@@ -92,6 +92,7 @@ from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.faults import FaultInjector, FaultLog
 from spotrun.trainer.observe.ranklog import RankLine
 from spotrun.trainer.observe.trace import TraceWriter
+from spotrun.trainer.run.rank import RankState
 from spotrun.trainer.state.counters import Counters
 from spotrun.trainer.storage import open_storage
 
@@ -531,7 +532,7 @@ class Supervisor:
     def _look(self, st: Running) -> State:
         reports = st.group.poll()
         self._absorb(st, reports)
-        if all(r.state == "finished" for r in reports):
+        if all(r.state == RankState.FINISHED for r in reports):
             st.group.teardown()
             return Finished(self.published[-1].counters if self.published else Counters())
         for notice in self._new_notices(st):
@@ -539,7 +540,7 @@ class Supervisor:
             if nxt is not None:
                 return nxt
         self._early_published(st)
-        stopped = all(r.state in ("stopped", "finished") for r in reports)
+        stopped = all(r.state in (RankState.STOPPED, RankState.FINISHED) for r in reports)
         if st.draining is not None and stopped:
             return self._drained(st, st.draining)
         if st.growing is not None and stopped:

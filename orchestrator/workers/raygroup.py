@@ -40,8 +40,8 @@ from spotrun.orchestrator.workers.groups import (
 from spotrun.orchestrator.workers.rankactor import RankActor, this_node
 from spotrun.trainer.bundle.bundles import BundleError
 from spotrun.trainer.bundle.manifest import Manifest, ManifestError
-from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.job.spec import JobSpec
+from spotrun.trainer.run.context import AttemptContext
 from spotrun.trainer.run.rank import Report
 from spotrun.trainer.run.visibility import (
     Node,
@@ -148,22 +148,22 @@ class RayGroup:
     # (verify's node removals, the kill tests) time their faults by them.
     traced_poll_interval_s = 0.1
 
-    def __init__(self, spec: JobSpec, world_size: int, *, attempt: int, lineage_id: str, recovery_label: str,
-                 storage: Storage, restore_mode: RestoreMode | None = None, drop: tuple[str, ...] = (),
-                 record_ids: bool = False, trace: bool = True, placement_timeout_s: float = 60.0) -> None:
-        """Place and start the ranks of one attempt. ``storage`` is the job's storage as the driver
-        opened it: every rank must see it too (:mod:`~spotrun.trainer.run.visibility`), or
-        ``StorageNotShared`` is raised before any rank restores or trains."""
+    def __init__(self, ctx: AttemptContext, *, storage: Storage, placement_timeout_s: float = 60.0) -> None:
+        """Place and start the ``ctx.world_size`` ranks of attempt ``ctx`` (its ``init_method`` is chosen
+        here, at rank 0's node). ``storage`` is the job's storage as the driver opened it: every rank
+        must see it too (:mod:`~spotrun.trainer.run.visibility`), or ``StorageNotShared`` is raised
+        before any rank restores or trains."""
         t0 = time.perf_counter()
+        spec, world_size = ctx.spec, ctx.world_size
+        self.ctx = ctx
         self.spec = spec
         self.world_size = world_size
         self.storage = storage
-        self.record_ids, self.trace = record_ids, trace
         self.spares: list[Spare] = []
         self._spare_pg: PlacementGroup | None = None
         self._spare_probe: Probe | None = None
         self._spares_placed = 0
-        if trace:
+        if ctx.instrument.trace:
             self.poll_interval_s = min(self.poll_interval_s, self.traced_poll_interval_s)
         w = spec.world
         bundle = rank_bundle(spec)
@@ -180,24 +180,21 @@ class RayGroup:
             raise CapacityUnavailable(f"{world_size} ranks of {bundle} could not be placed in "
                                       f"{placement_timeout_s:g}s") from e
         try:
-            self._start(spec, world_size, attempt, lineage_id, recovery_label, restore_mode, drop, record_ids,
-                        trace, t0)
+            self._start(t0)
         except BaseException:
             self.teardown()  # a rank lost or failed while starting: release what was placed
             raise
 
-    def _start(self, spec: JobSpec, world_size: int, attempt: int, lineage_id: str, recovery_label: str,
-               restore_mode: RestoreMode | None, drop: tuple[str, ...], record_ids: bool, trace: bool,
-               t0: float) -> None:
+    def _start(self, t0: float) -> None:
         """Create one actor per bundle of the placement group, form the process group, prove every rank
         sees the driver's storage, build the ranks."""
+        spec, world_size, attempt = self.spec, self.world_size, self.ctx.attempt
         w = spec.world
         pg = self.pg
         if pg is None:
             raise RuntimeError("the attempt's placement group was removed before its ranks started")
         self.actors = [self._new_actor(pg, r) for r in range(world_size)]
         self.slots = [(pg, r) for r in range(world_size)]  # each rank's bundle of a placement group
-        self._restore_mode, self._drop = restore_mode, drop
         if w.spares and ineligible(spec) is None:  # they start beside the ranks, and nothing waits for them
             self._spare_pg = placement_group([rank_bundle(spec)] * w.spares, strategy="SPREAD")
             for i in range(w.spares):
@@ -206,14 +203,11 @@ class RayGroup:
         self.node_ids = [w_["node_id"] for w_ in self.where]
         placement = time.perf_counter() - t0
         port = self._call([self.actors[0].free_port.remote()])[0]
-        init_method = f"tcp://{self.where[0]['ip']}:{port}"
-        spec_json = spec.model_dump_json()
+        self.ctx = ctx = self.ctx.model_copy(update={"init_method": f"tcp://{self.where[0]['ip']}:{port}"})
         probe = post_driver_probe(self.storage, spec.job_id, attempt, this_node())
         try:
-            setups = self._call([a.setup.remote(spec_json, r, world_size, init_method, attempt, lineage_id,
-                                                recovery_label, restore_mode, drop, record_ids, trace,
-                                                self._probe_for(probe, r).model_dump_json())
-                                 for r, a in enumerate(self.actors)], timeout=STARTUP_TIMEOUT_S)
+            setups = self._call([a.setup.remote(ctx, r, self._probe_for(probe, r)) for r, a in enumerate(self.actors)],
+                                timeout=STARTUP_TIMEOUT_S)
             check_answers(self.storage, probe, [s_["probe"] for s_ in setups])
         finally:
             remove_probes(self.storage, probe)
@@ -237,9 +231,8 @@ class RayGroup:
             self._spare_probe = post_driver_probe(self.storage, self.spec.job_id, attempt, this_node())
         actor = self._new_actor(pg, index)
         self._spares_placed += 1
-        ready = actor.prepare.remote(self.spec.model_dump_json(), self.world_size, self._restore_mode, self._drop,
-                                     self.trace, self._spare_probe.model_dump_json(),
-                                     self.world_size + self._spares_placed - 1, attempt)
+        ctx = self.ctx.model_copy(update={"attempt": attempt, "world_size": self.world_size, "init_method": None})
+        ready = actor.prepare.remote(ctx, self.world_size + self._spares_placed - 1, self._spare_probe)
         self.spares.append(Spare(actor, ready, (pg, index)))
 
     def _ready_spares(self, needed: int, among: list[Spare] | None = None) -> list[Spare]:
@@ -354,12 +347,12 @@ class RayGroup:
         self._runs, self._ended, self._news = [], set(), {}
         t1 = time.perf_counter()
         port = self._call([members[0].free_port.remote()])[0]
-        spec_json, manifest_json = self.spec.model_dump_json(), manifest.model_dump_json()
+        self.ctx = ctx = self.ctx.model_copy(update={
+            "attempt": attempt, "world_size": world_size, "lineage_id": lineage_id,
+            "recovery_label": label_for(world_size), "init_method": f"tcp://{wheres[0]['ip']}:{port}"})
         newcomers = {id(s.actor) for s in filling.values()}
         try:
-            results = self._call([a.rejoin.remote(spec_json, r, world_size, f"tcp://{wheres[0]['ip']}:{port}", attempt,
-                                                  lineage_id, label_for(world_size), self.record_ids, self.trace,
-                                                  bundle_key, manifest_json, shipped_files,
+            results = self._call([a.rejoin.remote(ctx, r, bundle_key, manifest, shipped_files,
                                                   replica if id(a) in newcomers else None)
                                   for r, a in enumerate(members)], timeout=STARTUP_TIMEOUT_S)
         except RankFailed as e:
@@ -498,7 +491,7 @@ class RayGroup:
         if notice.rank is None or notice.rank >= len(self.actors):
             return
         try:
-            self._get(notice.rank, self.actors[notice.rank].acknowledge.remote(notice.model_dump_json()))
+            self._get(notice.rank, self.actors[notice.rank].acknowledge.remote(notice))
         except RankFailed as e:  # the acknowledgement raised on the rank: the endpoint refused it
             raise OSError(str(e)) from e
 
