@@ -133,7 +133,8 @@ def group_signals_spare_ray() -> Iterator[None]:
 def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | None = None,
                record_ids: bool = False, init_from: tuple[str, str] | None = None,
                reset: tuple[str, ...] = (), drop: tuple[str, ...] = (), progress: Progress | None = None) -> Outcome:
-    from spotrun.orchestrator.workers.raygroup import RayGroup, available_rank_slots, rank_bundle, room_for_more_ranks
+    from spotrun.orchestrator.workers.placement import available_rank_slots, rank_bundle, room_for_more_ranks
+    from spotrun.orchestrator.workers.raygroup import RayGroup
 
     check_entrypoint(spec)
     ensure_ray(spec, address)

@@ -145,7 +145,7 @@ class RankActor:
         collective: Collective
         if ctx.world_size > 1:
             if ctx.init_method is None:
-                raise ValueError(f"attempt {ctx.attempt} has {ctx.world_size} ranks but no init_method to meet at")
+                raise RuntimeError(f"attempt {ctx.attempt} has {ctx.world_size} ranks but no init_method to meet at")
             backend = "gloo" if self.device == "cpu" else "nccl"
             collective = TorchCollective(ctx.init_method, rank, ctx.world_size, backend,
                                          ctx.spec.world.collective_timeout_s, self.device)

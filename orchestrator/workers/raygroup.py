@@ -3,19 +3,15 @@
 Each actor holds a :class:`spotrun.trainer.run.rank.RankRunner`; it is a threaded actor so
 that ``poll`` and ``request`` are served while ``run`` trains. The ranks form a
 ``torch.distributed`` group (gloo on CPU, nccl with GPUs) rendezvousing at
-rank 0's node. A lost actor is noticed from the first failed call: an
-``ActorDiedError`` (process killed, node removed gracefully) or the first
-``ActorUnavailableError`` (node unreachable), never Ray's ~15 s death timeout.
-A survivor whose collective fails because a peer died raises too, often before
-Ray reports the peer dead: such an error is blamed on the peer it points to (the
-job restarts), a collective that timed out with every peer answering is a
-``collective-timeout`` (a restart as well), and only any other error fails the job.
+rank 0's node. What a rank's failed call means (a lost rank, a peer blamed for a
+survivor's collective error, the job's own failure) is
+:mod:`~spotrun.orchestrator.workers.rankcalls`'s to say; where ranks fit,
+:mod:`~spotrun.orchestrator.workers.placement`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Set
@@ -28,19 +24,19 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spotrun.orchestrator.notices.notice import Notice
-from spotrun.orchestrator.policy.recovery import LossCause, RecoveryPath, WarmPlan, plan_warm
+from spotrun.orchestrator.policy.recovery import RecoveryPath, WarmPlan, plan_warm
 from spotrun.orchestrator.workers.groups import (
     CapacityUnavailable,
     RankFailed,
-    RankLost,
     Reformed,
     WarmUnavailable,
-    refuses,
 )
+from spotrun.orchestrator.workers.placement import placed as _placed
+from spotrun.orchestrator.workers.placement import rank_bundle
 from spotrun.orchestrator.workers.rankactor import RankActor, this_node
-from spotrun.trainer.bundle.bundles import BundleError
-from spotrun.trainer.bundle.manifest import Manifest, ManifestError
-from spotrun.trainer.job.spec import JobSpec
+from spotrun.orchestrator.workers.rankcalls import answer_of, blame
+from spotrun.orchestrator.workers.rankcalls import settle as _settle
+from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.run.context import AttemptContext
 from spotrun.trainer.run.rank import Report
 from spotrun.trainer.run.visibility import (
@@ -55,11 +51,6 @@ from spotrun.trainer.run.visibility import (
 from spotrun.trainer.run.warm import ineligible
 from spotrun.trainer.storage import Storage
 
-# What a survivor's collective raises when a peer died or hung (gloo, NCCL, c10d).
-COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|c10d|Connection (closed|reset) by peer|[Tt]imed out")
-# What Ray says of a worker its memory monitor killed (a kernel OOM kill is a plain SIGKILL: process-exit).
-OOM_KILL = re.compile(r"running low on memory|OutOfMemoryError")
-PEER_PROBE_S = 5.0  # long enough for Ray to report a SIGKILLed peer dead (well under a second here)
 NEWS_WAIT_S = 10.0  # how long a rank's wait_for_news call blocks before it answers no news (and is sent again)
 WAKE_CHECK_S = 0.1  # how often a wait looks at the supervisor's wake event (a driver's notice)
 # A poll or request answers at once (threaded actor), and a dead rank's call fails at once: this only
@@ -78,61 +69,6 @@ LEAVE_TIMEOUT_S = 30.0
 # keeps its lines. Bounded, so that an actor on an unreachable node delays a restart by this at most.
 FLUSH_BEFORE_KILL_S = 2.0
 log = logging.getLogger("spotrun.raygroup")
-
-
-
-
-def _settle(refs: list[Any], timeout: float = 0.0) -> None:
-    """Read the results of ``refs`` that are in within ``timeout``, failed or not: an error nobody reads
-    is printed by Ray, traceback and all, when its reference goes (after the one error that counts was
-    already reported)."""
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
-    for ref in done:
-        try:
-            ray.get(ref, timeout=0)
-        except (RayActorError, RayTaskError, GetTimeoutError):
-            pass
-
-
-def _placed(pg: PlacementGroup) -> bool:
-    """Whether every bundle of ``pg`` holds its resources now (none waits for a node)."""
-    return ray.util.placement_group_table(pg).get("state") == "CREATED"
-
-
-def rank_bundle(spec: JobSpec) -> dict[str, float]:
-    w = spec.world
-    return {"CPU": w.cpus_per_rank, **({"GPU": w.num_gpus_per_rank} if w.num_gpus_per_rank else {})}
-
-
-def available_rank_slots(spec: JobSpec, exclude: Set[str] = frozenset()) -> int:
-    """How many ranks the alive nodes can hold (resources per rank from the spec; one per node under
-    STRICT_SPREAD), not counting ``exclude`` (nodes that are draining: they take no new work and
-    are about to go)."""
-    cpus, gpus = spec.world.cpus_per_rank, spec.world.num_gpus_per_rank
-    slots = 0
-    for node in ray.nodes():
-        if not node.get("Alive") or node["NodeID"] in exclude:
-            continue
-        res = node.get("Resources", {})
-        fit = int(res.get("CPU", 0) // cpus)
-        if gpus:
-            fit = min(fit, int(res.get("GPU", 0) // gpus))
-        slots += min(fit, 1) if spec.world.placement == "STRICT_SPREAD" else fit
-    return slots
-
-
-def room_for_more_ranks(spec: JobSpec, extra: int, timeout_s: float = 2.0) -> bool:
-    """Can ``extra`` more ranks be placed now, beside the running ones? Asks Ray's scheduler the only
-    way it answers: reserves them in a placement group for a moment, then lets go. (Counting node
-    resources cannot tell what other jobs hold.)"""
-    pg = placement_group([rank_bundle(spec)] * extra, strategy=spec.world.placement)
-    try:
-        ray.get(pg.ready(), timeout=timeout_s)
-        return True
-    except GetTimeoutError:
-        return False
-    finally:
-        remove_placement_group(pg)
 
 
 class RayGroup:
@@ -386,33 +322,8 @@ class RayGroup:
         return out
 
     def _get(self, rank: int, ref: Any, timeout: float | None = POLL_TIMEOUT_S) -> Any:
-        try:
-            return ray.get(ref, timeout=timeout)
-        except RayTaskError as e:
-            cause = e.cause if getattr(e, "cause", None) is not None else e
-            if isinstance(cause, (BundleError, ManifestError, StorageNotShared)):
-                raise cause from e  # the supervisor decides: fall back, or refuse the job
-            raise RankFailed(f"rank {rank} raised {type(cause).__name__}: {cause}", rank,
-                             collective=bool(COLLECTIVE_ERROR.search(str(cause))), refusal=refuses(cause)) from e
-        except (RayActorError, GetTimeoutError) as e:
-            # its creation task raised: a bug or bad input (an import that fails), not a lost machine
-            if isinstance(e, RayActorError) and e.actor_init_failed:
-                raise RankFailed(f"rank {rank} could not start: {str(e).strip()[-1500:]}") from e
-            raise self._lost(rank, e) from e
-
-    def _lost(self, rank: int, e: BaseException) -> RankLost:
-        node = self.node_ids[rank] if rank < len(getattr(self, "node_ids", [])) else None
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        if (isinstance(e, ActorUnavailableError) or (node is not None and node not in alive)
-                or (isinstance(e, RayActorError) and e.preempted)):  # preempted: Ray drained the node for it
-            cause = LossCause.NODE_LOST
-        elif isinstance(e, GetTimeoutError):
-            cause = LossCause.UNRESPONSIVE
-        elif OOM_KILL.search(str(e)):  # Ray says so only in the error's text
-            cause = LossCause.OOM
-        else:
-            cause = LossCause.PROCESS_EXIT
-        return RankLost(rank, cause, str(e).splitlines()[0] if str(e) else type(e).__name__, node)
+        node_ids = getattr(self, "node_ids", [])  # none before the ranks said where they are
+        return answer_of(rank, ref, timeout, node_ids[rank] if rank < len(node_ids) else None)
 
     def restore(self, bundle_key: str, storage_uri: str | None = None,
                 reset: tuple[str, ...] = ()) -> tuple[float, list[str]]:
@@ -433,7 +344,7 @@ class RayGroup:
                 except RankFailed as e:
                     failure = failure or e  # a later rank's death may be the reason: look at all first
         if failure is not None:
-            raise self._cause_of(failure)
+            raise blame(failure, self.actors, self.node_ids)
         reports = []
         for report, notices in self._call([a.poll.remote() for a in self.actors]):
             reports.append(report)
@@ -459,26 +370,6 @@ class RayGroup:
                 del self._news[news[ref]]  # its outcome (news, a timeout, a lost rank) is the next poll's
             else:
                 self._ended.add(ref)
-
-    def _cause_of(self, failure: RankFailed) -> RankFailed | RankLost:
-        """A rank whose collective failed did so because a peer died or hung: find that peer (the
-        job restarts); a collective that timed out with every peer answering is a collective-timeout
-        (a restart too). Any other error is the job's own and fails it."""
-        if not failure.collective:
-            return failure
-        for rank, actor in enumerate(self.actors):
-            if rank == failure.rank:
-                continue
-            try:
-                ray.get(actor.poll.remote(), timeout=PEER_PROBE_S)
-            except (RayActorError, GetTimeoutError) as e:
-                return self._lost(rank, e)
-            except RayTaskError:
-                continue
-        if re.search(r"[Tt]imed out", str(failure)):
-            node = self.node_ids[failure.rank] if failure.rank is not None else None
-            return RankLost(failure.rank, LossCause.COLLECTIVE_TIMEOUT, str(failure).splitlines()[0], node)
-        return failure
 
     def take_notices(self) -> list[Notice]:
         notices, self.notices = self.notices, []
