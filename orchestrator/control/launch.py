@@ -8,7 +8,9 @@ working directory is on their path).
 
 ``drop`` builds a deliberately broken job whose restores lose the named state
 categories; only ``spotrun verify --mutate`` asks for one (through
-:mod:`spotrun.orchestrator.cli.mutant`), never ``spotrun run``.
+:mod:`spotrun.orchestrator.cli.mutant`), never ``spotrun run``. The trace switches and ``drop`` reach
+the ranks as one :class:`~spotrun.trainer.run.context.Instrumentation`, part of each attempt's
+:class:`~spotrun.trainer.run.context.AttemptContext`.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from spotrun.orchestrator.workers.groups import InProcessGroup
 from spotrun.orchestrator.workers.ray_internals import quiet_auth_notice, quiet_worker_deaths, shutdown_without_grace
 from spotrun.trainer.job.contract import entrypoint_of, load_entrypoint
 from spotrun.trainer.job.spec import JobSpec
-from spotrun.trainer.metrics.mlflow_sink import SEND_AT_WRITE
 from spotrun.trainer.observe.redirect import routed
+from spotrun.trainer.run.context import AttemptContext, Instrumentation, MlflowSend
 from spotrun.trainer.storage import open_storage
 
 log = logging.getLogger("spotrun")
@@ -75,13 +77,16 @@ def in_process_supervisor(spec: JobSpec, *, trace_path: str | None = None, recor
         raise ValueError(f"running without Ray needs world.size=1 (the spec asks for {spec.world.size})")
     check_entrypoint(spec)
 
-    def make_group(size, attempt, lineage, label, mode):
-        return InProcessGroup(spec, attempt=attempt, lineage_id=lineage, recovery_label=label,
-                              restore_mode=mode, drop=drop, record_ids=record_ids, trace=trace_path is not None)
+    instrument = Instrumentation.of(trace=trace_path is not None, record_ids=record_ids, mutate=drop)
+
+    def make_group(size, attempt, lineage, label, mode):  # one rank in this process, whatever the size asked
+        return InProcessGroup(AttemptContext(spec=spec, attempt=attempt, world_size=1, lineage_id=lineage,
+                                             recovery_label=label, restore_mode=mode, instrument=instrument))
 
     return Supervisor(spec, Platform(make_group, capacity=lambda: 1),
                       Options(trace_path=trace_path, record_ids=record_ids, init_from=init_from, reset=reset,
-                              progress=progress, oracle_acts=not drop, send_at_publish=SEND_AT_WRITE not in drop))
+                              progress=progress, oracle_acts=not instrument.mutant,
+                              send_at_publish=instrument.mlflow_send is MlflowSend.AT_PUBLISH))
 
 
 def embedded_cpus(spec: JobSpec) -> int:
@@ -129,17 +134,20 @@ def group_signals_spare_ray() -> Iterator[None]:
 def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | None = None,
                record_ids: bool = False, init_from: tuple[str, str] | None = None,
                reset: tuple[str, ...] = (), drop: tuple[str, ...] = (), progress: Progress | None = None) -> Outcome:
-    from spotrun.orchestrator.workers.raygroup import RayGroup, available_rank_slots, rank_bundle, room_for_more_ranks
+    from spotrun.orchestrator.workers.placement import available_rank_slots, rank_bundle, room_for_more_ranks
+    from spotrun.orchestrator.workers.raygroup import RayGroup
 
     check_entrypoint(spec)
     ensure_ray(spec, address)
 
     storage = open_storage(spec.storage, spec.storage_endpoint_url, check=False)  # the supervisor checks it
 
+    instrument = Instrumentation.of(trace=trace_path is not None, record_ids=record_ids, mutate=drop)
+
     def make_group(size, attempt, lineage, label, mode):
-        return RayGroup(spec, size, attempt=attempt, lineage_id=lineage, recovery_label=label, storage=storage,
-                        restore_mode=mode, drop=drop, record_ids=record_ids, trace=trace_path is not None,
-                        placement_timeout_s=max(5.0, spec.world.capacity_timeout_s))
+        return RayGroup(AttemptContext(spec=spec, attempt=attempt, world_size=size, lineage_id=lineage,
+                                       recovery_label=label, restore_mode=mode, instrument=instrument),
+                        storage=storage, placement_timeout_s=max(5.0, spec.world.capacity_timeout_s))
 
     drain_source = None
     if spec.preemption.watch_ray_drain:
@@ -164,6 +172,6 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | N
 
     platform = Platform(make_group, capacity, scaler=RayScaler(), drains=drain_source)
     sup = Supervisor(spec, platform, Options(trace_path=trace_path, record_ids=record_ids, init_from=init_from,
-                                             reset=reset, progress=progress, oracle_acts=not drop,
-                                             send_at_publish=SEND_AT_WRITE not in drop))
+                                             reset=reset, progress=progress, oracle_acts=not instrument.mutant,
+                                             send_at_publish=instrument.mlflow_send is MlflowSend.AT_PUBLISH))
     return sup.run()

@@ -58,7 +58,7 @@ from spotrun.orchestrator.workers.groups import RankFailed, RankLost
 from spotrun.trainer.data.listing import open_source
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.trace import TraceWriter
-from spotrun.trainer.run.rank import Report
+from spotrun.trainer.run.rank import RankState, Report
 from spotrun.trainer.state.counters import Counters
 from spotrun.trainer.storage import Storage, open_storage
 
@@ -213,7 +213,7 @@ class Supervisor:
         reports = st.group.poll()
         st = self._absorb(st, reports)
         seen.append(st)
-        if all(r.state == "finished" for r in reports):
+        if all(r.state == RankState.FINISHED for r in reports):
             st.group.teardown()
             return Finished(self.ctx.published[-1].counters if self.ctx.published else Counters())
         for notice in self.notices.take(st):
@@ -222,7 +222,7 @@ class Supervisor:
                 return nxt
             st = nxt
         st = self.notices.early_published(st)
-        stopped = all(r.state in ("stopped", "finished") for r in reports)
+        stopped = all(r.state in (RankState.STOPPED, RankState.FINISHED) for r in reports)
         if st.draining is not None and stopped:
             return self.notices.drained(st, st.draining)
         if st.growing is not None and stopped:
@@ -258,7 +258,7 @@ class Supervisor:
                     self.trace.write(record)
         ctx.publisher.retries_elsewhere = sum(self._rank_retries.values())
         new = ctx.publisher.collect([b for r in reports for b in r.bundles],  # finished: the last bundle waits
-                                    wait=all(r.state == "finished" for r in reports))
+                                    wait=all(r.state == RankState.FINISHED for r in reports))
         if new:
             ctx.budgets.published()
         ctx.published += new

@@ -20,10 +20,9 @@ from typing import Protocol, runtime_checkable
 from spotrun.orchestrator.notices.notice import Notice
 from spotrun.orchestrator.policy.recovery import RecoveryPath
 from spotrun.trainer.bundle.manifest import Manifest, Versions
-from spotrun.trainer.data.planner import RestoreMode
-from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.ranklog import RankLog
 from spotrun.trainer.observe.redirect import working_for
+from spotrun.trainer.run.context import AttemptContext
 from spotrun.trainer.run.rank import RankRunner, Report
 from spotrun.trainer.runtime.collective import LocalCollective
 from spotrun.trainer.runtime.device import rank_device
@@ -149,9 +148,11 @@ class InProcessGroup:
     poll_interval_s = 0.02  # a poll is a lock and a swap: polling often costs nothing
     timings: dict[str, float] = {}  # nothing to place: the rank is a thread of this process
 
-    def __init__(self, spec: JobSpec, *, attempt: int, lineage_id: str, recovery_label: str,
-                 restore_mode: RestoreMode | None = None, drop: tuple[str, ...] = (), record_ids: bool = False,
-                 trace: bool = True) -> None:
+    def __init__(self, ctx: AttemptContext) -> None:
+        """Build the one rank of attempt ``ctx`` (its ``world_size`` is 1) on this thread."""
+        if ctx.world_size != 1:
+            raise ValueError(f"the in-process group trains one rank (the attempt asks for {ctx.world_size})")
+        spec = ctx.spec
         self.world_size = 1
         self.node_ids = ["local"]
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -161,14 +162,11 @@ class InProcessGroup:
             assigned = [g for g in (visible or "").split(",") if g]
         device = rank_device(spec.world.num_gpus_per_rank, assigned, "local")  # DeviceError: exit 2
         self.output = RankLog()
-        self.output.begin(open_storage(spec.storage, spec.storage_endpoint_url, check=False), spec.job_id, attempt,
-                          "rank 0")
+        self.output.begin(open_storage(spec.storage, spec.storage_endpoint_url, check=False), spec.job_id,
+                          ctx.attempt, "rank 0")
         try:
             with working_for(self.output):  # the job's build prints as the rank
-                self.runner = RankRunner(spec, rank=0, world_size=1, attempt=attempt, lineage_id=lineage_id,
-                                         recovery_label=recovery_label, collective=LocalCollective(),
-                                         restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace,
-                                         device=device)
+                self.runner = RankRunner(ctx, rank=0, collective=LocalCollective(), device=device)
         except BaseException:
             self.output.close()
             raise

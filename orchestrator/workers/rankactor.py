@@ -20,11 +20,11 @@ from spotrun.orchestrator.notices.notice import Notice, install_signal_notices
 from spotrun.orchestrator.workers.priority import run_at_normal_priority
 from spotrun.orchestrator.workers.ray_internals import is_ray_control_line
 from spotrun.trainer.bundle.manifest import Manifest
-from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.ranklog import RankLog
 from spotrun.trainer.observe.redirect import FdRedirect
-from spotrun.trainer.run.rank import RankRunner, Report
+from spotrun.trainer.run.context import AttemptContext
+from spotrun.trainer.run.rank import RankRunner, RankState, Report
 from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.run.visibility import (
     Node,
@@ -100,29 +100,24 @@ class RankActor:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def setup(self, spec_json: str, rank: int, world_size: int, init_method: str, attempt: int,
-              lineage_id: str, recovery_label: str, restore_mode: RestoreMode | None, drop: tuple[str, ...],
-              record_ids: bool, trace: bool, probe_json: str) -> dict[str, Any]:
-        """Pick the device (refusing a GPU this torch cannot see), form the process group, answer the
-        driver's storage probe (``StorageNotShared`` when this rank cannot see it), build the rank.
-        Returns the device, the rank's runtime (device model and library versions), its probe, and
-        where the time went."""
+    def setup(self, ctx: AttemptContext, rank: int, probe: RankProbe) -> dict[str, Any]:
+        """Serve attempt ``ctx`` as rank ``rank``: pick the device (refusing a GPU this torch cannot see),
+        form the process group (at ``ctx.init_method``), answer the driver's storage ``probe``
+        (``StorageNotShared`` when this rank cannot see it), build the rank. Returns the device, the
+        rank's runtime (device model and library versions), its probe, and where the time went."""
         t0 = time.perf_counter()
         run_at_normal_priority()  # before the process group's threads start: they inherit it
-        spec = JobSpec.model_validate_json(spec_json)
-        self._log_as(spec, attempt, f"rank {rank}", write=False)  # the storage probe comes first
+        spec = ctx.spec
+        self._log_as(spec, ctx.attempt, f"rank {rank}", write=False)  # the storage probe comes first
         self.rank, self.grace_s = rank, spec.preemption.grace_s
         try:
             assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
             device = rank_device(spec.world.num_gpus_per_rank, assigned, self.node_id)  # DeviceError: exit 2
             self.device = device
             self._watch(spec, rank)
-            collective = self._join(spec, init_method, rank, world_size)
+            collective = self._join(ctx, rank)
             t1 = time.perf_counter()
-            self.runner = RankRunner(spec, rank=rank, world_size=world_size, attempt=attempt, lineage_id=lineage_id,
-                                     recovery_label=recovery_label, collective=collective,
-                                     restore_mode=restore_mode, drop=drop, record_ids=record_ids, trace=trace,
-                                     device=device, probe=RankProbe.model_validate_json(probe_json))
+            self.runner = RankRunner(ctx, rank=rank, collective=collective, device=device, probe=probe)
             self.output.allow_writes()  # the runner answered the probe before it built the job
         except BaseException:
             self.flush_output()  # what the job printed before it failed stays in the rank log
@@ -139,40 +134,41 @@ class RankActor:
         if self._clouds is None:
             self._clouds = watch_clouds(spec.preemption, self.node_id, rank, self._on_notice)
 
-    def acknowledge(self, notice_json: str) -> None:
+    def acknowledge(self, notice: Notice) -> None:
         """The bundle this rank's notice asked for is published: tell its cloud (Azure's ``StartRequests``,
         when ``preemption.azure_ack`` is on). Raises ``OSError`` when the endpoint refuses."""
         if self._clouds is not None:
-            self._clouds.acknowledge(Notice.model_validate_json(notice_json))
+            self._clouds.acknowledge(notice)
 
-    def _join(self, spec: JobSpec, init_method: str, rank: int, world_size: int) -> Collective:
-        """Form the attempt's process group (gloo on CPU, nccl with GPUs) as ``rank`` of ``world_size``."""
+    def _join(self, ctx: AttemptContext, rank: int) -> Collective:
+        """Form the attempt's process group (gloo on CPU, nccl with GPUs) as ``rank`` of ``ctx.world_size``."""
         collective: Collective
-        if world_size > 1:
+        if ctx.world_size > 1:
+            if ctx.init_method is None:
+                raise RuntimeError(f"attempt {ctx.attempt} has {ctx.world_size} ranks but no init_method to meet at")
             backend = "gloo" if self.device == "cpu" else "nccl"
-            collective = TorchCollective(init_method, rank, world_size, backend, spec.world.collective_timeout_s,
-                                         self.device)
+            collective = TorchCollective(ctx.init_method, rank, ctx.world_size, backend,
+                                         ctx.spec.world.collective_timeout_s, self.device)
         else:
             collective = LocalCollective()
         self.collective = collective
         return collective
 
-    def prepare(self, spec_json: str, world_size: int, restore_mode: RestoreMode | None, drop: tuple[str, ...],
-                trace: bool, probe_json: str, number: int, attempt: int) -> dict[str, Any]:
-        """A spare placed during ``attempt``: pick the device, answer the driver's storage probe
-        (``probe_json``; as rank ``number``, past the world's), build the job and its state (as rank 0
-        of ``world_size``; :meth:`rejoin` gives it its place) and wait. Its lines until then are
-        ``spare <number>``'s, in that attempt's rank logs."""
+    def prepare(self, ctx: AttemptContext, number: int, probe: Probe) -> dict[str, Any]:
+        """A spare placed during attempt ``ctx``: pick the device, answer the driver's storage ``probe``
+        (as rank ``number``, past the world's), build the job and its state (as rank 0 of
+        ``ctx.world_size``, attempt 0; :meth:`rejoin` gives it its place) and wait. Its lines until then
+        are ``spare <number>``'s, in that attempt's rank logs."""
         run_at_normal_priority()
-        spec = JobSpec.model_validate_json(spec_json)
-        self._log_as(spec, attempt, f"spare {number}", write=False)
+        spec = ctx.spec
+        self._log_as(spec, ctx.attempt, f"spare {number}", write=False)
         assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
         self.device = rank_device(spec.world.num_gpus_per_rank, assigned, self.node_id)
-        probe = RankProbe(driver=Probe.model_validate_json(probe_json), rank=number, node=this_node())
-        answer = answer_probe(open_storage(spec.storage, spec.storage_endpoint_url), probe)
+        answer = answer_probe(open_storage(spec.storage, spec.storage_endpoint_url),
+                              RankProbe(driver=probe, rank=number, node=this_node()))
         self.output.allow_writes()
-        self.session = TrainSession(spec, rank=0, world_size=world_size, attempt=0, restore_mode=restore_mode,
-                                    drop=drop, digests=trace, device=self.device)
+        self.session = TrainSession(spec, rank=0, world_size=ctx.world_size, attempt=0,
+                                    restore_mode=ctx.restore_mode, instrument=ctx.instrument, device=self.device)
         return {"probe": answer, **self.where()}
 
     def leave(self, timeout: float) -> list[str] | None:
@@ -192,28 +188,24 @@ class RankActor:
         """The replicated model and optimizer of ``bundle_key`` in this rank's memory, for a spare."""
         return self.runner.replica(bundle_key) if self.runner is not None else None
 
-    def rejoin(self, spec_json: str, rank: int, world_size: int, init_method: str, attempt: int, lineage_id: str,
-               recovery_label: str, record_ids: bool, trace: bool, bundle_key: str, manifest_json: str,
+    def rejoin(self, ctx: AttemptContext, rank: int, bundle_key: str, manifest: Manifest,
                shipped_files: dict[str, bytes], replica: Kept | None) -> dict[str, Any]:
-        """Serve attempt ``attempt`` as ``rank`` of ``world_size`` in this process (a survivor, or a
-        spare): form the new process group, keep the built job, and restore bundle ``bundle_key``
-        from memory (trainer/run/warm.py; ``NotInMemory`` when a file is held nowhere)."""
+        """Serve attempt ``ctx`` as ``rank`` in this process (a survivor, or a spare): form the new
+        process group, keep the built job, and restore bundle ``bundle_key`` (its ``manifest``) from
+        memory (trainer/run/warm.py; ``NotInMemory`` when a file is held nowhere)."""
         t0 = time.perf_counter()
-        spec = JobSpec.model_validate_json(spec_json)
-        self._log_as(spec, attempt, f"rank {rank}")  # a warm restart may renumber this process
+        spec = ctx.spec
+        self._log_as(spec, ctx.attempt, f"rank {rank}")  # a warm restart may renumber this process
         session = self.runner.session if self.runner is not None else self.session
         if session is None:
             raise RuntimeError("rejoin: this process has no built job (neither a rank nor a prepared spare)")
         held = self.runner.held if self.runner is not None else None
         self._watch(spec, rank)
-        collective = self._join(spec, init_method, rank, world_size)
+        collective = self._join(ctx, rank)
         t1 = time.perf_counter()
-        runner = RankRunner(spec, rank=rank, world_size=world_size, attempt=attempt, lineage_id=lineage_id,
-                            recovery_label=recovery_label, collective=collective, record_ids=record_ids, trace=trace,
-                            device=self.device, session=session, held=held)
+        runner = RankRunner(ctx, rank=rank, collective=collective, device=self.device, session=session, held=held)
         t2 = time.perf_counter()
-        seconds, mismatches = runner.restore_from_memory(bundle_key, Manifest.model_validate_json(manifest_json),
-                                                         shipped_files, replica)
+        seconds, mismatches = runner.restore_from_memory(bundle_key, manifest, shipped_files, replica)
         self.runner, self.session = runner, None
         return {"process_group_seconds": t1 - t0, "rank_setup_seconds": t2 - t1, "restore_seconds": seconds,
                 "mismatches": mismatches, "runtime": runner.session.desc.runtime}
@@ -226,7 +218,7 @@ class RankActor:
     def restore(self, bundle_key: str, storage_uri: str | None, reset: tuple[str, ...]) -> tuple[float, list[str]]:
         return self._runner().restore(bundle_key, storage_uri=storage_uri, reset=reset)
 
-    def run(self) -> str:
+    def run(self) -> RankState:
         runner = self._runner()
         run_at_normal_priority()  # this thread of the actor's pool too; the loader workers fork from it
         self._run_ended.clear()
@@ -252,8 +244,8 @@ class RankActor:
         if self._redirect is not None:  # the lines written before this poll come with it
             self._redirect.drain(timeout=POLL_DRAIN_S)
         report = self._runner().poll()  # first: it clears the news, and a notice after this wakes again
-        if report.state != "running" and not self._run_ended.is_set():
-            report.state = "running"
+        if report.state != RankState.RUNNING and not self._run_ended.is_set():
+            report.state = RankState.RUNNING
         report.output = self.output.take()
         with self._lock:
             notices, self._notices = self._notices, []

@@ -3,19 +3,15 @@
 Each actor holds a :class:`spotrun.trainer.run.rank.RankRunner`; it is a threaded actor so
 that ``poll`` and ``request`` are served while ``run`` trains. The ranks form a
 ``torch.distributed`` group (gloo on CPU, nccl with GPUs) rendezvousing at
-rank 0's node. A lost actor is noticed from the first failed call: an
-``ActorDiedError`` (process killed, node removed gracefully) or the first
-``ActorUnavailableError`` (node unreachable), never Ray's ~15 s death timeout.
-A survivor whose collective fails because a peer died raises too, often before
-Ray reports the peer dead: such an error is blamed on the peer it points to (the
-job restarts), a collective that timed out with every peer answering is a
-``collective-timeout`` (a restart as well), and only any other error fails the job.
+rank 0's node. What a rank's failed call means (a lost rank, a peer blamed for a
+survivor's collective error, the job's own failure) is
+:mod:`~spotrun.orchestrator.workers.rankcalls`'s to say; where ranks fit,
+:mod:`~spotrun.orchestrator.workers.placement`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Set
@@ -28,20 +24,20 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spotrun.orchestrator.notices.notice import Notice
-from spotrun.orchestrator.policy.recovery import LossCause, RecoveryPath, WarmPlan, plan_warm
+from spotrun.orchestrator.policy.recovery import RecoveryPath, WarmPlan, plan_warm
 from spotrun.orchestrator.workers.groups import (
     CapacityUnavailable,
     RankFailed,
-    RankLost,
     Reformed,
     WarmUnavailable,
-    refuses,
 )
+from spotrun.orchestrator.workers.placement import placed as _placed
+from spotrun.orchestrator.workers.placement import rank_bundle
 from spotrun.orchestrator.workers.rankactor import RankActor, this_node
-from spotrun.trainer.bundle.bundles import BundleError
-from spotrun.trainer.bundle.manifest import Manifest, ManifestError
-from spotrun.trainer.data.planner import RestoreMode
-from spotrun.trainer.job.spec import JobSpec
+from spotrun.orchestrator.workers.rankcalls import answer_of, blame
+from spotrun.orchestrator.workers.rankcalls import settle as _settle
+from spotrun.trainer.bundle.manifest import Manifest
+from spotrun.trainer.run.context import AttemptContext
 from spotrun.trainer.run.rank import Report
 from spotrun.trainer.run.visibility import (
     Node,
@@ -55,11 +51,6 @@ from spotrun.trainer.run.visibility import (
 from spotrun.trainer.run.warm import NotInMemory, ineligible
 from spotrun.trainer.storage import Storage
 
-# What a survivor's collective raises when a peer died or hung (gloo, NCCL, c10d).
-COLLECTIVE_ERROR = re.compile(r"gloo|NCCL|c10d|Connection (closed|reset) by peer|[Tt]imed out")
-# What Ray says of a worker its memory monitor killed (a kernel OOM kill is a plain SIGKILL: process-exit).
-OOM_KILL = re.compile(r"running low on memory|OutOfMemoryError")
-PEER_PROBE_S = 5.0  # long enough for Ray to report a SIGKILLed peer dead (well under a second here)
 NEWS_WAIT_S = 10.0  # how long a rank's wait_for_news call blocks before it answers no news (and is sent again)
 WAKE_CHECK_S = 0.1  # how often a wait looks at the supervisor's wake event (a driver's notice)
 # A poll or request answers at once (threaded actor), and a dead rank's call fails at once: this only
@@ -80,61 +71,6 @@ FLUSH_BEFORE_KILL_S = 2.0
 log = logging.getLogger("spotrun.raygroup")
 
 
-
-
-def _settle(refs: list[Any], timeout: float = 0.0) -> None:
-    """Read the results of ``refs`` that are in within ``timeout``, failed or not: an error nobody reads
-    is printed by Ray, traceback and all, when its reference goes (after the one error that counts was
-    already reported)."""
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
-    for ref in done:
-        try:
-            ray.get(ref, timeout=0)
-        except (RayActorError, RayTaskError, GetTimeoutError):
-            pass
-
-
-def _placed(pg: PlacementGroup) -> bool:
-    """Whether every bundle of ``pg`` holds its resources now (none waits for a node)."""
-    return ray.util.placement_group_table(pg).get("state") == "CREATED"
-
-
-def rank_bundle(spec: JobSpec) -> dict[str, float]:
-    w = spec.world
-    return {"CPU": w.cpus_per_rank, **({"GPU": w.num_gpus_per_rank} if w.num_gpus_per_rank else {})}
-
-
-def available_rank_slots(spec: JobSpec, exclude: Set[str] = frozenset()) -> int:
-    """How many ranks the alive nodes can hold (resources per rank from the spec; one per node under
-    STRICT_SPREAD), not counting ``exclude`` (nodes that are draining: they take no new work and
-    are about to go)."""
-    cpus, gpus = spec.world.cpus_per_rank, spec.world.num_gpus_per_rank
-    slots = 0
-    for node in ray.nodes():
-        if not node.get("Alive") or node["NodeID"] in exclude:
-            continue
-        res = node.get("Resources", {})
-        fit = int(res.get("CPU", 0) // cpus)
-        if gpus:
-            fit = min(fit, int(res.get("GPU", 0) // gpus))
-        slots += min(fit, 1) if spec.world.placement == "STRICT_SPREAD" else fit
-    return slots
-
-
-def room_for_more_ranks(spec: JobSpec, extra: int, timeout_s: float = 2.0) -> bool:
-    """Can ``extra`` more ranks be placed now, beside the running ones? Asks Ray's scheduler the only
-    way it answers: reserves them in a placement group for a moment, then lets go. (Counting node
-    resources cannot tell what other jobs hold.)"""
-    pg = placement_group([rank_bundle(spec)] * extra, strategy=spec.world.placement)
-    try:
-        ray.get(pg.ready(), timeout=timeout_s)
-        return True
-    except GetTimeoutError:
-        return False
-    finally:
-        remove_placement_group(pg)
-
-
 class RayGroup:
     # A poll is an actor call to every rank, served beside its training thread, and a driver that
     # polls often takes CPU from the ranks: tiny on 2 ranks ran at 39.5 updates/s polled every
@@ -148,22 +84,22 @@ class RayGroup:
     # (verify's node removals, the kill tests) time their faults by them.
     traced_poll_interval_s = 0.1
 
-    def __init__(self, spec: JobSpec, world_size: int, *, attempt: int, lineage_id: str, recovery_label: str,
-                 storage: Storage, restore_mode: RestoreMode | None = None, drop: tuple[str, ...] = (),
-                 record_ids: bool = False, trace: bool = True, placement_timeout_s: float = 60.0) -> None:
-        """Place and start the ranks of one attempt. ``storage`` is the job's storage as the driver
-        opened it: every rank must see it too (:mod:`~spotrun.trainer.run.visibility`), or
-        ``StorageNotShared`` is raised before any rank restores or trains."""
+    def __init__(self, ctx: AttemptContext, *, storage: Storage, placement_timeout_s: float = 60.0) -> None:
+        """Place and start the ``ctx.world_size`` ranks of attempt ``ctx`` (its ``init_method`` is chosen
+        here, at rank 0's node). ``storage`` is the job's storage as the driver opened it: every rank
+        must see it too (:mod:`~spotrun.trainer.run.visibility`), or ``StorageNotShared`` is raised
+        before any rank restores or trains."""
         t0 = time.perf_counter()
+        spec, world_size = ctx.spec, ctx.world_size
+        self.ctx = ctx
         self.spec = spec
         self.world_size = world_size
         self.storage = storage
-        self.record_ids, self.trace = record_ids, trace
         self.spares: list[Spare] = []
         self._spare_pg: PlacementGroup | None = None
         self._spare_probe: Probe | None = None
         self._spares_placed = 0
-        if trace:
+        if ctx.instrument.trace:
             self.poll_interval_s = min(self.poll_interval_s, self.traced_poll_interval_s)
         w = spec.world
         bundle = rank_bundle(spec)
@@ -180,24 +116,21 @@ class RayGroup:
             raise CapacityUnavailable(f"{world_size} ranks of {bundle} could not be placed in "
                                       f"{placement_timeout_s:g}s") from e
         try:
-            self._start(spec, world_size, attempt, lineage_id, recovery_label, restore_mode, drop, record_ids,
-                        trace, t0)
+            self._start(t0)
         except BaseException:
             self.teardown()  # a rank lost or failed while starting: release what was placed
             raise
 
-    def _start(self, spec: JobSpec, world_size: int, attempt: int, lineage_id: str, recovery_label: str,
-               restore_mode: RestoreMode | None, drop: tuple[str, ...], record_ids: bool, trace: bool,
-               t0: float) -> None:
+    def _start(self, t0: float) -> None:
         """Create one actor per bundle of the placement group, form the process group, prove every rank
         sees the driver's storage, build the ranks."""
+        spec, world_size, attempt = self.spec, self.world_size, self.ctx.attempt
         w = spec.world
         pg = self.pg
         if pg is None:
             raise RuntimeError("the attempt's placement group was removed before its ranks started")
         self.actors = [self._new_actor(pg, r) for r in range(world_size)]
         self.slots = [(pg, r) for r in range(world_size)]  # each rank's bundle of a placement group
-        self._restore_mode, self._drop = restore_mode, drop
         if w.spares and ineligible(spec) is None:  # they start beside the ranks, and nothing waits for them
             self._spare_pg = placement_group([rank_bundle(spec)] * w.spares, strategy="SPREAD")
             for i in range(w.spares):
@@ -206,14 +139,11 @@ class RayGroup:
         self.node_ids = [w_["node_id"] for w_ in self.where]
         placement = time.perf_counter() - t0
         port = self._call([self.actors[0].free_port.remote()])[0]
-        init_method = f"tcp://{self.where[0]['ip']}:{port}"
-        spec_json = spec.model_dump_json()
+        self.ctx = ctx = self.ctx.model_copy(update={"init_method": f"tcp://{self.where[0]['ip']}:{port}"})
         probe = post_driver_probe(self.storage, spec.job_id, attempt, this_node())
         try:
-            setups = self._call([a.setup.remote(spec_json, r, world_size, init_method, attempt, lineage_id,
-                                                recovery_label, restore_mode, drop, record_ids, trace,
-                                                self._probe_for(probe, r).model_dump_json())
-                                 for r, a in enumerate(self.actors)], timeout=STARTUP_TIMEOUT_S)
+            setups = self._call([a.setup.remote(ctx, r, self._probe_for(probe, r)) for r, a in enumerate(self.actors)],
+                                timeout=STARTUP_TIMEOUT_S)
             check_answers(self.storage, probe, [s_["probe"] for s_ in setups])
         finally:
             remove_probes(self.storage, probe)
@@ -237,9 +167,8 @@ class RayGroup:
             self._spare_probe = post_driver_probe(self.storage, self.spec.job_id, attempt, this_node())
         actor = self._new_actor(pg, index)
         self._spares_placed += 1
-        ready = actor.prepare.remote(self.spec.model_dump_json(), self.world_size, self._restore_mode, self._drop,
-                                     self.trace, self._spare_probe.model_dump_json(),
-                                     self.world_size + self._spares_placed - 1, attempt)
+        ctx = self.ctx.model_copy(update={"attempt": attempt, "world_size": self.world_size, "init_method": None})
+        ready = actor.prepare.remote(ctx, self.world_size + self._spares_placed - 1, self._spare_probe)
         self.spares.append(Spare(actor, ready, (pg, index)))
 
     def _ready_spares(self, needed: int, among: list[Spare] | None = None) -> list[Spare]:
@@ -354,12 +283,12 @@ class RayGroup:
         self._runs, self._ended, self._news = [], set(), {}
         t1 = time.perf_counter()
         port = self._call([members[0].free_port.remote()])[0]
-        spec_json, manifest_json = self.spec.model_dump_json(), manifest.model_dump_json()
+        self.ctx = ctx = self.ctx.model_copy(update={
+            "attempt": attempt, "world_size": world_size, "lineage_id": lineage_id,
+            "recovery_label": label_for(world_size), "init_method": f"tcp://{wheres[0]['ip']}:{port}"})
         newcomers = {id(s.actor) for s in filling.values()}
         try:
-            results = self._call([a.rejoin.remote(spec_json, r, world_size, f"tcp://{wheres[0]['ip']}:{port}", attempt,
-                                                  lineage_id, label_for(world_size), self.record_ids, self.trace,
-                                                  bundle_key, manifest_json, shipped_files,
+            results = self._call([a.rejoin.remote(ctx, r, bundle_key, manifest, shipped_files,
                                                   replica if id(a) in newcomers else None)
                                   for r, a in enumerate(members)], timeout=STARTUP_TIMEOUT_S)
         except RankFailed as e:
@@ -393,34 +322,8 @@ class RayGroup:
         return out
 
     def _get(self, rank: int, ref: Any, timeout: float | None = POLL_TIMEOUT_S) -> Any:
-        try:
-            return ray.get(ref, timeout=timeout)
-        except RayTaskError as e:
-            cause = e.cause if getattr(e, "cause", None) is not None else e
-            if isinstance(cause, (BundleError, ManifestError, StorageNotShared)):
-                raise cause from e  # the supervisor decides: fall back, or refuse the job
-            raise RankFailed(f"rank {rank} raised {type(cause).__name__}: {cause}", rank,
-                             collective=bool(COLLECTIVE_ERROR.search(str(cause))), refusal=refuses(cause),
-                             raised=cause) from e
-        except (RayActorError, GetTimeoutError) as e:
-            # its creation task raised: a bug or bad input (an import that fails), not a lost machine
-            if isinstance(e, RayActorError) and e.actor_init_failed:
-                raise RankFailed(f"rank {rank} could not start: {str(e).strip()[-1500:]}") from e
-            raise self._lost(rank, e) from e
-
-    def _lost(self, rank: int, e: BaseException) -> RankLost:
-        node = self.node_ids[rank] if rank < len(getattr(self, "node_ids", [])) else None
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        if (isinstance(e, ActorUnavailableError) or (node is not None and node not in alive)
-                or (isinstance(e, RayActorError) and e.preempted)):  # preempted: Ray drained the node for it
-            cause = LossCause.NODE_LOST
-        elif isinstance(e, GetTimeoutError):
-            cause = LossCause.UNRESPONSIVE
-        elif OOM_KILL.search(str(e)):  # Ray says so only in the error's text
-            cause = LossCause.OOM
-        else:
-            cause = LossCause.PROCESS_EXIT
-        return RankLost(rank, cause, str(e).splitlines()[0] if str(e) else type(e).__name__, node)
+        node_ids = getattr(self, "node_ids", [])  # none before the ranks said where they are
+        return answer_of(rank, ref, timeout, node_ids[rank] if rank < len(node_ids) else None)
 
     def restore(self, bundle_key: str, storage_uri: str | None = None,
                 reset: tuple[str, ...] = ()) -> tuple[float, list[str]]:
@@ -441,7 +344,7 @@ class RayGroup:
                 except RankFailed as e:
                     failure = failure or e  # a later rank's death may be the reason: look at all first
         if failure is not None:
-            raise self._cause_of(failure)
+            raise blame(failure, self.actors, self.node_ids)
         reports = []
         for report, notices in self._call([a.poll.remote() for a in self.actors]):
             reports.append(report)
@@ -468,26 +371,6 @@ class RayGroup:
             else:
                 self._ended.add(ref)
 
-    def _cause_of(self, failure: RankFailed) -> RankFailed | RankLost:
-        """A rank whose collective failed did so because a peer died or hung: find that peer (the
-        job restarts); a collective that timed out with every peer answering is a collective-timeout
-        (a restart too). Any other error is the job's own and fails it."""
-        if not failure.collective:
-            return failure
-        for rank, actor in enumerate(self.actors):
-            if rank == failure.rank:
-                continue
-            try:
-                ray.get(actor.poll.remote(), timeout=PEER_PROBE_S)
-            except (RayActorError, GetTimeoutError) as e:
-                return self._lost(rank, e)
-            except RayTaskError:
-                continue
-        if re.search(r"[Tt]imed out", str(failure)):
-            node = self.node_ids[failure.rank] if failure.rank is not None else None
-            return RankLost(failure.rank, LossCause.COLLECTIVE_TIMEOUT, str(failure).splitlines()[0], node)
-        return failure
-
     def take_notices(self) -> list[Notice]:
         notices, self.notices = self.notices, []
         return notices
@@ -499,7 +382,7 @@ class RayGroup:
         if notice.rank is None or notice.rank >= len(self.actors):
             return
         try:
-            self._get(notice.rank, self.actors[notice.rank].acknowledge.remote(notice.model_dump_json()))
+            self._get(notice.rank, self.actors[notice.rank].acknowledge.remote(notice))
         except RankFailed as e:  # the acknowledgement raised on the rank: the endpoint refused it
             raise OSError(str(e)) from e
 

@@ -6,6 +6,7 @@ from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.trainer.bundle.bundles import list_bundles, load_bundle
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.trace import UpdateRecord, read_trace
+from spotrun.trainer.run.context import Instrumentation
 from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.storage import open_storage
 
@@ -22,7 +23,8 @@ def reference_run(spec: JobSpec, trace_path) -> tuple[list[UpdateRecord], list[s
 def resume(spec: JobSpec, bundle_key: str, updates: int, *, restore_mode: str | None = None,
            drop: tuple[str, ...] = (), record_ids: bool = True) -> list[UpdateRecord]:
     """Fresh objects restored from ``bundle_key``, then ``updates`` more updates (or until the job ends)."""
-    session = TrainSession(spec, attempt=2, restore_mode=restore_mode, drop=drop, record_ids=record_ids)
+    session = TrainSession(spec, attempt=2, restore_mode=restore_mode,
+                           instrument=Instrumentation(trace=True, record_ids=record_ids, drop=drop))
     try:
         session.restore(load_bundle(open_storage(spec.storage), bundle_key, session.desc))
         session.start()

@@ -31,7 +31,7 @@ from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.verify.divergence import explain, first_stage
 from spotrun.orchestrator.workers.groups import RankFailed
-from spotrun.orchestrator.workers.raygroup import available_rank_slots, room_for_more_ranks
+from spotrun.orchestrator.workers.placement import available_rank_slots, room_for_more_ranks
 from spotrun.trainer.bundle.bundles import list_bundles, load_bundle
 from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from spotrun.trainer.storage import open_storage

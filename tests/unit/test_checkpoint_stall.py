@@ -11,6 +11,7 @@ import threading
 import time
 
 from spotrun.trainer.bundle.bundles import BundleWriter
+from spotrun.trainer.run.context import AttemptContext, Instrumentation
 from spotrun.trainer.run.rank import RankRunner
 from spotrun.trainer.runtime.collective import LocalCollective
 from tests.conftest import make_spec
@@ -46,8 +47,9 @@ class GatedStorage:
 
 def test_the_stall_includes_waiting_for_the_previous_write(tmp_path):
     spec = make_spec(tmp_path, "train.updates=3", "checkpoint.every_updates=1", "data.workers=0")
-    runner = RankRunner(spec, rank=0, world_size=1, attempt=1, lineage_id="L", recovery_label="fresh",
-                        collective=LocalCollective())
+    ctx = AttemptContext(spec=spec, attempt=1, world_size=1, lineage_id="L", recovery_label="fresh",
+                         instrument=Instrumentation(trace=True))
+    runner = RankRunner(ctx, rank=0, collective=LocalCollective())
     storage = GatedStorage(runner.storage)
     runner.writer = BundleWriter(storage, runner.session.faults)
     thread = threading.Thread(target=runner.run, daemon=True)

@@ -198,11 +198,12 @@ def test_the_loop_digests_each_stage_where_it_happens(tmp_path):
     the gradient the optimizer step was given (taken before zero_grad: never the empty digest),
     the parameter digest rank 0's; a session without a trace takes none of them."""
     from spotrun.trainer.observe.trace import digest_tensors
+    from spotrun.trainer.run.context import Instrumentation
     from spotrun.trainer.run.session import TrainSession
     from tests.conftest import make_spec
 
     spec = make_spec(tmp_path, "train.updates=2", "data.workers=0")
-    session = TrainSession(spec, digests=True)
+    session = TrainSession(spec, instrument=Instrumentation(trace=True))
     session.start()
     try:
         records = [session.run_update() for _ in range(2)]
@@ -216,7 +217,7 @@ def test_the_loop_digests_each_stage_where_it_happens(tmp_path):
         assert r.ranks[0].grad_sha256 not in ("", digest_tensors({}))
     assert records[0].ranks[0].grad_sha256 != records[1].ranks[0].grad_sha256
 
-    quiet = TrainSession(spec, digests=False)
+    quiet = TrainSession(spec, instrument=Instrumentation(trace=False))
     quiet.start()
     try:
         r = quiet.run_update()

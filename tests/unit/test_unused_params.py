@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 from bench.plain_ddp import free_port
 from spotrun.trainer.job.spec import JobSpec
+from spotrun.trainer.run.context import Instrumentation
 from spotrun.trainer.run.rank import _grad_sync
 from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.runtime.collective import LocalCollective, TorchCollective
@@ -53,7 +54,7 @@ def _rank(rank: int, world: int, port: int, out: str, sets: list, units: list[st
         collective = (TorchCollective(f"tcp://127.0.0.1:{port}", rank, world, timeout_s=60) if world > 1
                       else LocalCollective())
         session = TrainSession(spec, rank=rank, world_size=world, grad_sync=_grad_sync(spec, collective, world),
-                               digests=False)
+                               instrument=Instrumentation())
         before = {n: p.detach().clone() for n, p in gathered(dict(session.state.model.named_parameters())).items()}
         session.start()
         try:

@@ -10,6 +10,7 @@ from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.trainer.bundle.bundles import BundleCorrupt, list_bundles, load_bundle, read_manifest
 from spotrun.trainer.job.contract import BuildContext, read_by_build
 from spotrun.trainer.run import warm
+from spotrun.trainer.run.context import Instrumentation
 from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.run.warm import Kept, NotInMemory, assemble, shipped
 from spotrun.trainer.storage import open_storage
@@ -71,7 +72,7 @@ def test_a_build_that_reads_its_rank_cannot_serve_another(tmp_path):
     session.build_read.add("rank")
     assert "ctx.rank" in (session.can_rejoin(3, 4) or "") and session.can_rejoin(0, 4) is None
     with pytest.raises(ValueError, match="cannot serve as rank 3 of 4"):
-        session.rejoin(rank=3, world_size=4, attempt=2, grad_sync=None, record_ids=False)
+        session.rejoin(rank=3, world_size=4, attempt=2, grad_sync=None, instrument=Instrumentation())
 
 
 def test_each_capture_fills_the_set_the_one_before_it_does_not():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from spotrun.trainer.bundle.bundles import (
@@ -37,14 +38,13 @@ from spotrun.trainer.bundle.description import build_manifest
 from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.data.feed import TokenFeed
 from spotrun.trainer.data.growth import GrowthRecords
-from spotrun.trainer.data.planner import RestoreMode
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.metrics import MetricSink, NullSink, metrics_dir, open_sinks, points_of
-from spotrun.trainer.metrics.mlflow_sink import SEND_AT_WRITE
 from spotrun.trainer.metrics.writer import BackgroundWriter
 from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.observe.ranklog import RankLine
 from spotrun.trainer.observe.trace import UpdateRecord, pack_stages, unpack_stages
+from spotrun.trainer.run.context import AttemptContext, MlflowSend
 from spotrun.trainer.run.overlap import WriteOverlap
 from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.run.visibility import Probe, RankProbe, answer_probe
@@ -71,6 +71,15 @@ class BundleReport:
     shipped: dict[str, bytes] = field(default_factory=dict)  # the files the driver keeps (trainer/run/warm.py)
 
 
+class RankState(StrEnum):
+    """Where a rank's run stands, as its reports say (a ``str``: ``"finished"`` compares equal)."""
+
+    RUNNING = "running"  # training, or its run has not returned yet
+    FINISHED = "finished"  # trained to the job's last update
+    STOPPED = "stopped"  # stopped after the checkpoint a stop request asked for (the job goes on elsewhere)
+    ABORTED = "aborted"  # gave the attempt up at a boundary without a checkpoint (abort)
+
+
 @dataclass
 class Report:
     """What a rank did since the last poll."""
@@ -79,7 +88,7 @@ class Report:
     last_update: int
     records: list[UpdateRecord] = field(default_factory=list)  # rank 0 only
     bundles: list[BundleReport] = field(default_factory=list)
-    state: str = "running"  # running | finished | stopped | aborted
+    state: RankState = RankState.RUNNING
     storage_retries: int = 0  # transient storage errors this rank retried so far (cumulative)
     # the lines the rank's code wrote since the last poll (its process or thread fills them in:
     # trainer/observe/ranklog.py)
@@ -87,46 +96,45 @@ class Report:
 
 
 class RankRunner:
-    def __init__(self, spec: JobSpec, *, rank: int, world_size: int, attempt: int, lineage_id: str,
-                 recovery_label: str, collective: Collective, restore_mode: RestoreMode | None = None,
-                 drop: tuple[str, ...] = (), record_ids: bool = False, trace: bool = True,
-                 device: str = "cpu", probe: RankProbe | None = None, session: TrainSession | None = None,
+    def __init__(self, ctx: AttemptContext, *, rank: int, collective: Collective, device: str = "cpu",
+                 probe: RankProbe | None = None, session: TrainSession | None = None,
                  held: Held | None = None) -> None:
-        """``probe``: the driver's storage probe (:mod:`~spotrun.trainer.run.visibility`), read back and
+        """Serve attempt ``ctx`` as rank ``rank`` of ``ctx.world_size``, in ``collective``'s process group.
+
+        ``probe``: the driver's storage probe (:mod:`~spotrun.trainer.run.visibility`), read back and
         answered before anything is built; ``StorageNotShared`` when this rank cannot see it. None
         where the driver shares this process (nothing to prove).
 
         ``session`` and ``held``: a warm restart (trainer/run/warm.py) serves this attempt with the
         session an earlier attempt of this process built, and the captures its host memory holds."""
+        spec, world_size = ctx.spec, ctx.world_size
+        self.ctx = ctx
         self.spec = spec
         self.rank = rank
-        self.attempt = attempt
-        self.lineage_id = lineage_id
-        self.recovery_label = recovery_label
+        self.attempt = ctx.attempt
+        self.lineage_id = ctx.lineage_id
+        self.recovery_label = ctx.recovery_label
         self.collective = collective
         self.storage = open_storage(spec.storage, spec.storage_endpoint_url)
         # first: a rank on storage the driver cannot see fails before it builds the job (seconds) or writes to it
         self.probe: Probe | None = answer_probe(self.storage, probe) if probe is not None else None
-        self.trace = trace
-        at_write = SEND_AT_WRITE in drop  # verify --mutate's broken mlflow sink: not a state category
-        drop = tuple(d for d in drop if d != SEND_AT_WRITE)
+        instrument = ctx.instrument
+        self.trace = instrument.trace  # every rank's stage digests reach rank 0's record
+        grad_sync = _grad_sync(spec, collective, world_size)
         if session is not None:
-            session.rejoin(rank=rank, world_size=world_size, attempt=attempt,
-                           grad_sync=_grad_sync(spec, collective, world_size), record_ids=record_ids and rank == 0)
+            session.rejoin(rank=rank, world_size=world_size, attempt=ctx.attempt, grad_sync=grad_sync,
+                           instrument=instrument)
             self.session = session
         else:
-            self.session = TrainSession(spec, rank=rank, world_size=world_size, attempt=attempt,
-                                        restore_mode=restore_mode, drop=drop,
-                                        grad_sync=_grad_sync(spec, collective, world_size),
-                                        record_ids=record_ids and rank == 0,
-                                        digests=trace,  # every rank's stage digests reach rank 0's record
+            self.session = TrainSession(spec, rank=rank, world_size=world_size, attempt=ctx.attempt,
+                                        restore_mode=ctx.restore_mode, grad_sync=grad_sync, instrument=instrument,
                                         device=device)
         # Warm recovery: every rank holds the newest bundle it wrote (a replicated model and
         # optimizer on every rank), and sends the driver its own small files with each write.
         self.warm = ineligible(spec) is None and world_size > 1
         self.held = held or Held()
         if isinstance(self.session.feed, TokenFeed):  # a growing source's rescans, agreed across ranks
-            self.session.feed.growth = GrowthRecords(self.storage, spec.job_id, lineage_id)
+            self.session.feed.growth = GrowthRecords(self.storage, spec.job_id, ctx.lineage_id)
         self.session.faults.record_to(FaultLog(self.storage, spec.job_id))  # verify counts what fired
         self._asked = threading.Event()  # set by request() and abort(): ends a HOLD fault's wait
         self.session.faults.hold_with(self._hold)
@@ -138,7 +146,8 @@ class RankRunner:
         if rank == 0 and spec.metrics.sinks:
             self.metrics = BackgroundWriter(open_sinks(
                 spec.metrics.sinks, metrics_dir(spec.storage, spec.job_id, spec.metrics.local_dir), self.storage,
-                mlflow=spec.metrics.mlflow, job_id=spec.job_id, at_write=at_write))
+                mlflow=spec.metrics.mlflow, job_id=spec.job_id,
+                at_write=instrument.mlflow_send is MlflowSend.AT_WRITE))
         self._lock = threading.Lock()
         self._news = threading.Event()  # set: the next poll holds what the supervisor acts on at once
         self._checkpoint_requested = False
@@ -238,11 +247,11 @@ class RankRunner:
 
     # -- the loop -----------------------------------------------------------------------
 
-    def run(self) -> str:
+    def run(self) -> RankState:
         """Train to the end of the job (or a requested stop); returns the final state."""
         s = self.session
         s.start()
-        state = "finished"
+        state = RankState.FINISHED
         try:
             while not s.done:
                 t0 = time.perf_counter()
@@ -265,7 +274,7 @@ class RankRunner:
                         self._report.records.append(record)
                     self._report.last_update = record.update
                 if abort:
-                    state = "aborted"
+                    state = RankState.ABORTED
                     break
                 if checkpoint:
                     with self._lock:
@@ -277,7 +286,7 @@ class RankRunner:
                     self._checkpoint(record.update)
                 self._collect(self.gate.finished(self.writer.poll))
                 if stop and not s.done:
-                    state = "stopped"
+                    state = RankState.STOPPED
                     break
             self._collect(self.gate.finished(self.writer.wait))
         finally:

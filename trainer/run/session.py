@@ -30,6 +30,7 @@ from spotrun.trainer.job.contract import build_job
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.faults import FaultInjector
 from spotrun.trainer.observe.trace import UpdateRecord
+from spotrun.trainer.run.context import TRACED, Instrumentation
 from spotrun.trainer.run.loop import BoundaryFlags, GradSync, TrainLoop
 from spotrun.trainer.runtime.device import deterministic_env
 from spotrun.trainer.runtime.sharding import ShardError, rows_of
@@ -42,9 +43,12 @@ from spotrun.trainer.state.training import Capture, TrainState
 
 class TrainSession:
     def __init__(self, spec: JobSpec, *, rank: int = 0, world_size: int = 1, attempt: int = 1,
-                 restore_mode: RestoreMode | None = None, drop: Iterable[str] = (),
-                 grad_sync: GradSync | None = None, record_ids: bool = False, digests: bool = True,
-                 device: str = "cpu") -> None:
+                 restore_mode: RestoreMode | None = None, grad_sync: GradSync | None = None,
+                 instrument: Instrumentation = TRACED, device: str = "cpu") -> None:
+        """Build the job as rank ``rank`` of ``world_size`` in ``attempt``. ``restore_mode``: the data
+        planner's (None: the spec's). ``instrument``: what the loop records (stage digests, rank 0's
+        occurrence ids) and which state categories a restore drops on purpose (:class:`Instrumentation`;
+        a ``ValueError`` names a category this job cannot drop)."""
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
@@ -61,7 +65,7 @@ class TrainSession:
         if rank == 0:  # said once, where the rank's output reaches the terminal of spotrun run
             for caution in self.desc.data.cautions:
                 warnings.warn(caution, DataCaution, stacklevel=1)
-        self.drop = tuple(drop)
+        self.instrument = instrument.for_rank(rank)
         known = categories_of(self.state)
         unknown = [d for d in self.drop if d not in known or known[d].drop is None]
         if unknown:
@@ -69,14 +73,12 @@ class TrainSession:
             raise ValueError(f"cannot drop state categories {unknown}; droppable in this job: {droppable}")
         self.faults = FaultInjector(spec.faults, attempt, rank)
         self.grad_sync = grad_sync
-        self.record_ids = record_ids
-        self.digests = digests
         self._sampler: PlanSampler | None = None
         self._loop: TrainLoop | None = None
         self._iter: Iterator[Any] | None = None
 
     def rejoin(self, *, rank: int, world_size: int, attempt: int, grad_sync: GradSync | None,
-               record_ids: bool) -> None:
+               instrument: Instrumentation) -> None:
         """Serve another attempt in this process as rank ``rank`` of ``world_size``, keeping what was
         built (the job, model, optimizer, data pipeline, host buffers); :meth:`restore` and
         :meth:`start` follow. Only where nothing built depends on the old place (:meth:`can_rejoin`)."""
@@ -89,7 +91,7 @@ class TrainSession:
         self.state.rank, self.state.world_size = rank, world_size
         self.state.forget_update()
         self.faults = FaultInjector(self.spec.faults, attempt, rank)
-        self.grad_sync, self.record_ids = grad_sync, record_ids
+        self.grad_sync, self.instrument = grad_sync, instrument.for_rank(rank)
         self._sampler = self._loop = None
 
     def can_rejoin(self, rank: int, world_size: int) -> str | None:
@@ -102,6 +104,11 @@ class TrainSession:
         if self.state.wrapped or self.state.trained is not self.state.model:
             return "its model is bound to the old process group (FSDP or DDP)"
         return None
+
+    @property
+    def drop(self) -> tuple[str, ...]:
+        """The state categories every restore of this session loses on purpose (a mutant build)."""
+        return self.instrument.drop
 
     @property
     def counters(self):
@@ -247,7 +254,7 @@ class TrainSession:
                              self.spec.data.prefetch)
         self._iter = iter(loader)
         self._loop = TrainLoop(self.state, self._counting(self._iter), self.accum_steps, self.attempt, self.faults,
-                               self.grad_sync, self.record_ids, self.digests)
+                               self.grad_sync, self.instrument.record_ids, self.instrument.trace)
 
     def _counting(self, it: Iterator[Any]) -> Iterator[Any]:
         """The loader's batches, each with its plan again (the workers got only its order)."""
