@@ -19,8 +19,10 @@ from spotrun.orchestrator.ledger.events import WorkerLost
 from spotrun.orchestrator.policy import interval
 from spotrun.orchestrator.policy import topology as policy
 from spotrun.orchestrator.policy.interval import IntervalDecision
+from spotrun.trainer.storage import StorageUnavailableError
 
 log = logging.getLogger("spotrun.supervisor")
+REDECIDE_AFTER_OUTAGE_S = 30.0  # a decision the ledger's outage prevented is tried again this soon
 
 
 @dataclass
@@ -33,6 +35,7 @@ class CheckpointClock:
     since: float = 0.0  # the attempt's start or the latest publication: the interval counts from there
     published: int = 0  # bundles published when the clock last looked
     requested: bool = False  # a checkpoint was asked for and is not published yet
+    requested_at: float = 0.0  # supervisor clock
 
 
 class Cadence:
@@ -85,14 +88,25 @@ class Cadence:
                 self._redecide(st, "measured")
         if now - c.decided_at >= interval.REDECIDE_S:
             self._redecide(st, "periodic")
+        if c.requested and c.decision is not None and now - c.requested_at >= c.decision.interval_s:
+            # asked an interval ago and nothing published: the ranks skipped it (storage was down, or the
+            # write was abandoned) — ask again rather than go without a checkpoint until the job's end
+            c.requested = False
         if c.decision is not None and not c.requested and now - c.since >= c.decision.interval_s:
             st.group.request(checkpoint=True)
-            c.requested = True
+            c.requested, c.requested_at = True, now
 
     def _redecide(self, st: Running, reason: str) -> None:
         """Choose the interval from the ledger; record it (a periodic one only when it moved)."""
         ctx = self.ctx
-        events = ctx.ledger.read()
+        try:
+            events = ctx.ledger.read()
+        except StorageUnavailableError as e:
+            # storage is down: keep the interval in force (none yet: no checkpoint could be written anyway)
+            # and decide again soon after it answers
+            log.info("checkpoint interval not decided (%s): the ledger cannot be read: %s", reason, e)
+            self.auto.decided_at = ctx.clock() - interval.REDECIDE_S + REDECIDE_AFTER_OUTAGE_S
+            return
         if reason == "start" and any(isinstance(e, WorkerLost) and e.attempt == st.attempt - 1 for e in events):
             reason = "loss"
         inputs = interval_inputs.observe(events, ctx.spec.checkpoint, ctx.sec_per_update, st.attempt,
