@@ -52,6 +52,7 @@ from spotrun.orchestrator.control.specfile import SpecError
 from spotrun.orchestrator.control.supervisor import JobFailedError
 from spotrun.orchestrator.ledger.events import AttemptStarted, Restored
 from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.history_model import History
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.verify.comparison import (
     NODE_SITE,
@@ -445,15 +446,15 @@ def data_info(storage: Storage, job: str, restored: str | None) -> DataInfo | No
     return None
 
 
-def restart_figures(hist: dict[str, Any]) -> dict[str, Any]:
+def restart_figures(hist: History) -> dict[str, Any]:
     """The report's restart figures, from the chaos job's history (each defined once, in
     :mod:`spotrun.orchestrator.ledger.losses`: the report shows what ``spotrun history`` shows)."""
-    rows, totals = hist["restarts"], hist["totals"]
-    restored = [r for r in rows if r["restored_from"] is not None]
-    return {"restarts": totals["restarts"], "restores_from_bundle": len(restored),
-            "recovery_paths": dict(Counter(r["recovery_path"] for r in restored)),
-            "lost_updates": totals["lost_updates"], "lost_updates_known": totals["lost_updates_known"],
-            "restart_seconds": totals["downtime_seconds"]}
+    totals = hist.totals
+    restored = [r for r in hist.restarts if r.restored_from is not None]
+    return {"restarts": totals.restarts, "restores_from_bundle": len(restored),
+            "recovery_paths": dict(Counter(r.recovery_path for r in restored)),
+            "lost_updates": totals.lost_updates, "lost_updates_known": totals.lost_updates_known,
+            "restart_seconds": totals.downtime_seconds}
 
 
 def read_sink(spec: JobSpec, storage: Storage, kind: str, job_id: str) -> list[MetricPoint]:
