@@ -55,8 +55,8 @@ def test_goodput_terms_add_up_and_the_killed_job_is_below_the_uninterrupted_one(
     storage = open_storage(f"file://{runs / 'runs'}")
     good = {job: history(storage, job).goodput for job in ("killed", "reference")}
     for g in good.values():
-        assert sum(g[k] for k in TERMS) == pytest.approx(g["wall_seconds"], abs=0.01)
-        assert g["productive_updates"] == UPDATES
+        assert sum(getattr(g, k) for k in TERMS) == pytest.approx(g.wall_seconds, abs=0.01)
+        assert g.productive_updates == UPDATES
     assert good["reference"].replayed_updates == 0 and good["reference"].replayed_seconds == 0
     # Each kill came right after a publish; the updates the loop had trained past it were redone. How
     # many depends on timing (and metric points are written off the training thread, so the last ones

@@ -90,9 +90,9 @@ def test_the_untouched_pair_passes_and_counts_what_replays_wrote_twice(runs):
     assert report.restarts == 2 and report.restores_from_bundle == 1 + (first.restored_from is not None)
     # each kill took the driver with it (no loss recorded): the downtime runs from the lost attempt's last
     # event, and verify's restart seconds are those same figures (one definition)
-    assert [r["cause"] for r in (first, last)] == ["driver-exit", "driver-exit"]
+    assert [r.cause for r in (first, last)] == ["driver-exit", "driver-exit"]
     assert report.restart_seconds == [first.downtime_seconds, last.downtime_seconds]
-    assert all(r["downtime_seconds"] > 0 for r in (first, last))
+    assert all(r.downtime_seconds > 0 for r in (first, last))
     assert report.metric_duplicates_written == 3 * (5 - first.restored_update) > 0
     assert report.metric_writes == 3 * 8 + report.metric_duplicates_written
 
