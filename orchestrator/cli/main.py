@@ -258,7 +258,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
     import tempfile
 
     from spotrun.orchestrator.verify.faultplan import draw_seed
-    from spotrun.orchestrator.verify.oracle import Verifier, render
+    from spotrun.orchestrator.verify.oracle import Verifier
+    from spotrun.orchestrator.verify.report import render
 
     workdir = Path(tempfile.mkdtemp(prefix="spotrun-verify-"))
     seed = draw_seed() if a.seed is None else a.seed  # reported either way: --seed replays the plan

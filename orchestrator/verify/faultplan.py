@@ -77,7 +77,7 @@ def plan_faults(spec: JobSpec, kills: int, seed: int, nodes: bool = False, warm:
     instead with a kill right after the first bundle is published (the publish-to-offsets site),
     which the next attempt is sure to restore. With ``checkpoint.every_updates >= train.updates``
     no bundle comes before the end and nothing is planned
-    (:func:`~spotrun.orchestrator.verify.oracle.proof_failures` says so)."""
+    (:func:`~spotrun.orchestrator.verify.verdict.proof_failures` says so)."""
     sites = _sites(spec, nodes, warm)
     every, last = fixed_interval(spec), spec.train.updates
     # From one interval after the first bundle on: it is written in the background and published by

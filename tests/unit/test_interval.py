@@ -14,7 +14,7 @@ from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, 
 from spotrun.orchestrator.policy import interval
 from spotrun.orchestrator.policy import topology as policy
 from spotrun.orchestrator.policy.interval import IntervalInputs
-from spotrun.orchestrator.verify.oracle import fixed_interval
+from spotrun.orchestrator.verify.faultplan import fixed_interval
 from spotrun.trainer.run.overlap import WriteOverlap
 from tests.conftest import make_spec
 

@@ -24,7 +24,7 @@ from spotrun.orchestrator.ledger.events import (
 )
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.store import Ledger
-from spotrun.orchestrator.verify.oracle import restart_figures
+from spotrun.orchestrator.verify.verdict import restart_figures
 from spotrun.trainer.metrics import JsonlSink, MetricPoint, SqliteSink
 from spotrun.trainer.storage import open_storage
 

@@ -107,7 +107,7 @@ def test_a_point_that_differs_from_the_reference_fails(runs, tmp_path):
     # the contract held (parameters and occurrences): the headline says what failed instead
     from rich.console import Console
 
-    from spotrun.orchestrator.verify.oracle import render
+    from spotrun.orchestrator.verify.report import render
 
     console = Console(record=True, width=400)
     render(report, console)
