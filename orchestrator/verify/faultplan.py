@@ -17,7 +17,8 @@ from typing import Any
 
 from spotrun.orchestrator.control.specfile import SpecError
 from spotrun.orchestrator.verify.comparison import NODE_SITE, WARM_SITE, site_name
-from spotrun.trainer.job.spec import FaultSpec, JobSpec
+from spotrun.trainer.job.sections import FaultSpec
+from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.faults import FaultFired
 from spotrun.trainer.run.warm import ineligible
 

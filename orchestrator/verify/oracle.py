@@ -88,7 +88,8 @@ from spotrun.orchestrator.verify.verdict import (
 )
 from spotrun.trainer.bundle.bundles import BundleError, list_bundles, read_manifest
 from spotrun.trainer.bundle.manifest import DataInfo, ManifestError
-from spotrun.trainer.job.spec import FaultSpec, JobSpec
+from spotrun.trainer.job.sections import FaultSpec
+from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_sinks
 from spotrun.trainer.metrics.mlflow_sink import Tracker
 from spotrun.trainer.observe.faults import FaultLog

@@ -18,7 +18,7 @@ from spotrun.orchestrator.verify.oracle import Verifier, read_sink
 from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
 from spotrun.trainer.bundle.manifest import Manifest, Versions
 from spotrun.trainer.job.code_identity import CodeInfo
-from spotrun.trainer.job.spec import FaultSpec
+from spotrun.trainer.job.sections import FaultSpec
 from spotrun.trainer.metrics import SEGMENTS, JsonlSink, metrics_dir, open_sinks, points_of
 from spotrun.trainer.metrics.mlflow_sink import ATTEMPT, SEND_AT_WRITE, Tracker
 from spotrun.trainer.state.counters import Counters

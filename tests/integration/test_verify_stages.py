@@ -15,7 +15,7 @@ import pytest
 from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.orchestrator.verify.oracle import Verifier
 from spotrun.orchestrator.verify.report import Report
-from spotrun.trainer.job.spec import FaultSpec
+from spotrun.trainer.job.sections import FaultSpec
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 
 from spotrun.orchestrator.verify import faultplan
 from spotrun.orchestrator.verify.faultplan import NodeRemoval, fault_rows, plan_faults
-from spotrun.trainer.job.spec import FaultSpec
+from spotrun.trainer.job.sections import FaultSpec
 from spotrun.trainer.observe.faults import FaultFired
 from spotrun.trainer.observe.trace import UpdateRecord, update_epochs
 from tests.conftest import make_spec

@@ -7,7 +7,7 @@ import pytest
 
 from spotrun.orchestrator.ledger.history_model import RestartRow
 from spotrun.orchestrator.publish.metric_commit import restart_tags
-from spotrun.trainer.job.spec import MlflowSpec
+from spotrun.trainer.job.sections import MlflowSpec
 from spotrun.trainer.metrics import SEGMENTS, open_sinks, points_of
 from spotrun.trainer.metrics.mlflow_sink import MlflowSink, check_tracker, spec_params, tracking_uri
 from spotrun.trainer.storage import open_storage

@@ -23,7 +23,7 @@ from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.verify.comparison import compare_metrics
 from spotrun.orchestrator.verify.oracle import Verifier
-from spotrun.trainer.job.spec import FaultSpec
+from spotrun.trainer.job.sections import FaultSpec
 from spotrun.trainer.metrics import MetricPoint
 from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.storage import open_storage

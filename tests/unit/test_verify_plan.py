@@ -127,7 +127,7 @@ def test_a_rejoin_fault_fires_at_the_warm_restart_resuming_at_or_before_its_upda
     import os
     import signal
 
-    from spotrun.trainer.job.spec import FaultSpec
+    from spotrun.trainer.job.sections import FaultSpec
     from spotrun.trainer.observe.faults import FaultInjector, FaultLog
     from spotrun.trainer.storage import open_storage
 
