@@ -18,7 +18,7 @@ from typing import Any
 from bench.tables import Section, Stopwatch, Table, cli, fmt, median, pct
 from spotrun.orchestrator.policy import interval
 from spotrun.orchestrator.policy.interval import IntervalDecision, IntervalInputs
-from spotrun.trainer.job.spec import CheckpointSpec
+from spotrun.trainer.job.sections import CheckpointSpec
 
 WEEK_S = 7 * 24 * 3600.0
 RESTART_S = 5.06  # bench 3: kill -> the first update after the restart (snapshot), the same for every policy

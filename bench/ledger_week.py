@@ -107,7 +107,7 @@ def reads(uri: str, endpoint: str, more: Sequence[Event], fold: FoldPolicy | Non
     cold = S3Storage(uri, endpoint)
     figures, docs = {}, []
     figures["history"], doc = measured(cold, lambda: history(cold, JOB))
-    docs.append(doc)
+    docs.append(doc.model_dump(mode="json"))  # as the dashboard holds it (below)
     dashboard = open_readonly(uri, endpoint)
     reader = Reader(dashboard)
     inner = dashboard.inner  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from spotrun.orchestrator.control.specfile import load_spec
-from spotrun.trainer.job.spec import ModelSpec
+from spotrun.trainer.job.sections import ModelSpec
 from spotrun.trainer.run.session import TrainSession
 
 ROOT = Path(__file__).resolve().parent.parent

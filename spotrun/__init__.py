@@ -15,7 +15,8 @@ from spotrun.trainer import __version__
 from spotrun.trainer.data.kinds import DataError, MapData, StreamData, TokenData
 from spotrun.trainer.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from spotrun.trainer.job.contract import BuildContext, Job, JobError
-from spotrun.trainer.job.spec import JobSpec, ModelSpec
+from spotrun.trainer.job.sections import ModelSpec
+from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.job.stateful import Stateful
 
 __all__ = [

@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 from rich.measure import Measurement
@@ -191,43 +193,48 @@ def cmd_history(a: argparse.Namespace) -> int:
 
     doc = history(_storage_for(a), a.job_id, metrics_local_dir=a.metrics_dir)
     if a.json:
-        _out(doc)
+        _out(doc.model_dump(mode="json"))
         return 0
-    _table(f"{a.job_id}: attempts ({doc['state']})", doc["attempts"],
+    _table(f"{a.job_id}: attempts ({doc.state})", _rows(doc.attempts),
            ["attempt", "started_at", "world_size", "published", "last_update", "ended"])
-    if doc["restarts"]:
-        t = doc["totals"]
-        lost = "not known" if t["lost_updates"] is None else t["lost_updates"]
-        _table(f"restarts: {t['restarts']}, updates lost {lost}, time lost {t['time_lost_seconds']:.4g} s "
-               "(README \"What a restart cost\")", doc["restarts"],
+    if doc.restarts:
+        t = doc.totals
+        lost = "not known" if t.lost_updates is None else t.lost_updates
+        _table(f"restarts: {t.restarts}, updates lost {lost}, time lost {t.time_lost_seconds:.4g} s "
+               "(README \"What a restart cost\")", _rows(doc.restarts),
                ["attempt", "cause", "loss", "detected_at", "restored_from", "recovery_label", "recovery_path",
                 "world_size_before", "world_size_after", "lost_updates", "lost_updates_source", "downtime_seconds",
                 "time_lost_seconds"])
-    b, run = doc["budgets"], doc["budgets"]["this_run"]
+    b, run = doc.budgets, doc.budgets.this_run
     _table("restart budgets (losses by class)", [
-        {"class": "preemption", "losses": b["preemptions"], "this_run": run["preemptions"],
-         "budget": "no limit" if run["failures"] is not None and run["max_preemptions"] is None
-         else run["max_preemptions"], "left": run["preemptions_left"]},
-        {"class": "failure", "losses": b["failures"], "this_run": run["failures"], "budget": run["max_restarts"],
-         "left": run["failures_left"]},
+        {"class": "preemption", "losses": b.preemptions, "this_run": run.preemptions,
+         "budget": "no limit" if run.failures is not None and run.max_preemptions is None
+         else run.max_preemptions, "left": run.preemptions_left},
+        {"class": "failure", "losses": b.failures, "this_run": run.failures, "budget": run.max_restarts,
+         "left": run.failures_left},
     ], ["class", "losses", "this_run", "budget", "left"])
-    if doc["notices"]:
-        _table("preemption notices", doc["notices"], ["attempt", "at", "source", "node_id", "deadline", "action",
-                                                    "reason"])
-    if doc["refusals"]:
-        _table("refused runs (none trained; the state above stands)", doc["refusals"],
+    if doc.notices:
+        _table("preemption notices", _rows(doc.notices), ["attempt", "at", "source", "node_id", "deadline", "action",
+                                                         "reason"])
+    if doc.refusals:
+        _table("refused runs (none trained; the state above stands)", _rows(doc.refusals),
                ["at", "check", "bundle", "reason"])
-    if doc["checkpoint_intervals"]:
-        _table(f"checkpoint interval (auto; {len(doc['checkpoint_intervals'])} decisions in --json)",
-               doc["checkpoint_intervals"][-1:], ["at", "reason", "interval_s", "interval_updates", "bound",
-                                                  "checkpoint_cost_s", "mtbp_losing_work_s", "expected_lost_work_s",
-                                                  "expected_overhead"])
-    g = doc["goodput"]
-    money = ["cost_usd", "badput_usd"] if g["cost_usd"] is not None else []
-    _table(f"goodput {_percent(g['goodput'])} (productive / wall; README \"Goodput\")",
-           [*g["attempts"], {"attempt": "job", **g}],
+    if doc.checkpoint_intervals:
+        _table(f"checkpoint interval (auto; {len(doc.checkpoint_intervals)} decisions in --json)",
+               _rows(doc.checkpoint_intervals[-1:]), ["at", "reason", "interval_s", "interval_updates", "bound",
+                                                      "checkpoint_cost_s", "mtbp_losing_work_s",
+                                                      "expected_lost_work_s", "expected_overhead"])
+    g = doc.goodput
+    money = ["cost_usd", "badput_usd"] if g.cost_usd is not None else []
+    _table(f"goodput {_percent(g.goodput)} (productive / wall; README \"Goodput\")",
+           [*_rows(g.attempts), {"attempt": "job", **g.model_dump(mode="json", exclude={"attempts"})}],
            ["attempt", "wall_seconds", *GOODPUT_TERMS, "goodput", "productive_updates", "replayed_updates", *money])
     return 0
+
+
+def _rows(models: Sequence[BaseModel]) -> list[dict[str, Any]]:
+    """Models as the rows :func:`_table` renders: what ``--json`` prints of each."""
+    return [m.model_dump(mode="json") for m in models]
 
 
 def _percent(ratio: float | None) -> str:
@@ -251,7 +258,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
     import tempfile
 
     from spotrun.orchestrator.verify.faultplan import draw_seed
-    from spotrun.orchestrator.verify.oracle import Verifier, render
+    from spotrun.orchestrator.verify.oracle import Verifier
+    from spotrun.orchestrator.verify.report import render
 
     workdir = Path(tempfile.mkdtemp(prefix="spotrun-verify-"))
     seed = draw_seed() if a.seed is None else a.seed  # reported either way: --seed replays the plan

@@ -14,7 +14,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from spotrun.trainer.job.spec import DataSpec, JobSpec
+from spotrun.trainer.job.sections import DataSpec
+from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.job.specdoc import nearest, recipe_keys_set
 
 

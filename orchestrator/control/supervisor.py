@@ -46,6 +46,7 @@ from spotrun.orchestrator.control.states import (
     Stopped,
 )
 from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.history_model import RestartRow
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.notices.clouds import CloudWatcher
 from spotrun.orchestrator.notices.notice import Notice, install_signal_notices
@@ -80,7 +81,7 @@ class Supervisor:
         ledger = Ledger(storage, spec.job_id, on_append=progress.event, outage_s=spec.storage_outage_s)
         self.trace = TraceWriter(options.trace_path, options.record_ids) if options.trace_path else None
         self._rank_retries: dict[tuple[int, int], int] = {}  # (attempt, rank) -> storage retries
-        self._rows: list[dict] = []
+        self._rows: list[RestartRow] = []
         self._rows_at = -1  # the attempt count _rows were read at
         source = None
         if spec.data.order == "sequential":  # a streaming reader: its offsets also go under the source
@@ -113,12 +114,12 @@ class Supervisor:
         """Cloud watchers of the driver's own machine (--no-ray): a notice to the driver is acknowledged there."""
         return self.notices.driver_watchers
 
-    def _restart_rows(self) -> list[dict]:
+    def _restart_rows(self) -> list[RestartRow]:
         """History's restart rows (the MLflow run's restart tags), read again only once another attempt
         began: history reads the whole ledger and metric log, and a send comes at every publish."""
         if self._rows_at != self.ctx.attempts:
             self._rows = history(self.ctx.storage, self.spec.job_id,
-                                 metrics_local_dir=self.spec.metrics.local_dir)["restarts"]
+                                 metrics_local_dir=self.spec.metrics.local_dir).restarts
             self._rows_at = self.ctx.attempts
         return self._rows
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from spotrun.orchestrator.ledger.history_model import History
 from spotrun.orchestrator.ledger.points import Points, last_write_by_attempt
 
 
@@ -31,45 +32,45 @@ def _seconds(a: datetime | None, b: datetime | None) -> float | None:
     return round((b - a).total_seconds(), 3) if a and b else None
 
 
-def spans(hist: dict[str, Any], points: Points) -> list[dict[str, Any]]:
+def spans(hist: History, points: Points) -> list[dict[str, Any]]:
     """One bar per attempt: start, end (last sign of life), world size, how it ended, how far it got."""
     last_writes = last_write_by_attempt(points)
-    causes = {r["attempt"] - 1: r["cause"] for r in hist["restarts"]}
-    attempts = hist["attempts"]
+    causes = {r.attempt - 1: r.cause for r in hist.restarts}
+    attempts = hist.attempts
     out = []
     for i, a in enumerate(attempts):
-        n = a["attempt"]
+        n = a.attempt
         last_write = last_writes.get(n)
-        start = _t(a["started_at"]) or _t(a["ended_at"])
-        end = max(filter(None, [_t(a["ended_at"]), last_write]), default=start)
+        start = _t(a.started_at) or _t(a.ended_at)
+        end = max(filter(None, [_t(a.ended_at), last_write]), default=start)
         last = i == len(attempts) - 1
-        ended = a["ended"] or causes.get(n) or ("running" if last and hist["state"] == "running" else "unknown")
+        ended = a.ended or causes.get(n) or ("running" if last and hist.state == "running" else "unknown")
         out.append({
-            "attempt": n, "start": _iso(start), "end": _iso(end), "world_size": a["world_size"],
-            "ended": ended, "reached_update": a["last_update"],
-            "published": a["published"], "lineage_id": a.get("lineage_id"),
-            "initialized_from": a.get("initialized_from"),
+            "attempt": n, "start": _iso(start), "end": _iso(end), "world_size": a.world_size,
+            "ended": ended, "reached_update": a.last_update,
+            "published": a.published, "lineage_id": a.lineage_id,
+            "initialized_from": a.initialized_from,
         })
     return out
 
 
-def restarts(hist: dict[str, Any], points: Points, attempt_spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def restarts(hist: History, points: Points, attempt_spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each restart row of ``history`` with the observed gap and replay time added."""
     by_attempt = {s["attempt"]: s for s in attempt_spans}
     final_at = {(p.attempt, p.update): p.at for p in points.final if p.name == "loss"}
     if points.log is not None:
         final_at.update({(p.attempt, p.update): p.at for p in points.log if p.name == "loss"})
     out = []
-    for r in hist["restarts"]:
-        prev, this = by_attempt.get(r["attempt"] - 1), by_attempt.get(r["attempt"])
+    for r in hist.restarts:
+        prev, this = by_attempt.get(r.attempt - 1), by_attempt.get(r.attempt)
         start = _t(this["start"]) if this else None
         replay = None
-        if r["lost_updates"] == 0:
+        if r.lost_updates == 0:
             replay = 0.0
-        elif r["lost_range"]:
-            replay = _seconds(start, final_at.get((r["attempt"], r["lost_range"][1])))
+        elif r.lost_range:
+            replay = _seconds(start, final_at.get((r.attempt, r.lost_range[1])))
         out.append({
-            **r,
+            **r.model_dump(mode="json"),
             "previous_last_seen_at": prev["end"] if prev else None,
             "gap_seconds": _seconds(_t(prev["end"]), start) if prev else None,
             "replay_seconds": replay,

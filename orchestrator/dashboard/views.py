@@ -3,8 +3,8 @@
 :class:`Reader` holds what outlives a request (the storage, the checksum verdicts,
 parsed metric logs, each job's ledger). Each view reads the job afresh, so a refresh
 shows a running job's progress, fetching only what was written since the last one.
-``history`` is :func:`spotrun.orchestrator.ledger.history.history` unchanged: the same fields
-``spotrun history --json`` prints.
+``history`` is the JSON dump of :func:`spotrun.orchestrator.ledger.history.history`'s model: the
+document ``spotrun history --json`` prints; the views themselves read the model's attributes.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from spotrun.orchestrator.dashboard.checksums import ChecksumCache
 from spotrun.orchestrator.ledger.access import JobNotFound, job_ids, require_job
 from spotrun.orchestrator.ledger.events import CorruptEvent
 from spotrun.orchestrator.ledger.history import history
+from spotrun.orchestrator.ledger.history_model import History
 from spotrun.orchestrator.ledger.points import LogCache, ObjectCache, Points, read_points, replaced
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import BundleError, list_bundles, read_manifest
@@ -50,7 +51,7 @@ class Reader:
         with self._lock:
             return self.ledgers.setdefault(job_id, Ledger(self.storage, job_id, fold=None))
 
-    def _history(self, job_id: str, points: Points) -> dict[str, Any]:
+    def _history(self, job_id: str, points: Points) -> History:
         return history(self.storage, job_id, points, ledger=self.ledger(job_id))
 
     def job(self, job_id: str) -> dict[str, Any]:
@@ -63,7 +64,7 @@ class Reader:
         rows, total = self._bundles(job_id, hist, verify=False)
         return {
             "summary": _summary(hist, attempt_spans, restarts, rows, points, total),
-            "history": hist,
+            "history": hist.model_dump(mode="json"),
             "timeline": attempt_spans,
             "restarts": restarts,
             "bundles": rows,
@@ -72,7 +73,7 @@ class Reader:
 
     def history(self, job_id: str) -> dict[str, Any]:
         """What ``spotrun history JOB_ID --json`` prints."""
-        return self._history(require_job(self.storage, job_id), self.points(job_id))
+        return self._history(require_job(self.storage, job_id), self.points(job_id)).model_dump(mode="json")
 
     def bundles(self, job_id: str, verify: bool = False) -> list[dict[str, Any]]:
         require_job(self.storage, job_id)
@@ -117,9 +118,9 @@ class Reader:
                 return read_rank_log(self.storage, ref)
         raise JobNotFound(f"job {job_id!r} has no log of {name!r} in attempt {attempt}")
 
-    def _bundles(self, job_id: str, hist: dict[str, Any], verify: bool) -> tuple[list[dict[str, Any]], int | None]:
+    def _bundles(self, job_id: str, hist: History, verify: bool) -> tuple[list[dict[str, Any]], int | None]:
         """The bundles table (newest first) and the job's total updates from the newest readable manifest."""
-        last_attempt = hist["attempts"][-1]["attempt"] if hist["attempts"] else None
+        last_attempt = hist.attempts[-1].attempt if hist.attempts else None
         rows, total, newest_published = [], None, None
         for ref in list_bundles(self.storage, job_id):
             row: dict[str, Any] = {"bundle": ref.key, "name": ref.key.rsplit("/", 1)[-1], "update": ref.update,
@@ -142,7 +143,7 @@ class Reader:
                 row.update(status="published", checksum=verdict["state"], checksum_detail=verdict["detail"],
                            verified_at=verdict["verified_at"])
             else:
-                writing = (hist["state"] == "running" and ref.attempt == last_attempt
+                writing = (hist.state == "running" and ref.attempt == last_attempt
                            and (newest_published is None or ref.update > newest_published))
                 row.update(status="writing" if writing else "orphaned", checksum="n/a",
                            checksum_detail="no manifest: never published, never restored",
@@ -162,7 +163,7 @@ class Reader:
         }
 
 
-def _summary(hist: dict[str, Any], attempt_spans: list[dict[str, Any]], restarts: list[dict[str, Any]],
+def _summary(hist: History, attempt_spans: list[dict[str, Any]], restarts: list[dict[str, Any]],
              rows: list[dict[str, Any]], points: Points, total: int | None) -> dict[str, Any]:
     """One jobs-page row: state, attempts, restarts, updates done of total, last bundle, time lost."""
     published = [r for r in rows if r["published"]]
@@ -171,22 +172,22 @@ def _summary(hist: dict[str, Any], attempt_spans: list[dict[str, Any]], restarts
     done = max([0, *(p.update for p in points.final),
                 *(s["reached_update"] or 0 for s in attempt_spans), *(r["update"] for r in published)])
     return {
-        "job_id": hist["job_id"],
-        "state": hist["state"],
-        "quiet": hist["state"] == "running" and quiet is not None and quiet > QUIET_AFTER_S,
+        "job_id": hist.job_id,
+        "state": hist.state,
+        "quiet": hist.state == "running" and quiet is not None and quiet > QUIET_AFTER_S,
         "quiet_seconds": round(quiet, 1) if quiet is not None else None,
-        "attempts": len(hist["attempts"]),
-        "restarts": len(hist["restarts"]),
+        "attempts": len(hist.attempts),
+        "restarts": len(hist.restarts),
         "updates_done": done,
         "updates_total": total,
         "last_published": {"bundle": published[0]["bundle"], "update": published[0]["update"]} if published else None,
-        "time_lost_seconds": hist["totals"]["time_lost_seconds"],
-        "lost_updates": hist["totals"]["lost_updates"],
-        "replayed_updates": hist["goodput"]["replayed_updates"],
-        "goodput": hist["goodput"]["goodput"],
-        "badput_usd": hist["goodput"]["badput_usd"],
+        "time_lost_seconds": hist.totals.time_lost_seconds,
+        "lost_updates": hist.totals.lost_updates,
+        "replayed_updates": hist.goodput.replayed_updates,
+        "goodput": hist.goodput.goodput,
+        "badput_usd": hist.goodput.badput_usd,
         "started_at": attempt_spans[0]["start"] if attempt_spans else None,
         "last_seen_at": last_seen,
-        "corrupt_events": len(hist["corrupt_events"]),
+        "corrupt_events": len(hist.corrupt_events),
         "orphaned_bundles": sum(r["status"] == "orphaned" for r in rows),
     }

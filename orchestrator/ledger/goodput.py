@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     BundlePublished,
@@ -49,6 +51,47 @@ from spotrun.trainer.metrics import MetricPoint
 
 TERMS = ("productive_seconds", "replayed_seconds", "checkpoint_stall_seconds", "capacity_wait_seconds",
          "downtime_seconds")
+
+
+class GoodputAttempt(BaseModel):
+    """One attempt's window: its terms (seconds; they add up to ``wall_seconds``) and goodput."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    attempt: int
+    world_size: int
+    start: str  # ISO-8601
+    end: str
+    wall_seconds: float
+    productive_seconds: float
+    replayed_seconds: float
+    checkpoint_stall_seconds: float
+    capacity_wait_seconds: float
+    downtime_seconds: float
+    goodput: float | None  # productive / wall (None: no wall time)
+    productive_updates: int
+    replayed_updates: int
+    cost_usd: float | None  # None: the spec names no cost.usd_per_rank_hour
+    badput_usd: float | None
+
+
+class Goodput(BaseModel):
+    """The job's goodput: its terms over the whole wall time, and each attempt's (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    wall_seconds: float
+    productive_seconds: float
+    replayed_seconds: float
+    checkpoint_stall_seconds: float
+    capacity_wait_seconds: float
+    downtime_seconds: float
+    goodput: float | None
+    cost_usd: float | None
+    badput_usd: float | None
+    productive_updates: int
+    replayed_updates: int
+    attempts: list[GoodputAttempt]
 
 
 @dataclass
@@ -71,11 +114,11 @@ class _Window:
     def add(self, term: str, seconds: float) -> None:
         self.terms[term] += max(0.0, seconds)
 
-    def doc(self, rate: float | None) -> dict[str, Any]:
-        return {"attempt": self.attempt, "world_size": self.world_size, "start": self.begin.isoformat(),
-                "end": self.end.isoformat(), **_totals(self.wall, self.terms),
-                "productive_updates": self.productive_updates, "replayed_updates": self.replayed_updates,
-                **_cost(rate, [(self.world_size, self.wall, self.terms["productive_seconds"])])}
+    def doc(self, rate: float | None) -> GoodputAttempt:
+        return GoodputAttempt(attempt=self.attempt, world_size=self.world_size, start=self.begin.isoformat(),
+                              end=self.end.isoformat(), **_totals(self.wall, self.terms),
+                              productive_updates=self.productive_updates, replayed_updates=self.replayed_updates,
+                              **_cost(rate, [(self.world_size, self.wall, self.terms["productive_seconds"])]))
 
 
 def _totals(wall: float, terms: dict[str, float]) -> dict[str, Any]:
@@ -102,7 +145,7 @@ def _update_times(points: Sequence[MetricPoint]) -> dict[int, dict[int, datetime
 
 
 def goodput(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[MetricPoint],
-            log: Sequence[MetricPoint] | None = None, usd_per_rank_hour: float | None = None) -> dict[str, Any]:
+            log: Sequence[MetricPoint] | None = None, usd_per_rank_hour: float | None = None) -> Goodput:
     """The job's goodput and its terms, in total and per attempt (see the module docstring).
 
     ``final``: the sinks' upserted view (one point per update and name); ``log``: every write, when
@@ -110,8 +153,8 @@ def goodput(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[Metric
     evs = [e for e in events if not isinstance(e, CorruptEvent)]
     started = sorted((e for e in evs if isinstance(e, AttemptStarted)), key=lambda e: e.at)
     if not started:
-        return {**_totals(0.0, dict.fromkeys(TERMS, 0.0)), **_cost(usd_per_rank_hour, []), "productive_updates": 0,
-                "replayed_updates": 0, "attempts": []}
+        return Goodput(**_totals(0.0, dict.fromkeys(TERMS, 0.0)), **_cost(usd_per_rank_hour, []),
+                       productive_updates=0, replayed_updates=0, attempts=[])
     kept = _update_times(final)
     logged = _update_times(log or [])
     # indexed once, so that the job costs O(events), not O(attempts x events)
@@ -151,11 +194,12 @@ def goodput(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[Metric
         reached = max(reached, furthest)
     terms = {k: sum(w.terms[k] for w in windows) for k in TERMS}
     wall = (windows[-1].end - windows[0].begin).total_seconds()
-    return {**_totals(wall, terms), **_cost(usd_per_rank_hour, [(w.world_size, w.wall, w.terms["productive_seconds"])
-                                                              for w in windows]),
-            "productive_updates": sum(w.productive_updates for w in windows),
-            "replayed_updates": sum(w.replayed_updates for w in windows),
-            "attempts": [w.doc(usd_per_rank_hour) for w in windows]}
+    return Goodput(**_totals(wall, terms), **_cost(usd_per_rank_hour, [(w.world_size, w.wall,
+                                                                        w.terms["productive_seconds"])
+                                                                       for w in windows]),
+                   productive_updates=sum(w.productive_updates for w in windows),
+                   replayed_updates=sum(w.replayed_updates for w in windows),
+                   attempts=[w.doc(usd_per_rank_hour) for w in windows])
 
 
 def _windows(evs: list[LedgerEvent], own: dict[int, list[LedgerEvent]], started: list[AttemptStarted],

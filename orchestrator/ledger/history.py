@@ -1,6 +1,8 @@
 """Views of a job built from its storage: the restart history and the bundles table.
 
-Both are plain dicts (what ``--json`` prints); the CLI renders them as tables.
+The history is a :class:`~spotrun.orchestrator.ledger.history_model.History` (its JSON dump is what
+``spotrun history --json`` prints); the bundles table is plain dicts (what ``spotrun bundles --json``
+prints). The CLI renders both as tables.
 """
 
 from __future__ import annotations
@@ -27,6 +29,17 @@ from spotrun.orchestrator.ledger.events import (
     WorkerLost,
 )
 from spotrun.orchestrator.ledger.goodput import goodput
+from spotrun.orchestrator.ledger.history_model import (
+    AttemptRow,
+    Budgets,
+    BudgetUse,
+    History,
+    IntervalRow,
+    JobState,
+    NoticeRow,
+    RefusalRow,
+    RestartRow,
+)
 from spotrun.orchestrator.ledger.losses import (
     Reach,
     downtime_seconds,
@@ -47,7 +60,7 @@ if TYPE_CHECKING:
 
 
 def history(storage: Storage, job_id: str, points: Points | None = None,
-            metrics_local_dir: str = "./spotrun-metrics", ledger: Ledger | None = None) -> dict[str, Any]:
+            metrics_local_dir: str = "./spotrun-metrics", ledger: Ledger | None = None) -> History:
     """Attempts, one row per restart with its cause and what it cost, and the job's goodput; under
     ``checkpoint.every_updates: auto``, every interval it chose (``checkpoint_intervals``, oldest
     first: the decision, why it was taken, and its inputs).
@@ -79,88 +92,90 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
 
         points = read_points(storage, job_id, metrics_local_dir, LogCache())
     reach = reaches(events, points.final, points.log)
-    attempts: dict[int, dict[str, Any]] = {}
-    restarts: list[dict[str, Any]] = []
+    attempts: dict[int, AttemptRow] = {}
+    restarts: list[RestartRow] = []
     losses: dict[int, WorkerLost] = {}
     handled: dict[int, NoticeHandled] = {}
     started: dict[int, AttemptStarted] = {}
     published_at: dict[str, datetime] = {}
     resumed: set[int] = set()  # attempts that restored a bundle or began a new lineage
-    corrupt, topology, rejected, notices, intervals, refusals = [], [], [], [], [], []
+    corrupt: list[CorruptEvent] = []
+    topology: list[TopologyChanged] = []
+    rejected: list[BundleRejected] = []
+    notices: list[NoticeRow] = []
+    intervals: list[IntervalRow] = []
+    refusals: list[RefusalRow] = []
     classes = {"preemption": 0, "failure": 0, "unclassified": 0}
     budget: Budget | None = None  # the newest record of the budgets
     for e in events:
         if isinstance(e, CorruptEvent):
-            corrupt.append(e.model_dump())
+            corrupt.append(e)
             continue
         if isinstance(e, RunRefused):  # no attempt began, so no attempt row, and the job's state stands
-            refusals.append(e.model_dump(mode="json", include={"at", "check", "bundle", "reason"}))
+            refusals.append(RefusalRow(**e.model_dump(mode="json", include={"at", "check", "bundle", "reason"})))
             continue
-        a = attempts.setdefault(e.attempt, {"attempt": e.attempt, "started_at": None, "ended_at": None,
-                                            "world_size": None, "node_ids": [], "published": 0,
-                                            "last_update": None, "ended": None})
-        a["ended_at"] = e.at.isoformat()
+        a = attempts.setdefault(e.attempt, AttemptRow(attempt=e.attempt, started_at=None, ended_at=None,
+                                                      world_size=None, node_ids=[], published=0, last_update=None,
+                                                      ended=None))
+        a.ended_at = e.at.isoformat()
         if isinstance(e, AttemptStarted | WorkerLost) and e.budget is not None:
             budget = e.budget
         if isinstance(e, AttemptStarted):
             started[e.attempt] = e
-            a.update(started_at=e.at.isoformat(), world_size=e.world_size, node_ids=e.node_ids,
-                     lineage_id=e.lineage_id)
+            a.started_at, a.world_size, a.node_ids = e.at.isoformat(), e.world_size, e.node_ids
+            a.record(lineage_id=e.lineage_id)
         elif isinstance(e, BundlePublished):
             published_at[e.bundle] = e.at
-            a["published"] += 1
-            a["last_update"] = max(a["last_update"] or 0, e.update)
+            a.published += 1
+            a.last_update = max(a.last_update or 0, e.update)
         elif isinstance(e, NoticeHandled) and not e.early:  # an early checkpoint's is a bundle like any other
             handled[e.attempt] = e
         elif isinstance(e, NoticeSeen):  # acted on or ignored (malformed, an unreachable source): both shown
-            notices.append(e.model_dump(mode="json", include={"attempt", "at", "source", "node_id", "rank",
-                                                               "deadline", "action", "reason"}))
+            notices.append(NoticeRow(**e.model_dump(mode="json", include={"attempt", "at", "source", "node_id", "rank",
+                                                                          "deadline", "action", "reason"})))
         elif isinstance(e, WorkerLost):
             losses[e.attempt] = e
             classes[e.loss or "unclassified"] += 1
-            a.update(ended=f"lost: {e.cause}", last_update=e.last_update)
+            a.ended, a.last_update = f"lost: {e.cause}", e.last_update
         elif isinstance(e, Resizing):
-            a.update(ended=f"scale-up to {e.world_size_target}")
+            a.ended = f"scale-up to {e.world_size_target}"
         elif isinstance(e, Restored):
             resumed.add(e.attempt)
-            restarts.append(_restart(e.attempt, losses.get(e.attempt - 1), attempts.get(e.attempt - 1, {}),
+            restarts.append(_restart(e.attempt, losses.get(e.attempt - 1), attempts.get(e.attempt - 1),
                                      started, handled, e, published_at.get(e.bundle), reach.get(e.attempt - 1)))
         elif isinstance(e, InitializedFrom):
             resumed.add(e.attempt)
-            a.update(initialized_from=e.bundle, recovery_label=e.recovery_label, reset=e.reset)
+            a.record(initialized_from=e.bundle, recovery_label=e.recovery_label, reset=e.reset)
         elif isinstance(e, IntervalChosen):
-            intervals.append({"attempt": e.attempt, "at": e.at.isoformat(), "reason": e.reason,
-                              **e.decision.model_dump(mode="json"), "inputs": e.inputs.model_dump(mode="json")})
+            intervals.append(IntervalRow(attempt=e.attempt, at=e.at.isoformat(), reason=e.reason,
+                                         **e.decision.model_dump(), inputs=e.inputs))
         elif isinstance(e, TopologyChanged):
-            topology.append(e.model_dump(mode="json"))
+            topology.append(e)
         elif isinstance(e, BundleRejected):
-            rejected.append(e.model_dump(mode="json"))
+            rejected.append(e)
         elif isinstance(e, JobFinished):
-            a["ended"] = "finished"
-            a["last_update"] = e.counters.attempted_updates
+            a.ended, a.last_update = "finished", e.counters.attempted_updates
         elif isinstance(e, JobFailed):
-            a["ended"] = f"failed: {e.reason}"
+            a.ended = f"failed: {e.reason}"
     for n in sorted(set(started) - resumed - {min(started, default=0)}):  # restarts from nothing
-        restarts.append(_restart(n, losses.get(n - 1), attempts.get(n - 1, {}), started, handled, None, None,
+        restarts.append(_restart(n, losses.get(n - 1), attempts.get(n - 1), started, handled, None, None,
                                  reach.get(n - 1)))
-    restarts.sort(key=lambda r: r["attempt"])
+    restarts.sort(key=lambda r: r.attempt)
     for n, a in attempts.items():  # how far each got: the ledger's word, or further by its metric points
-        a.update(last_update=reach[n].update if n in reach else None,
-                 last_update_source=reach[n].source if n in reach else None)
-    return {"job_id": job_id, "state": state_of(events), "attempts": list(attempts.values()),
-            "restarts": restarts,
-            "topology_changes": topology, "rejected_bundles": rejected, "corrupt_events": corrupt,
-            "notices": notices, "refusals": refusals, "budgets": _budgets(classes, budget),
-            "checkpoint_intervals": intervals, "totals": totals(restarts),
-            "goodput": goodput(events, points.final, points.log, _rate(storage, job_id))}
+        a.last_update = reach[n].update if n in reach else None
+        a.last_update_source = reach[n].source if n in reach else None
+    return History(job_id=job_id, state=state_of(events), attempts=list(attempts.values()), restarts=restarts,
+                   topology_changes=topology, rejected_bundles=rejected, corrupt_events=corrupt, notices=notices,
+                   refusals=refusals, budgets=_budgets(classes, budget), checkpoint_intervals=intervals,
+                   totals=totals(restarts), goodput=goodput(events, points.final, points.log, _rate(storage, job_id)))
 
 
-def state_of(events: list[LedgerEvent | CorruptEvent]) -> str:
+def state_of(events: list[LedgerEvent | CorruptEvent]) -> JobState:
     """The job's recorded state, as history, the dashboard and ``spotrun run`` read it: ``running`` from
     an attempt's start, then ``finished`` or ``failed`` as the newest of those events says. A refused
     run (``run_refused``) is none of them and never changes the state; a job with nothing but refusals
     is ``refused`` (``unknown``: no event at all)."""
-    state = "unknown"
+    state: JobState = "unknown"
     for e in events:
         if isinstance(e, AttemptStarted):
             state = "running"
@@ -173,14 +188,14 @@ def state_of(events: list[LedgerEvent | CorruptEvent]) -> str:
     return state
 
 
-def _budgets(classes: dict[str, int], budget: Budget | None) -> dict[str, Any]:
+def _budgets(classes: dict[str, int], budget: Budget | None) -> Budgets:
     """Losses by class over the whole ledger; the newest run's use of each budget and what is left."""
-    run: dict[str, Any] = {"failures": None, "max_restarts": None, "failures_left": None, "preemptions": None,
-                           "max_preemptions": None, "preemptions_left": None}
+    run = BudgetUse(failures=None, max_restarts=None, failures_left=None, preemptions=None, max_preemptions=None,
+                    preemptions_left=None)
     if budget is not None:
-        run.update(budget.model_dump(), **budget.left())
-    return {"preemptions": classes["preemption"], "failures": classes["failure"],
-            "unclassified": classes["unclassified"], "this_run": run}
+        run = BudgetUse(**budget.model_dump(), **budget.left())
+    return Budgets(preemptions=classes["preemption"], failures=classes["failure"],
+                   unclassified=classes["unclassified"], this_run=run)
 
 
 def _rate(storage: Storage, job_id: str) -> float | None:
@@ -195,9 +210,9 @@ def _rate(storage: Storage, job_id: str) -> float | None:
     return None
 
 
-def _restart(attempt: int, loss: WorkerLost | None, previous: dict[str, Any], started: dict[int, AttemptStarted],
-             handled: dict[int, NoticeHandled], restored: Restored | None,
-             bundle_published_at: datetime | None, reach: Reach | None) -> dict[str, Any]:
+def _restart(attempt: int, loss: WorkerLost | None, previous: AttemptRow | None,
+             started: dict[int, AttemptStarted], handled: dict[int, NoticeHandled], restored: Restored | None,
+             bundle_published_at: datetime | None, reach: Reach | None) -> RestartRow:
     """One restart row: attempt ``attempt`` began after ``loss`` ended the attempt before it (None: the
     driver died, or the job was run again), from ``restored`` (None: from nothing); ``reach``: how far
     the attempt before it got. Its figures are defined in :mod:`spotrun.orchestrator.ledger.losses`."""
@@ -212,42 +227,43 @@ def _restart(attempt: int, loss: WorkerLost | None, previous: dict[str, Any], st
         cause = "scale-up"
     else:
         # no loss recorded: the driver itself died (or an ended job was run again)
-        cause = loss.cause if loss else ("resumed" if previous.get("ended") else "driver-exit")
+        cause = loss.cause if loss else ("resumed" if previous and previous.ended else "driver-exit")
     current_since = max(filter(None, [before.at if before else None, bundle_published_at]), default=None)
     # the loss's moment: detected; when nobody lived to record it (the driver died), the lost attempt's last
     # event (a lower bound on its death: this downtime may be longer than it was, never shorter); a scale-up's
     # resize. None after a finished job (run again: nothing was down)
-    lost_at = (loss.detected_at or loss.at) if loss else (datetime.fromisoformat(previous["ended_at"])
-                                    if previous.get("ended_at") and previous.get("ended") != "finished" else None)
-    lost_seconds = 0.0 if previous.get("ended") == "finished" else time_lost_seconds(current_since, begun)
+    finished = previous is not None and previous.ended == "finished"
+    lost_at = (loss.detected_at or loss.at) if loss else (datetime.fromisoformat(previous.ended_at)
+                                                          if previous and previous.ended_at and not finished else None)
+    lost_seconds = 0.0 if finished else time_lost_seconds(current_since, begun)
     restored_update = restored.update if restored else 0
     lost = lost_updates(reach, restored_update)
-    return {
-        "attempt": attempt,
-        "cause": cause,
-        "loss": loss.loss if loss else None,  # preemption | failure (None: not recorded, or no loss)
-        "detected_at": ((loss.detected_at or loss.at) if loss else begun).isoformat(),
-        "restored_from": restored.bundle if restored else None,
-        "restored_update": restored_update,
-        "recovery_label": restored.recovery_label if restored else "fresh",
+    return RestartRow(
+        attempt=attempt,
+        cause=cause,
+        loss=loss.loss if loss else None,  # preemption | failure (None: not recorded, or no loss)
+        detected_at=((loss.detected_at or loss.at) if loss else begun).isoformat(),
+        restored_from=restored.bundle if restored else None,
+        restored_update=restored_update,
+        recovery_label=restored.recovery_label if restored else "fresh",
         # cold: new processes read the bundle from storage; warm-*: the survivors kept theirs and put it
         # back from memory (a spare in the lost rank's place, a new process there, or a smaller world)
-        "recovery_path": restored.recovery_path if restored else "cold",
-        "cold_because": restored.cold_because if restored else None,
-        "policy": restored.policy if restored else None,
-        "restore_mode": restored.restore_mode if restored else None,
-        "world_size_before": restored.world_size_before if restored else (before.world_size if before else None),
-        "world_size_after": restored.world_size_after if restored else (this.world_size if this else None),
+        recovery_path=restored.recovery_path if restored else "cold",
+        cold_because=restored.cold_because if restored else None,
+        policy=restored.policy if restored else None,
+        restore_mode=restored.restore_mode if restored else None,
+        world_size_before=restored.world_size_before if restored else (before.world_size if before else None),
+        world_size_after=restored.world_size_after if restored else (this.world_size if this else None),
         # from nothing, everything the lost attempt completed is redone; None: how far it got is not known
-        "lost_updates": lost,
-        "lost_updates_source": reach.source if lost is not None and reach else None,
-        "lost_range": lost_range(lost, restored_update),
-        "restore_seconds": round(restored.restore_seconds, 4) if restored else 0.0,
-        "downtime_seconds": downtime_seconds(lost_at, begun),
-        "time_lost_seconds": lost_seconds,
-        "notice_to_publish_seconds": (handled[attempt - 1].notice_to_publish_seconds
-                                      if attempt - 1 in handled else None),
-    }
+        lost_updates=lost,
+        lost_updates_source=reach.source if lost is not None and reach else None,
+        lost_range=lost_range(lost, restored_update),
+        restore_seconds=round(restored.restore_seconds, 4) if restored else 0.0,
+        downtime_seconds=downtime_seconds(lost_at, begun),
+        time_lost_seconds=lost_seconds,
+        notice_to_publish_seconds=(handled[attempt - 1].notice_to_publish_seconds
+                                   if attempt - 1 in handled else None),
+    )
 
 
 def bundles(storage: Storage, job_id: str) -> list[dict[str, Any]]:

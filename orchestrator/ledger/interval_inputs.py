@@ -18,7 +18,7 @@ from spotrun.orchestrator.ledger.events import (
     WorkerLost,
 )
 from spotrun.orchestrator.policy.interval import RECENT_BUNDLES, IntervalInputs
-from spotrun.trainer.job.spec import CheckpointSpec
+from spotrun.trainer.job.sections import CheckpointSpec
 
 
 def observe(events: Sequence[LedgerEvent | CorruptEvent], checkpoint: CheckpointSpec, sec_per_update: float | None,

@@ -31,7 +31,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict
 
 from spotrun.orchestrator.ledger.events import (
     BundlePublished,
@@ -132,16 +134,38 @@ def time_lost_seconds(current_since: datetime | None, begun: datetime) -> float 
     return round((begun - current_since).total_seconds(), 3) if current_since else None
 
 
-def totals(restarts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+class RestartFigures(Protocol):
+    """What :func:`totals` reads of a restart row (history's ``RestartRow``)."""
+
+    lost_updates: int | None
+    time_lost_seconds: float | None
+    downtime_seconds: float | None
+
+
+class Totals(BaseModel):
+    """A job's figures over its restarts (see :func:`totals`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    restarts: int
+    lost_updates: int | None  # None when some restart's is unknown: a sum of the known ones would look whole
+    lost_updates_known: int  # the sum of the known ones
+    # the known ones; an int 0 when none is, as ``--json`` has always printed it (hence the union)
+    time_lost_seconds: float | int
+    downtime_seconds: list[float]  # each restart's that has one
+
+
+def totals(restarts: Sequence[RestartFigures]) -> Totals:
     """A job's figures over its restart rows (history's): how many restarts, the updates they lost
     (``None`` when some restart's is unknown: a sum of the known ones would look whole), the time
     they lost (the known ones), and each restart's downtime."""
-    lost = [r["lost_updates"] for r in restarts]
-    seconds = [r["time_lost_seconds"] for r in restarts if r["time_lost_seconds"] is not None]
-    return {
-        "restarts": len(restarts),
-        "lost_updates": None if None in lost else sum(lost),
-        "lost_updates_known": sum(x for x in lost if x is not None),
-        "time_lost_seconds": round(sum(seconds), 3),
-        "downtime_seconds": [r["downtime_seconds"] for r in restarts if r["downtime_seconds"] is not None],
-    }
+    lost = [r.lost_updates for r in restarts]
+    known = [x for x in lost if x is not None]
+    seconds = [r.time_lost_seconds for r in restarts if r.time_lost_seconds is not None]
+    return Totals(
+        restarts=len(restarts),
+        lost_updates=None if len(known) < len(lost) else sum(known),
+        lost_updates_known=sum(known),
+        time_lost_seconds=round(sum(seconds), 3),
+        downtime_seconds=[r.downtime_seconds for r in restarts if r.downtime_seconds is not None],
+    )

@@ -36,7 +36,7 @@ from email.utils import parsedate_to_datetime
 from typing import Protocol
 
 from spotrun.orchestrator.notices.notice import CloudName, Notice, NoticeCallback
-from spotrun.trainer.job.spec import PreemptionSpec
+from spotrun.trainer.job.sections import PreemptionSpec
 
 log = logging.getLogger("spotrun.clouds")
 LINK_LOCAL = "http://169.254.169.254"  # every cloud's metadata endpoint, as seen from one of its VMs

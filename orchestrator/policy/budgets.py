@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from tenacity import RetryCallState, Retrying, wait_exponential_jitter
 
 from spotrun.orchestrator.policy.recovery import LossClass
-from spotrun.trainer.job.spec import WorldSpec
+from spotrun.trainer.job.sections import WorldSpec
 
 MAX_BACKOFF_S = 30.0
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
 
+from spotrun.orchestrator.ledger.history_model import RestartRow
 from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.metrics import SEGMENTS, MetricPoint, read_object_points, upsert
@@ -39,22 +39,21 @@ from spotrun.trainer.storage import Storage
 log = logging.getLogger("spotrun.metric_commit")
 
 # restart rows as spotrun history computes them (attempt, cause, restored_from, lost_updates, lost_range)
-Restarts = Callable[[], list[dict[str, Any]]]
+Restarts = Callable[[], Sequence[RestartRow]]
 
 
 def sent_prefix(job_id: str) -> str:
     return f"{job_id}/sent/mlflow/"
 
 
-def restart_tags(rows: list[dict[str, Any]]) -> dict[str, str]:
+def restart_tags(rows: Sequence[RestartRow]) -> dict[str, str]:
     """One tag per restart, ``spotrun.restart.<attempt>``: why, from which bundle, which updates it lost."""
     out = {}
     for r in rows:
-        lost = r.get("lost_updates")
-        span = r.get("lost_range") or []
+        lost, span = r.lost_updates, r.lost_range
         lost_text = "unknown" if lost is None else f"{lost}" + (f" ({span[0]}-{span[1]})" if span else "")
-        out[f"spotrun.restart.{r['attempt']}"] = (f"cause={r['cause']}; bundle={r['restored_from'] or 'none'}; "
-                                                  f"lost_updates={lost_text}")
+        out[f"spotrun.restart.{r.attempt}"] = (f"cause={r.cause}; bundle={r.restored_from or 'none'}; "
+                                               f"lost_updates={lost_text}")
     return out
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from spotrun.trainer.bundle.bundles import list_bundles, load_bundle
-from spotrun.trainer.job.spec import FaultSpec
+from spotrun.trainer.job.sections import FaultSpec
 from spotrun.trainer.metrics import MetricPoint
 from spotrun.trainer.observe.faults import FaultFired
 from spotrun.trainer.observe.trace import UpdateRecord

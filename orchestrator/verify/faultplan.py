@@ -17,7 +17,8 @@ from typing import Any
 
 from spotrun.orchestrator.control.specfile import SpecError
 from spotrun.orchestrator.verify.comparison import NODE_SITE, WARM_SITE, site_name
-from spotrun.trainer.job.spec import FaultSpec, JobSpec
+from spotrun.trainer.job.sections import FaultSpec
+from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.faults import FaultFired
 from spotrun.trainer.run.warm import ineligible
 
@@ -77,7 +78,7 @@ def plan_faults(spec: JobSpec, kills: int, seed: int, nodes: bool = False, warm:
     instead with a kill right after the first bundle is published (the publish-to-offsets site),
     which the next attempt is sure to restore. With ``checkpoint.every_updates >= train.updates``
     no bundle comes before the end and nothing is planned
-    (:func:`~spotrun.orchestrator.verify.oracle.proof_failures` says so)."""
+    (:func:`~spotrun.orchestrator.verify.verdict.proof_failures` says so)."""
     sites = _sites(spec, nodes, warm)
     every, last = fixed_interval(spec), spec.train.updates
     # From one interval after the first bundle on: it is written in the background and published by

@@ -25,12 +25,18 @@ Both runs also write the ``jsonl`` metric sink (added when the spec lacks it): i
 log keeps every point every attempt wrote, which is what the raw counts are read from.
 
 The verdict passes only when at least one fault fired and at least one restart restored a
-published bundle (otherwise nothing was tested: :func:`proof_failures` says which numbers to
-change), the contract that held is at least the declared one (strict: ``exact``; elastic:
-``exact-data``; fresh-epoch: ``fresh-epoch``), the run reached its end, every metric check is 0,
-the final counters are equal and every planned fault site was hit. ``failures`` says which did
-not hold. With ``--mutate`` the build is broken on purpose and verify succeeds (exit 0) only when
+published bundle (otherwise nothing was tested:
+:func:`~spotrun.orchestrator.verify.verdict.proof_failures` says which numbers to change), the
+contract that held is at least the declared one (strict: ``exact``; elastic: ``exact-data``;
+fresh-epoch: ``fresh-epoch``), the run reached its end, every metric check is 0,
+the final counters are equal and every planned fault site was hit. ``failures`` says which did not
+hold. With ``--mutate`` the build is broken on purpose and verify succeeds (exit 0) only when
 it fails that build after a restore exercised it (``Report.mutation_caught``).
+
+This module holds :class:`Verifier`, which runs the two jobs (on a local Ray it starts, an existing
+cluster, or without Ray) from the process that ran ``spotrun verify``, and compares them; the
+report it returns and its rendering are :mod:`spotrun.orchestrator.verify.report`, the contracts
+and the checks a pass needs :mod:`spotrun.orchestrator.verify.verdict`.
 """
 
 from __future__ import annotations
@@ -41,9 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,17 +72,26 @@ from spotrun.orchestrator.verify.comparison import (
 from spotrun.orchestrator.verify.divergence import (
     Divergence,
     Stage,
-    divergence_rows,
     explain,
     first_stage,
     restore_before,
 )
-from spotrun.orchestrator.verify.faultplan import NodeRemoval, fault_rows, fixed_interval, plan_faults, sure_restore
+from spotrun.orchestrator.verify.faultplan import NodeRemoval, fault_rows, fixed_interval, plan_faults
+from spotrun.orchestrator.verify.report import Report
+from spotrun.orchestrator.verify.verdict import (
+    DECLARED,
+    METRIC_TOLERANCE,
+    PARAM_TOLERANCE,
+    proof_failures,
+    restart_figures,
+    verdict_failures,
+)
 from spotrun.trainer.bundle.bundles import BundleError, list_bundles, read_manifest
 from spotrun.trainer.bundle.manifest import DataInfo, ManifestError
-from spotrun.trainer.job.spec import FaultSpec, JobSpec
+from spotrun.trainer.job.sections import FaultSpec
+from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_sinks
-from spotrun.trainer.metrics.mlflow_sink import SEND_AT_WRITE, Tracker
+from spotrun.trainer.metrics.mlflow_sink import Tracker
 from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.observe.trace import UpdateRecord, last_update, latest_per_update, read_trace, update_epochs
 from spotrun.trainer.run.warm import ineligible
@@ -86,67 +99,6 @@ from spotrun.trainer.storage import Storage, open_storage
 
 if TYPE_CHECKING:
     from ray.cluster_utils import Cluster
-
-CONTRACTS = ("exact", "exact-data", "fresh-epoch")  # strongest first
-DECLARED = {"strict": "exact", "elastic": "exact-data", "fresh-epoch": "fresh-epoch"}
-PARAM_TOLERANCE = 1e-3  # exact-data: max |param difference| after the run, and relative metric difference
-# the tolerance on metric values each contract promises (None: values are not promised equal)
-METRIC_TOLERANCE = {"exact": 0.0, "exact-data": PARAM_TOLERANCE, "fresh-epoch": None}
-
-
-@dataclass
-class Report:
-    verdict: str
-    failures: list[str]  # one line per check that did not hold; empty on a pass
-    declared_contract: str
-    observed_contract: str
-    seed: int  # the fault plan's seed (drawn when --seed was not given): --seed SEED plans the same faults
-    faults_planned: int
-    faults_delivered: int  # recorded by the fault as it fired (or a node removal verify carried out)
-    kills_injected: int  # delivered SIGKILLs and node removals
-    notices_injected: int  # delivered SIGTERMs
-    fault_sites_planned: list[str]
-    fault_sites_hit: list[str]
-    fault_sites_not_applicable: dict[str, str]
-    faults_not_delivered: list[dict[str, Any]]
-    restarts: int
-    restores_from_bundle: int  # restarts that restored a bundle (the others started from nothing)
-    recovery_paths: dict[str, int]  # restores by path: cold, warm-spare, warm-replace, warm-shrink
-    reference_updates: int
-    chaos_last_update: int
-    occurrence_gaps: int
-    occurrence_duplicates: int
-    updates_compared: int
-    params_bitwise_equal: bool
-    params_max_abs_diff: float
-    metric_sinks: list[str]
-    metric_writes: int  # points written by every attempt of the interrupted run (the raw log)
-    metric_duplicates_written: int  # what a consumer that appends instead of upserting would hold twice
-    metric_duplicates: int  # in the sinks' final views: must be 0
-    metric_missing: int
-    metric_extra: int
-    metric_mismatches: int
-    metric_stale: int
-    metric_problems: list[str]
-    counters_equal: bool
-    lost_updates: int | None  # None: some restart's is not known (README: What a restart cost)
-    lost_updates_known: int
-    restart_seconds: list[float]
-    restore_oracle: list[str]
-    first_divergence: dict[str, Any] | None
-    reference_job: str
-    chaos_job: str
-    # every planned fault in plan order: site, planned update, attempt, rank, the epoch its update's data
-    # reached, whether it was delivered and whether its restore is sure to cross an epoch boundary
-    faults: list[dict[str, Any]] = field(default_factory=list)
-    mutated: list[str] = field(default_factory=list)  # a deliberately broken build lost these at every restore
-    # with ``mutated``: whether verify failed the broken build after faults and restores that exercised it
-    mutation_caught: bool | None = None
-
-    def succeeded(self) -> bool:
-        """Whether verify did what it promises (exit status 0): a pass, or, for a deliberately broken
-        build (``--mutate``), catching it."""
-        return bool(self.mutation_caught) if self.mutated else self.verdict == "pass"
 
 
 # verify's own local clusters start no dashboard: nothing reads it, and its processes (about ten on
@@ -445,17 +397,6 @@ def data_info(storage: Storage, job: str, restored: str | None) -> DataInfo | No
     return None
 
 
-def restart_figures(hist: dict[str, Any]) -> dict[str, Any]:
-    """The report's restart figures, from the chaos job's history (each defined once, in
-    :mod:`spotrun.orchestrator.ledger.losses`: the report shows what ``spotrun history`` shows)."""
-    rows, totals = hist["restarts"], hist["totals"]
-    restored = [r for r in rows if r["restored_from"] is not None]
-    return {"restarts": totals["restarts"], "restores_from_bundle": len(restored),
-            "recovery_paths": dict(Counter(r["recovery_path"] for r in restored)),
-            "lost_updates": totals["lost_updates"], "lost_updates_known": totals["lost_updates_known"],
-            "restart_seconds": totals["downtime_seconds"]}
-
-
 def read_sink(spec: JobSpec, storage: Storage, kind: str, job_id: str) -> list[MetricPoint]:
     """What the ``kind`` sink of ``job_id`` reads back (one point per key for an upserting sink)."""
     sink = open_sinks([kind], metrics_dir(spec.storage, job_id, spec.metrics.local_dir), storage,
@@ -466,135 +407,8 @@ def read_sink(spec: JobSpec, storage: Storage, kind: str, job_id: str) -> list[M
         sink.close()
 
 
-def proof_failures(spec: JobSpec, kills: int, seed: int, nodes: bool, planned: int, delivered: int,
-                   restores: int, warm: bool = False, epochs: Mapping[int, int] | None = None) -> list[str]:
-    """Why the interrupted run proved nothing, if it did not (empty: it did). A pass needs at least
-    one fault that fired and one restart that restored a published bundle: without them no restore
-    was compared with anything, and a run that nothing interrupted passes every other check. Each
-    line names the numbers to change (``--kills``, ``checkpoint.every_updates``, ``train.updates``).
-    ``epochs``: the reference's, which the plan it names is planned with (:func:`plan_faults`)."""
-    every, last = fixed_interval(spec), spec.train.updates
-    if kills < 1:
-        return ["no fault was planned (--kills 0), so no restore was tested: run verify with --kills 1 or more"]
-    if planned == 0:
-        return [f"no fault was planned: train.updates={last} with checkpoint.every_updates={every} leaves room for "
-                f"no fault after a published bundle (the first is published at update {every}, and a fault needs "
-                f"an update after it); lower checkpoint.every_updates to <= {max(1, last - 1)} or raise "
-                f"train.updates to >= {every + 1}"]
-    if delivered == 0:
-        return [f"none of the {planned} planned faults fired (a fault counts once it records itself as it fires; "
-                "faults_not_delivered lists where they were planned), so no restore was tested"]
-    if restores == 0:
-        return [f"no restart restored a published bundle: the {delivered} fault(s) that fired all came before the "
-                f"first bundle (update {every}) was published, so every restart began from nothing and no restore "
-                f"was tested; {sure_restore(spec, kills, seed, nodes, warm, epochs)}"]
-    return []
-
-
-
-
-def verdict_failures(declared: str, observed: str, short: list[str], metrics: MetricComparison,
-                     counters_equal: bool, sites_missed: list[str]) -> list[str]:
-    """One line per check that did not hold (an empty list is a pass)."""
-    holds = observed in CONTRACTS and CONTRACTS.index(observed) <= CONTRACTS.index(declared)
-    failures = [] if holds else [f"the contract that held ({observed}) is weaker than the declared {declared}"]
-    failures += short
-    if not metrics.ok:
-        failures.append(f"metric points: {metrics.duplicates} duplicated, {metrics.missing} missing, "
-                        f"{metrics.extra} unexpected, {metrics.mismatches} differing from the reference, "
-                        f"{metrics.stale} older than their latest write ({'; '.join(metrics.problems)})")
-    if not counters_equal:
-        failures.append("the final bundles' counters differ (or a run published none)")
-    if sites_missed:
-        failures.append(f"planned fault sites never hit: {', '.join(sites_missed)} (no fault there fired)")
-    return failures
-
-
 def _final_trace(path: Path) -> dict[int, UpdateRecord]:
     """Each update as the latest attempt did it; no file (the run never completed an update): none."""
     return latest_per_update(read_trace(path)) if path.exists() else {}
 
 
-def render(report: Report, console) -> None:
-    """The human report: what was injected, what was compared, what failed, and the first divergence."""
-    from rich.table import Table
-
-    ok = report.verdict == "pass"
-    if report.mutated:
-        lost = ", ".join(report.mutated)
-        if report.mutation_caught:
-            outcome = "verify caught it (the FAIL below is the expected outcome)"
-        elif ok:
-            outcome = "[bold red]not caught[/]: losing it had no observable effect on this job's updates"
-        else:
-            outcome = ("[bold red]not tested[/]: no restart restored a bundle, so nothing was lost (the first "
-                       "failure below says what to change)")
-        broken = ("its mlflow sink sent each point as it was written instead of at publish" if lost == SEND_AT_WRITE
-                  else f"every restore of the chaos run lost {lost}")
-        console.print(f"[bold]mutant build[/]: {broken}, on purpose: {outcome}")
-    # the contract can hold while verify fails on something else (metrics, counters, a site not hit):
-    # the headline then says so, instead of two equal contracts under a FAIL
-    held = (f"; the contract held, but {len(report.failures)} other check(s) failed (first: {report.failures[0]})"
-            if not ok and report.failures and report.observed_contract == report.declared_contract else "")
-    console.print(f"[bold]{'PASS' if ok else 'FAIL'}[/]: declared contract [bold]{report.declared_contract}[/], "
-                  f"observed [bold]{report.observed_contract}[/] ({report.faults_delivered} of "
-                  f"{report.faults_planned} planned faults delivered, {report.restarts} restarts, "
-                  f"{report.updates_compared} updates compared; fault seed {report.seed}){held}")
-    t = Table(title="comparison with the uninterrupted run")
-    t.add_column("check")
-    t.add_column("result")
-    for name, value in (
-        ("fault sites planned", ", ".join(report.fault_sites_planned)),
-        ("fault sites hit (recorded as they fired)", ", ".join(report.fault_sites_hit) or "none"),
-        ("kills / notices delivered", f"{report.kills_injected} / {report.notices_injected}"),
-        ("restarts / of which from a bundle", f"{report.restarts} / {report.restores_from_bundle}"),
-        ("restores by path (warm: the survivors' memory)",
-         ", ".join(f"{p} {n}" for p, n in sorted(report.recovery_paths.items())) or "none"),
-        ("updates: reference / reached", f"{report.reference_updates} / {report.chaos_last_update}"),
-        ("occurrence gaps / duplicates", f"{report.occurrence_gaps} / {report.occurrence_duplicates}"),
-        ("parameters bitwise equal", str(report.params_bitwise_equal)),
-        ("max |param difference| at the end", f"{report.params_max_abs_diff:.3g}"),
-        (f"metric points in {', '.join(report.metric_sinks)}: duplicated / missing / unexpected / differing / "
-         "stale", f"{report.metric_duplicates} / {report.metric_missing} / {report.metric_extra} / "
-                  f"{report.metric_mismatches} / {report.metric_stale}"),
-        ("metric points written by every attempt / written again (an appending consumer's duplicates)",
-         f"{report.metric_writes} / {report.metric_duplicates_written}"),
-        ("final counters equal", str(report.counters_equal)),
-        ("updates restarts lost (computed again)", str(report.lost_updates) if report.lost_updates is not None
-         else f"{report.lost_updates_known} known, and restarts whose lost attempt's reach is not known"),
-        ("restart seconds (history's downtime: loss → restored)",
-         ", ".join(f"{x:.2f}" for x in report.restart_seconds)),
-        ("restore oracle (state differing right after a restore)", ", ".join(report.restore_oracle) or "none"),
-    ):
-        t.add_row(name, value)
-    console.print(t)
-    if report.faults:
-        console.print(fault_table(report))
-    for line in report.failures:
-        console.print(f"[red]failed[/]: {line}", highlight=False)
-    if report.first_divergence:
-        d = Table(title="where the interrupted run first differs (occurrences -> batch -> loss -> gradient -> "
-                        "parameters)")
-        d.add_column("")
-        d.add_column("")
-        for name, value in divergence_rows(report.first_divergence):
-            d.add_row(name, value)
-        console.print(d)
-        if report.restore_oracle:
-            console.print("state categories lost at a restore: " + ", ".join(report.restore_oracle)
-                          + " (`spotrun inventory` gives each category's owner and restore action)")
-
-
-def fault_table(report: Report):
-    """The planned faults, one row each: where, when (update and the epoch its data reached), whether
-    it was delivered and whether its restore crosses an epoch boundary."""
-    from rich.table import Table
-
-    t = Table(title=f"faults planned with seed {report.seed} (verify --seed {report.seed} plans the same ones)")
-    for name in ("site", "update", "epoch", "attempt", "rank", "delivered", "restore crosses epoch"):
-        t.add_column(name, no_wrap=name != "restore crosses epoch")  # 80 columns: only that header wraps
-    for f in report.faults:
-        crosses = {True: "yes", False: "no", None: "-"}[f.get("restore_crosses_epoch")]
-        t.add_row(f["name"], str(f["update"]), "-" if f.get("epoch") is None else str(f["epoch"]),
-                  str(f["attempt"]), str(f["rank"]), "yes" if f["delivered"] else "no", crosses)
-    return t

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from spotrun.trainer.job.spec import ModelSpec
+from spotrun.trainer.job.sections import ModelSpec
 
 
 class TinyFactoryModel(nn.Module):

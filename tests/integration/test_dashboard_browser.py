@@ -97,7 +97,7 @@ def restarted_job(tmp_path_factory) -> Path:
 
 
 def test_job_with_two_restarts(page, restarted_job):
-    restored = [r["restored_update"] for r in history(open_storage(f"file://{restarted_job}"), JOB)["restarts"]]
+    restored = [r.restored_update for r in history(open_storage(f"file://{restarted_job}"), JOB).restarts]
     assert restored == RESTORED
     attempts = reached_by_attempt(restarted_job / JOB / "metrics.jsonl")
     reached = (attempts[1], attempts[2])
@@ -111,8 +111,8 @@ def test_job_with_two_restarts(page, restarted_job):
         assert row.locator('[data-field="attempts"]').inner_text() == "3"
         assert row.locator('[data-field="restarts"]').inner_text() == "2"
         assert row.locator('[data-field="updates"]').inner_text() == f"{UPDATES} of {UPDATES}"
-        goodput = history(open_storage(f"file://{restarted_job}"), JOB)["goodput"]
-        assert row.locator('[data-field="goodput"]').inner_text() == f"{100 * goodput['goodput']:.1f}%"
+        goodput = history(open_storage(f"file://{restarted_job}"), JOB).goodput
+        assert row.locator('[data-field="goodput"]').inner_text() == f"{100 * goodput.goodput:.1f}%"
 
         row.locator("a").click()
         page.wait_for_url(f"**/jobs/{JOB}")
@@ -126,13 +126,13 @@ def test_job_with_two_restarts(page, restarted_job):
                                          for r, n in zip(restored, reached, strict=True)]
 
         # the goodput breakdown: a bar per attempt and one for the job, replayed work where updates were redone
-        assert page.locator("#goodput-ratio").inner_text() == f"{100 * goodput['goodput']:.1f}%"
+        assert page.locator("#goodput-ratio").inner_text() == f"{100 * goodput.goodput:.1f}%"
         assert page.locator("tr.goodput-row").count() == 4
         bars = page.locator("svg.goodput rect.term")
         terms = bars.evaluate_all("els => els.map(e => e.dataset.term)")
-        rows = [*goodput["attempts"], goodput]
+        rows = [*goodput.attempts, goodput]
         for term in ("productive_seconds", "replayed_seconds", "downtime_seconds"):
-            assert terms.count(term) == sum(r[term] > 0 for r in rows) > 0, term
+            assert terms.count(term) == sum(getattr(r, term) > 0 for r in rows) > 0, term
         assert page.locator('tr.goodput-row[data-attempt="job"] [data-field="replayed_seconds"]').inner_text() != "–"
 
         assert page.locator("svg.timeline rect.attempt").count() == 3

@@ -18,7 +18,7 @@ from spotrun.orchestrator.verify.oracle import Verifier, read_sink
 from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
 from spotrun.trainer.bundle.manifest import Manifest, Versions
 from spotrun.trainer.job.code_identity import CodeInfo
-from spotrun.trainer.job.spec import FaultSpec
+from spotrun.trainer.job.sections import FaultSpec
 from spotrun.trainer.metrics import SEGMENTS, JsonlSink, metrics_dir, open_sinks, points_of
 from spotrun.trainer.metrics.mlflow_sink import ATTEMPT, SEND_AT_WRITE, Tracker
 from spotrun.trainer.state.counters import Counters
@@ -89,8 +89,8 @@ def test_two_rank_job_killed_twice_has_one_point_per_update_equal_to_the_uninter
         else:
             assert got == want, name  # one point per update, bitwise the uninterrupted run's
 
-    rows = history(storage, "killed")["restarts"]
-    assert [r["attempt"] for r in rows] == [2, 3]
+    rows = history(storage, "killed").restarts
+    assert [r.attempt for r in rows] == [2, 3]
     tags = run.data.tags
     assert {k: v for k, v in tags.items() if k.startswith("spotrun.restart.")} == restart_tags(rows)
     assert "bundle=killed/bundles/u0000000004-a1" in tags["spotrun.restart.2"]

@@ -165,7 +165,7 @@ def test_elastic_grows_back_when_a_node_returns_fsdp_resharding_its_bundles(clus
     assert shrink.recovery_label == grow.recovery_label == "exact-data" and grow.lost_updates == 0
     assert [(e.world_size_before, e.world_size_after) for e in events if isinstance(e, TopologyChanged)] == [
         (2, 1), (1, 2)]
-    assert [r["cause"] for r in history(open_storage(spec.storage), spec.job_id)["restarts"]] == [
+    assert [r.cause for r in history(open_storage(spec.storage), spec.job_id).restarts] == [
         "node-lost", "scale-up"]
     assert shrink.roundtrip_mismatches == grow.roundtrip_mismatches == []
     storage = open_storage(spec.storage)
@@ -256,9 +256,9 @@ def test_strict_survives_two_preemptions_with_one_failure_allowed_and_resumes_bi
     restored = [e for e in events if isinstance(e, Restored)]
     assert [(e.recovery_label, e.world_size_after, e.update) for e in restored] == [
         ("exact", 2, 10), ("exact", 2, 15)]
-    budgets = history(open_storage(spec.storage), spec.job_id)["budgets"]
-    assert (budgets["preemptions"], budgets["failures"]) == (2, 0)
-    assert budgets["this_run"]["failures_left"] == 1 and budgets["this_run"]["preemptions_left"] is None
+    budgets = history(open_storage(spec.storage), spec.job_id).budgets
+    assert (budgets.preemptions, budgets.failures) == (2, 0)
+    assert budgets.this_run.failures_left == 1 and budgets.this_run.preemptions_left is None
     final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
     assert first_divergence(ref_trace, list(final.values())) is None and len(final) == 30
 

@@ -53,11 +53,11 @@ def test_tensorboard_reads_one_loss_per_update_equal_to_the_uninterrupted_run(ru
 
 def test_goodput_terms_add_up_and_the_killed_job_is_below_the_uninterrupted_one(runs):
     storage = open_storage(f"file://{runs / 'runs'}")
-    good = {job: history(storage, job)["goodput"] for job in ("killed", "reference")}
+    good = {job: history(storage, job).goodput for job in ("killed", "reference")}
     for g in good.values():
-        assert sum(g[k] for k in TERMS) == pytest.approx(g["wall_seconds"], abs=0.01)
-        assert g["productive_updates"] == UPDATES
-    assert good["reference"]["replayed_updates"] == 0 and good["reference"]["replayed_seconds"] == 0
+        assert sum(getattr(g, k) for k in TERMS) == pytest.approx(g.wall_seconds, abs=0.01)
+        assert g.productive_updates == UPDATES
+    assert good["reference"].replayed_updates == 0 and good["reference"].replayed_seconds == 0
     # Each kill came right after a publish; the updates the loop had trained past it were redone. How
     # many depends on timing (and metric points are written off the training thread, so the last ones
     # before a SIGKILL may never reach a sink): count them from the raw write log, independently.
@@ -66,10 +66,10 @@ def test_goodput_terms_add_up_and_the_killed_job_is_below_the_uninterrupted_one(
     for p in writes:
         final[p.update] = max(final.get(p.update, 0), p.attempt)
     replays = sum(any(q.attempt < a and q.update >= u for q in writes) for u, a in final.items())
-    assert good["killed"]["replayed_updates"] == replays
-    assert (good["killed"]["replayed_seconds"] > 0) == (replays > 0)
-    assert good["killed"]["goodput"] < good["reference"]["goodput"]  # two process restarts of downtime
-    assert len(good["killed"]["attempts"]) == 3
+    assert good["killed"].replayed_updates == replays
+    assert (good["killed"].replayed_seconds > 0) == (replays > 0)
+    assert good["killed"].goodput < good["reference"].goodput  # two process restarts of downtime
+    assert len(good["killed"].attempts) == 3
 
 
 def test_prometheus_metrics_parse_with_prometheus_clients_own_parser(runs):

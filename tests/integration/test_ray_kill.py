@@ -81,13 +81,13 @@ def test_rank_sigkilled_mid_accumulation_resumes_bitwise(reference, tmp_path):
     assert (restored[0].world_size_before, restored[0].world_size_after) == (2, 2)
     started = [e for e in events if isinstance(e, AttemptStarted)]
     assert started[1].rank_pids[0] == started[0].rank_pids[0] and started[1].rank_pids[1] != started[0].rank_pids[1]
-    row = history(open_storage(spec.storage), "killed")["restarts"][0]  # what `history --json` prints
-    assert {k: row[k] for k in ("attempt", "cause", "lost_updates", "world_size_before", "world_size_after",
+    row = history(open_storage(spec.storage), "killed").restarts[0]  # what `history --json` prints
+    assert {k: getattr(row, k) for k in ("attempt", "cause", "lost_updates", "world_size_before", "world_size_after",
                                 "recovery_label")} == {
         "attempt": 2, "cause": "process-exit", "lost_updates": k - 1 - bundle_update,
         "world_size_before": 2, "world_size_after": 2, "recovery_label": "exact"}
-    assert row["restored_from"].endswith(f"u{bundle_update:010d}-a1")
-    assert row["detected_at"] and row["restore_seconds"] >= 0
+    assert row.restored_from.endswith(f"u{bundle_update:010d}-a1")
+    assert row.detected_at and row.restore_seconds >= 0
 
 
 def test_kill_during_background_write_is_never_restored(reference, tmp_path):
@@ -213,8 +213,8 @@ def test_a_spare_takes_a_killed_ranks_place_from_memory_and_the_run_stays_bitwis
     assert started[1].rank_pids[0] == started[0].rank_pids[0]
     assert killed not in started[1].rank_pids and len(started[1].rank_pids) == world_after
     # history and the dashboard's restart rows name the path and its time
-    row = history(open_storage(spec.storage), "warm")["restarts"][0]
-    assert row["recovery_path"] == path and row["cold_because"] is None and row["downtime_seconds"] > 0
+    row = history(open_storage(spec.storage), "warm").restarts[0]
+    assert row.recovery_path == path and row.cold_because is None and row.downtime_seconds > 0
     page = TestClient(create_app(spec.storage), base_url="http://127.0.0.1").get("/jobs/warm").text
     assert f'data-field="recovery_path">{path}<' in page, page
     final = latest_per_update(read_trace(tmp_path / "t.jsonl"))

@@ -82,9 +82,9 @@ def check_exact_after_one_notice(spec, trace, reference, source):
     assert handled[0].update == HELD_AT, "the emergency bundle is the one of the boundary the ranks were held at"
     restored = [e for e in events if isinstance(e, Restored)]
     assert len(restored) == 1 and restored[0].lost_updates == 0 and restored[0].update == handled[0].update
-    row = history(open_storage(spec.storage), spec.job_id)["restarts"][0]
-    assert row["cause"] == f"notice:{source}" and row["lost_updates"] == 0
-    assert row["notice_to_publish_seconds"] == handled[0].notice_to_publish_seconds
+    row = history(open_storage(spec.storage), spec.job_id).restarts[0]
+    assert row.cause == f"notice:{source}" and row.lost_updates == 0
+    assert row.notice_to_publish_seconds == handled[0].notice_to_publish_seconds
     final = latest_per_update(read_trace(trace))
     assert sorted(final) == list(range(1, 31))
     assert first_divergence(reference, list(final.values())) is None

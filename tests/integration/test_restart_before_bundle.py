@@ -64,15 +64,15 @@ def test_history_counts_the_restart_and_everything_it_lost(runs, capsys):
 def test_the_dashboard_shows_the_restart_and_its_lost_time(runs):
     client = TestClient(create_app(f"file://{runs}"), base_url="http://127.0.0.1")
     [summary] = client.get("/api/jobs").json()
-    row = history(open_storage(f"file://{runs}"), JOB)["restarts"][0]
+    row = history(open_storage(f"file://{runs}"), JOB).restarts[0]
     assert (summary["attempts"], summary["restarts"]) == (2, 1)
-    assert summary["time_lost_seconds"] == row["time_lost_seconds"] > 0
+    assert summary["time_lost_seconds"] == row.time_lost_seconds > 0
     job = client.get(f"/api/jobs/{JOB}").json()
     [shown] = job["restarts"]
-    assert shown["cause"] == "driver-exit" and shown["time_lost_seconds"] == row["time_lost_seconds"]
+    assert shown["cause"] == "driver-exit" and shown["time_lost_seconds"] == row.time_lost_seconds
     # the driver died: how far it got is in the metric log, and history says the same
     assert (shown["lost_updates"], shown["lost_updates_source"], shown["lost_range"]) == (2, "metrics log", [1, 2])
-    assert (row["lost_updates"], row["lost_range"]) == (2, [1, 2])
+    assert (row.lost_updates, row.lost_range) == (2, [1, 2])
     page = client.get(f"/jobs/{JOB}").text
     assert "none: started afresh" in page and "1 restart(s)" in page
 
@@ -87,6 +87,6 @@ def test_a_rank_lost_before_the_first_bundle_is_a_restart_with_its_lost_updates(
     outcome = Supervisor(spec, Platform(lambda *a: next(scripts), capacity=lambda: 2),
                          Options(sleep=lambda s: None)).run()
     assert outcome.state == "finished" and outcome.restarts == 1
-    [row] = history(open_storage(spec.storage), "s")["restarts"]
-    assert (row["cause"], row["restored_from"], row["lost_updates"]) == ("process-exit", None, 3)
-    assert row["downtime_seconds"] is not None and row["time_lost_seconds"] >= row["downtime_seconds"]
+    [row] = history(open_storage(spec.storage), "s").restarts
+    assert (row.cause, row.restored_from, row.lost_updates) == ("process-exit", None, 3)
+    assert row.downtime_seconds is not None and row.time_lost_seconds >= row.downtime_seconds

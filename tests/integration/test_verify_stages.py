@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 
 from spotrun.orchestrator.control.specfile import load_spec
-from spotrun.orchestrator.verify.oracle import Report, Verifier
-from spotrun.trainer.job.spec import FaultSpec
+from spotrun.orchestrator.verify.oracle import Verifier
+from spotrun.orchestrator.verify.report import Report
+from spotrun.trainer.job.sections import FaultSpec
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow

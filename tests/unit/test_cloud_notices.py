@@ -23,7 +23,7 @@ from spotrun.orchestrator.notices.clouds import (
     sources_for,
 )
 from spotrun.orchestrator.notices.notice import Notice
-from spotrun.trainer.job.spec import PreemptionSpec
+from spotrun.trainer.job.sections import PreemptionSpec
 from spotrun.trainer.storage import open_storage
 from tests.helpers.imds import AzureEvents, GcpMetadata, Imds
 

@@ -10,7 +10,7 @@ import pytest
 
 from spotrun.orchestrator.verify import faultplan
 from spotrun.orchestrator.verify.faultplan import NodeRemoval, fault_rows, plan_faults
-from spotrun.trainer.job.spec import FaultSpec
+from spotrun.trainer.job.sections import FaultSpec
 from spotrun.trainer.observe.faults import FaultFired
 from spotrun.trainer.observe.trace import UpdateRecord, update_epochs
 from tests.conftest import make_spec
@@ -110,7 +110,7 @@ def test_the_report_lists_each_fault_with_its_epoch_and_whether_it_was_delivered
 
 
 def blank_report(**values):
-    from spotrun.orchestrator.verify.oracle import Report
+    from spotrun.orchestrator.verify.report import Report
 
     required = {f.name: None for f in fields(Report) if f.default is MISSING and f.default_factory is MISSING}
     return Report(**(required | {"verdict": "pass", "failures": []} | values))
@@ -145,7 +145,7 @@ def test_the_seed_is_drawn_when_not_given_and_reported_both_ways(tmp_path, monke
 def test_the_console_report_names_the_seed_and_each_fault():
     from rich.console import Console
 
-    from spotrun.orchestrator.verify.oracle import render
+    from spotrun.orchestrator.verify.report import render
 
     report = blank_report(
         seed=8123, declared_contract="exact", observed_contract="exact", faults_planned=2, faults_delivered=1,

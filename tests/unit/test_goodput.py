@@ -58,52 +58,52 @@ def killed_job() -> tuple[list, list[MetricPoint], list[MetricPoint]]:
 def test_terms_add_up_to_the_wall_time_and_each_is_what_happened():
     events, final, _ = killed_job()
     g = goodput(events, final, usd_per_rank_hour=3.6)
-    assert g["wall_seconds"] == 17.0  # from attempt 1's placement to the job's end
-    assert sum(g[k] for k in TERMS) == pytest.approx(g["wall_seconds"])
+    assert g.wall_seconds == 17.0  # from attempt 1's placement to the job's end
+    assert sum(getattr(g, k) for k in TERMS) == pytest.approx(g.wall_seconds)
     # updates 1, 2 and, lost with attempt 1 (no write log: 2 x its median update), 3 and 4; then 5, 6
-    assert g["productive_seconds"] == pytest.approx(6.0)
-    assert g["replayed_seconds"] == pytest.approx(2.0)  # attempt 2 redoing 3 and 4
-    assert g["checkpoint_stall_seconds"] == pytest.approx(0.35)
-    assert g["capacity_wait_seconds"] == pytest.approx(1.0)
-    assert g["downtime_seconds"] == pytest.approx(7.65)
-    assert g["goodput"] == pytest.approx(6 / 17, abs=1e-4)
-    assert (g["productive_updates"], g["replayed_updates"]) == (6, 2)
-    a1, a2 = g["attempts"]
-    assert (a1["wall_seconds"], a2["wall_seconds"]) == (9.0, 8.0)
+    assert g.productive_seconds == pytest.approx(6.0)
+    assert g.replayed_seconds == pytest.approx(2.0)  # attempt 2 redoing 3 and 4
+    assert g.checkpoint_stall_seconds == pytest.approx(0.35)
+    assert g.capacity_wait_seconds == pytest.approx(1.0)
+    assert g.downtime_seconds == pytest.approx(7.65)
+    assert g.goodput == pytest.approx(6 / 17, abs=1e-4)
+    assert (g.productive_updates, g.replayed_updates) == (6, 2)
+    a1, a2 = g.attempts
+    assert (a1.wall_seconds, a2.wall_seconds) == (9.0, 8.0)
     for a in (a1, a2):
-        assert sum(a[k] for k in TERMS) == pytest.approx(a["wall_seconds"])
-    assert a2["replayed_seconds"] == pytest.approx(2.0) and a1["replayed_seconds"] == 0
+        assert sum(getattr(a, k) for k in TERMS) == pytest.approx(a.wall_seconds)
+    assert a2.replayed_seconds == pytest.approx(2.0) and a1.replayed_seconds == 0
     # 2 ranks x 17 s at $3.60 per rank-hour; the badput is everything but the 6 productive seconds
-    assert g["cost_usd"] == pytest.approx(2 * 17 * 0.001)
-    assert g["badput_usd"] == pytest.approx(2 * 11 * 0.001)
+    assert g.cost_usd == pytest.approx(2 * 17 * 0.001)
+    assert g.badput_usd == pytest.approx(2 * 11 * 0.001)
 
 
 def test_the_write_log_measures_the_lost_work_instead_of_estimating_it():
     events, final, log = killed_job()
     g = goodput(events, final, log)
-    assert g["attempts"][0]["productive_seconds"] == pytest.approx(2 + 2.4)  # its points for 3, 4 at 6.2, 7.4
-    assert sum(g[k] for k in TERMS) == pytest.approx(17.0)
-    assert g["cost_usd"] is None
+    assert g.attempts[0].productive_seconds == pytest.approx(2 + 2.4)  # its points for 3, 4 at 6.2, 7.4
+    assert sum(getattr(g, k) for k in TERMS) == pytest.approx(17.0)
+    assert g.cost_usd is None
 
 
 def test_an_uninterrupted_job_is_almost_all_productive():
     events = [AttemptStarted(at=t(0), attempt=1, world_size=1, pid=1, lineage_id="x"),
               JobFinished(at=t(10.05), attempt=1, counters={"attempted_updates": 10})]
     g = goodput(events, [point(u, 1, u) for u in range(1, 11)])
-    assert g["goodput"] == pytest.approx(10 / 10.05, abs=1e-4)
-    assert g["replayed_seconds"] == 0 and g["downtime_seconds"] == pytest.approx(0.05)
+    assert g.goodput == pytest.approx(10 / 10.05, abs=1e-4)
+    assert g.replayed_seconds == 0 and g.downtime_seconds == pytest.approx(0.05)
 
 
 def test_a_job_that_never_started_has_no_goodput():
     g = goodput([], [])
-    assert g["wall_seconds"] == 0 and g["goodput"] is None and g["attempts"] == []
+    assert g.wall_seconds == 0 and g.goodput is None and g.attempts == []
 
 
 def test_history_reports_goodput_from_the_jobs_own_ledger_and_points(spec_factory):
     spec = spec_factory("train.updates=6", "checkpoint.every_updates=3", "model.kind=mlp", "data.workers=0",
                         "cost.usd_per_rank_hour=3600", job_id="gp")  # $1 a second: cents in a second-long job
     run_in_process(spec)
-    g = history(LocalStorage(spec.storage[len("file://"):]), "gp")["goodput"]
-    assert g["productive_updates"] == 6 and g["replayed_updates"] == 0
-    assert sum(g[k] for k in TERMS) == pytest.approx(g["wall_seconds"], abs=0.01)
-    assert 0 < g["goodput"] <= 1 and g["cost_usd"] > 0
+    g = history(LocalStorage(spec.storage[len("file://"):]), "gp").goodput
+    assert g.productive_updates == 6 and g.replayed_updates == 0
+    assert sum(getattr(g, k) for k in TERMS) == pytest.approx(g.wall_seconds, abs=0.01)
+    assert 0 < g.goodput <= 1 and g.cost_usd > 0

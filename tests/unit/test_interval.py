@@ -14,7 +14,7 @@ from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, 
 from spotrun.orchestrator.policy import interval
 from spotrun.orchestrator.policy import topology as policy
 from spotrun.orchestrator.policy.interval import IntervalInputs
-from spotrun.orchestrator.verify.oracle import fixed_interval
+from spotrun.orchestrator.verify.faultplan import fixed_interval
 from spotrun.trainer.run.overlap import WriteOverlap
 from tests.conftest import make_spec
 
@@ -203,9 +203,9 @@ def test_history_lists_every_decision_and_the_dashboard_shows_the_current_one(tm
     later = inputs(uptime_s=7200.0, preemptions=2, preemptions_losing_work=1)
     for reason, i in (("start", first), ("measured", inputs()), ("periodic", later)):
         ledger.append(IntervalChosen(attempt=1, reason=reason, inputs=i, decision=interval.decide(i)))
-    listed = history(storage, "j")["checkpoint_intervals"]
-    assert [d["reason"] for d in listed] == ["start", "measured", "periodic"]
-    assert listed[-1]["inputs"]["preemptions_losing_work"] == 1 and listed[0]["checkpoint_cost_s"] is None
+    listed = history(storage, "j").checkpoint_intervals
+    assert [d.reason for d in listed] == ["start", "measured", "periodic"]
+    assert listed[-1].inputs.preemptions_losing_work == 1 and listed[0].checkpoint_cost_s is None
     page = TestClient(create_app(f"file://{tmp_path}"), base_url="http://127.0.0.1").get("/jobs/j")
     assert page.status_code == 200
     current = interval.decide(later)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.orchestrator.dashboard.charts import timeline
 from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     BundlePublished,
     CorruptEvent,
+    InitializedFrom,
     JobFinished,
     Resizing,
     Restored,
+    WorkerLost,
 )
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.store import Ledger
@@ -37,7 +41,7 @@ def test_corrupt_event_is_reported_not_raised(tmp_path):
     events = Ledger(storage, "j").read()
     assert isinstance(events[1], CorruptEvent) and events[1].key.endswith("000000000001.json")
     assert isinstance(events[2], JobFinished)
-    assert history(storage, "j")["corrupt_events"][0]["key"].endswith("000000000001.json")
+    assert history(storage, "j").corrupt_events[0].key.endswith("000000000001.json")
 
 
 def test_history_of_a_finished_run(spec_factory):
@@ -45,10 +49,10 @@ def test_history_of_a_finished_run(spec_factory):
     run_in_process(spec)
     run_in_process(spec)  # already complete: restores the final bundle, trains nothing
     doc = history(LocalStorage(spec.storage[len("file://"):]), "hist")
-    assert doc["state"] == "finished"
-    assert [a["attempt"] for a in doc["attempts"]] == [1, 2]
-    assert doc["restarts"][0]["restored_from"].endswith("u0000000010-a1")
-    assert doc["restarts"][0]["recovery_label"] == "exact"
+    assert doc.state == "finished"
+    assert [a.attempt for a in doc.attempts] == [1, 2]
+    assert doc.restarts[0].restored_from.endswith("u0000000010-a1")
+    assert doc.restarts[0].recovery_label == "exact"
 
 
 def test_a_scale_up_is_a_chosen_restart_not_a_loss(tmp_path):
@@ -63,11 +67,11 @@ def test_a_scale_up_is_a_chosen_restart_not_a_loss(tmp_path):
                            policy="elastic", restore_mode="snapshot", restore_seconds=0.1, lost_updates=0,
                            cause="scale-up", world_size_before=1, world_size_after=2))
     doc = history(storage, "g")
-    assert doc["attempts"][0]["ended"] == "scale-up to 2"
-    assert [(r["cause"], r["lost_updates"]) for r in doc["restarts"]] == [("scale-up", 0)]
-    svg = timeline([{"attempt": a["attempt"], "start": a["started_at"], "end": a["ended_at"],
-                     "world_size": a["world_size"], "ended": a["ended"] or "finished", "reached_update": 10}
-                    for a in doc["attempts"]])
+    assert doc.attempts[0].ended == "scale-up to 2"
+    assert [(r.cause, r.lost_updates) for r in doc.restarts] == [("scale-up", 0)]
+    svg = timeline([{"attempt": a.attempt, "start": a.started_at, "end": a.ended_at,
+                     "world_size": a.world_size, "ended": a.ended or "finished", "reached_update": 10}
+                    for a in doc.attempts])
     assert "↗ scale-up to 2" in svg and "✕" not in svg
 
 
@@ -85,3 +89,27 @@ def test_a_ledger_read_again_sees_new_events_and_reads_a_corrupt_one_again(tmp_p
     again = ledger.read()
     assert [type(e) for e in again] == [AttemptStarted, JobFinished, Restored]
     assert again == Ledger(storage, "j").read()
+
+
+def test_history_json_keeps_the_fields_the_ledger_set_in_the_order_it_set_them(tmp_path):
+    """``--json`` prints an attempt's optional fields only when an event set them, in the order the events
+    came (a new lineage's initialized_from before its attempt_started), and a job with no restart its
+    time lost as 0: the document the dashboard and scripts have always read."""
+    storage = LocalStorage(tmp_path)
+    ledger = Ledger(storage, "n")
+    ledger.append(WorkerLost(attempt=1, rank=0, cause="process-exit", last_update=0))  # no attempt_started
+    ledger.append(InitializedFrom(attempt=2, bundle="file:///old/b", reset=["optimizer"]))
+    ledger.append(AttemptStarted(attempt=2, world_size=1, pid=1, lineage_id="new"))
+    ledger.append(JobFinished(attempt=2, counters={"attempted_updates": 3}))
+    doc = history(storage, "n").model_dump(mode="json")
+    first, second = doc["attempts"]
+    assert list(first) == ["attempt", "started_at", "ended_at", "world_size", "node_ids", "published",
+                           "last_update", "ended", "last_update_source"]
+    assert list(second)[8:] == ["initialized_from", "recovery_label", "reset", "lineage_id", "last_update_source"]
+    assert list(doc) == ["job_id", "state", "attempts", "restarts", "topology_changes", "rejected_bundles",
+                         "corrupt_events", "notices", "refusals", "budgets", "checkpoint_intervals", "totals",
+                         "goodput"]
+    alone = Ledger(LocalStorage(tmp_path / "one"), "o")
+    alone.append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="x"))
+    alone.append(JobFinished(attempt=1, counters={"attempted_updates": 3}))
+    assert '"time_lost_seconds": 0,' in json.dumps(history(LocalStorage(tmp_path / "one"), "o").model_dump(mode="json"))

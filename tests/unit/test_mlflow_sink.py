@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from spotrun.orchestrator.ledger.history_model import RestartRow
 from spotrun.orchestrator.publish.metric_commit import restart_tags
-from spotrun.trainer.job.spec import MlflowSpec
+from spotrun.trainer.job.sections import MlflowSpec
 from spotrun.trainer.metrics import SEGMENTS, open_sinks, points_of
 from spotrun.trainer.metrics.mlflow_sink import MlflowSink, check_tracker, spec_params, tracking_uri
 from spotrun.trainer.storage import open_storage
@@ -29,9 +30,11 @@ def test_spec_keys_become_dotted_params():
 
 
 def test_one_tag_per_restart_as_history_computes_it():
-    rows = [{"attempt": 2, "cause": "driver-exit", "restored_from": "j/bundles/u0000000004-a1", "lost_updates": 3,
-             "lost_range": [5, 7]},
-            {"attempt": 3, "cause": "node-lost", "restored_from": None, "lost_updates": None, "lost_range": []}]
+    # the fields the tags read; model_construct leaves out the rest
+    rows = [RestartRow.model_construct(attempt=2, cause="driver-exit", restored_from="j/bundles/u0000000004-a1",
+                                       lost_updates=3, lost_range=[5, 7]),
+            RestartRow.model_construct(attempt=3, cause="node-lost", restored_from=None, lost_updates=None,
+                                       lost_range=[])]
     assert restart_tags(rows) == {
         "spotrun.restart.2": "cause=driver-exit; bundle=j/bundles/u0000000004-a1; lost_updates=3 (5-7)",
         "spotrun.restart.3": "cause=node-lost; bundle=none; lost_updates=unknown"}

@@ -174,8 +174,8 @@ def test_no_ray_records_an_unreachable_imds_once_and_history_shows_it(spec_facto
     assert run_in_process(spec).state == "finished"
     seen = [e for e in Ledger(spec_storage(spec), "noimds").read() if isinstance(e, NoticeSeen)]
     assert [(e.source, e.action) for e in seen] == [("aws", "ignored")] and "unreachable" in seen[0].reason
-    [row] = history(spec_storage(spec), "noimds")["notices"]
-    assert row["action"] == "ignored" and row["reason"].startswith("unreachable: instance metadata service")
+    [row] = history(spec_storage(spec), "noimds").notices
+    assert row.action == "ignored" and row.reason.startswith("unreachable: instance metadata service")
     from fastapi.testclient import TestClient
 
     from spotrun.orchestrator.dashboard import create_app

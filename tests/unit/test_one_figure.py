@@ -24,7 +24,7 @@ from spotrun.orchestrator.ledger.events import (
 )
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.store import Ledger
-from spotrun.orchestrator.verify.oracle import restart_figures
+from spotrun.orchestrator.verify.verdict import restart_figures
 from spotrun.trainer.metrics import JsonlSink, MetricPoint, SqliteSink
 from spotrun.trainer.storage import open_storage
 
@@ -139,31 +139,33 @@ def job(tmp_path):
 
 def test_every_reader_shows_the_same_figures(job, capsys):
     hist = history(open_storage(f"file://{job}"), JOB)
-    rows = hist["restarts"]
-    assert [r["cause"] for r in rows] == ["process-exit", "process-exit", "driver-exit", "notice:aws", "node-lost"]
-    assert [r["lost_updates"] for r in rows] == LOST
-    assert [r["lost_updates_source"] for r in rows] == SOURCES
-    assert [r["lost_range"] for r in rows] == RANGES
-    assert [r["downtime_seconds"] for r in rows] == DOWNTIME
-    assert [r["time_lost_seconds"] for r in rows] == TIME_LOST
-    assert [a["last_update"] for a in hist["attempts"]] == [3, 12, 17, 22, 27, 40]
-    totals = hist["totals"]
-    assert (totals["restarts"], totals["lost_updates"], totals["time_lost_seconds"]) == (5, 9, round(sum(TIME_LOST), 3))
+    rows = hist.restarts
+    assert [r.cause for r in rows] == ["process-exit", "process-exit", "driver-exit", "notice:aws", "node-lost"]
+    assert [r.lost_updates for r in rows] == LOST
+    assert [r.lost_updates_source for r in rows] == SOURCES
+    assert [r.lost_range for r in rows] == RANGES
+    assert [r.downtime_seconds for r in rows] == DOWNTIME
+    assert [r.time_lost_seconds for r in rows] == TIME_LOST
+    assert [a.last_update for a in hist.attempts] == [3, 12, 17, 22, 27, 40]
+    totals = hist.totals
+    assert (totals.restarts, totals.lost_updates, totals.time_lost_seconds) == (5, 9, round(sum(TIME_LOST), 3))
 
     # goodput: the job is past every lost update, so its replayed updates are the restarts' lost ones
-    g = hist["goodput"]
-    assert (g["productive_updates"], g["replayed_updates"]) == (40, sum(LOST))
-    assert [a["replayed_updates"] for a in g["attempts"]] == [0, *LOST]
+    g = hist.goodput
+    assert (g.productive_updates, g.replayed_updates) == (40, sum(LOST))
+    assert [a.replayed_updates for a in g.attempts] == [0, *LOST]
 
     client = TestClient(create_app(f"file://{job}"), base_url=BASE)
     page = client.get(f"/api/jobs/{JOB}").json()
-    assert page["history"]["restarts"] == rows and client.get(f"/api/jobs/{JOB}/history").json()["restarts"] == rows
+    dumped = [r.model_dump(mode="json") for r in rows]
+    assert page["history"]["restarts"] == dumped
+    assert client.get(f"/api/jobs/{JOB}/history").json()["restarts"] == dumped
     shown = page["restarts"]
     for key in ("lost_updates", "lost_range", "downtime_seconds", "time_lost_seconds"):
-        assert [r[key] for r in shown] == [r[key] for r in rows], key
+        assert [r[key] for r in shown] == [getattr(r, key) for r in rows], key
     summary = client.get("/api/jobs").json()[0]
     assert (summary["lost_updates"], summary["replayed_updates"], summary["time_lost_seconds"]) == (
-        9, 9, totals["time_lost_seconds"])
+        9, 9, totals.time_lost_seconds)
     assert page["summary"] | {"quiet_seconds": None} == summary | {"quiet_seconds": None}  # (read at another now)
     html = client.get(f"/jobs/{JOB}").text
     cells = re.findall(r'data-field="lost_updates">([^<]*)<', html)
@@ -173,7 +175,7 @@ def test_every_reader_shows_the_same_figures(job, capsys):
     metrics = client.get("/metrics").text
     assert prometheus(metrics, "spotrun_lost_updates") == 9
     assert prometheus(metrics, "spotrun_replayed_updates") == 9
-    assert prometheus(metrics, "spotrun_time_lost_seconds") == totals["time_lost_seconds"]
+    assert prometheus(metrics, "spotrun_time_lost_seconds") == totals.time_lost_seconds
     assert prometheus(metrics, "spotrun_restarts_total") == 5
 
     figures = restart_figures(history(open_storage(f"file://{job}"), JOB))
@@ -182,7 +184,7 @@ def test_every_reader_shows_the_same_figures(job, capsys):
 
     assert main(["history", JOB, "--storage", f"file://{job}"]) == 0
     out = capsys.readouterr().out
-    assert f"restarts: 5, updates lost 9, time lost {totals['time_lost_seconds']:.4g} s" in out
+    assert f"restarts: 5, updates lost 9, time lost {totals.time_lost_seconds:.4g} s" in out
 
 
 def test_without_a_metric_log_a_dead_drivers_loss_is_not_known_anywhere(job):
@@ -191,10 +193,10 @@ def test_without_a_metric_log_a_dead_drivers_loss_is_not_known_anywhere(job):
     it were all."""
     (job / JOB / "metrics.jsonl").unlink()
     hist = history(open_storage(f"file://{job}"), JOB)
-    rows = hist["restarts"]
-    assert [r["lost_updates"] for r in rows] == [3, 1, None, 0, 2]  # the ledger's 11 for attempt 2, the poll's
-    assert rows[2]["lost_updates_source"] is None and rows[2]["lost_range"] == []
-    assert (hist["totals"]["lost_updates"], hist["totals"]["lost_updates_known"]) == (None, 6)
+    rows = hist.restarts
+    assert [r.lost_updates for r in rows] == [3, 1, None, 0, 2]  # the ledger's 11 for attempt 2, the poll's
+    assert rows[2].lost_updates_source is None and rows[2].lost_range == []
+    assert (hist.totals.lost_updates, hist.totals.lost_updates_known) == (None, 6)
     client = TestClient(create_app(f"file://{job}"), base_url=BASE)
     assert client.get("/api/jobs").json()[0]["lost_updates"] is None
     assert prometheus(client.get("/metrics").text, "spotrun_lost_updates") is None
@@ -227,7 +229,7 @@ def test_an_attempt_lost_while_replaying_counts_its_replay(tmp_path):
                                 at=t(start + u - first + 1)) for u in range(first, last + 1)])
     sink.close()
     hist = history(storage, JOB)
-    assert [r["lost_updates"] for r in hist["restarts"]] == [5, 2]
-    g = hist["goodput"]
-    assert (g["productive_updates"], g["replayed_updates"]) == (12, 7)
-    assert [a["replayed_updates"] for a in g["attempts"]] == [0, 2, 5]
+    assert [r.lost_updates for r in hist.restarts] == [5, 2]
+    g = hist.goodput
+    assert (g.productive_updates, g.replayed_updates) == (12, 7)
+    assert [a.replayed_updates for a in g.attempts] == [0, 2, 5]

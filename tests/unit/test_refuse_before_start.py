@@ -79,7 +79,7 @@ def record(runs: Path) -> dict:
     storage = LocalStorage(runs)
     doc = history(storage, JOB)
     [row] = TestClient(create_app(f"file://{runs}"), base_url="http://127.0.0.1").get("/api/jobs").json()
-    return {"state": doc["state"], "attempts": doc["attempts"], "dashboard_state": row["state"],
+    return {"state": doc.state, "attempts": doc.attempts, "dashboard_state": row["state"],
             "dashboard_attempts": row["attempts"], "bundles": sorted(storage.list(f"{JOB}/bundles/"))}
 
 
@@ -116,7 +116,7 @@ def test_a_finished_job_run_again_says_so_exits_0_and_stays_finished(runs, nothi
     [refusal] = refusals(runs)
     assert (refusal.check, refusal.bundle, refusal.attempt) == ("finished", NEWEST, 2)
     assert " ".join(refusal.reason.split()) == message.removeprefix("spotrun run: ")
-    assert history(LocalStorage(runs), JOB)["refusals"][0]["check"] == "finished"
+    assert history(LocalStorage(runs), JOB).refusals[0].check == "finished"
     page = TestClient(create_app(f"file://{runs}"), base_url="http://127.0.0.1").get(f"/jobs/{JOB}").text
     assert "Runs refused" in page and f"job {JOB} is finished" in page
 
@@ -225,7 +225,7 @@ def test_the_command_line_refuses_in_one_paragraph(runs):
     assert message.startswith("spotrun run: bundle ") and "world size: the job was started" in message
     assert "Ray" not in message
     assert [e.check for e in refusals(runs)] == ["incompatible"]
-    assert history(LocalStorage(runs), JOB)["state"] == "finished"
+    assert history(LocalStorage(runs), JOB).state == "finished"
 
 
 def test_a_refusal_by_the_ranks_leaves_the_job_finished_too(runs, tmp_path):
@@ -257,8 +257,8 @@ def test_on_s3_storage_the_same_answers_name_s3_addresses(runs, moto, bucket, no
     assert "world size: the job was started with world.size=1" in one_paragraph(capsys.readouterr().err)
     assert not ray_started()
     doc = history(s3, JOB, metrics_local_dir=str(tmp_path / "metrics"))
-    assert doc["state"] == "finished" and len(doc["attempts"]) == 1
-    assert [r["check"] for r in doc["refusals"]] == ["finished", "incompatible"]
+    assert doc.state == "finished" and len(doc.attempts) == 1
+    assert [r.check for r in doc.refusals] == ["finished", "incompatible"]
 
 
 def test_a_manifest_of_an_unknown_schema_is_refused_before_ray(runs, nothing_starts, capsys):

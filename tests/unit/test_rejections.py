@@ -26,7 +26,7 @@ from spotrun.trainer.bundle.bundles import BundleCorrupt, BundleIncompatible, li
 from spotrun.trainer.bundle.manifest import ManifestError, UnknownSchemaError
 from spotrun.trainer.data.listing import scan
 from spotrun.trainer.data.tokenizer import CharTokenizer
-from spotrun.trainer.job.spec import DEFAULT_VOCAB
+from spotrun.trainer.job.sections import DEFAULT_VOCAB
 from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.storage import LocalStorage
 from spotrun.trainer.storage.digest import DEFAULT as DEFAULT_DIGEST

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spotrun.trainer.job.spec import TrainSpec
+from spotrun.trainer.job.sections import TrainSpec
 from spotrun.trainer.runtime.sharding import LAYOUT, Pieces, ShardError, rows_of
 
 

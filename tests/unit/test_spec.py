@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from spotrun.orchestrator.control.specfile import SpecError, load_spec, parse_override
-from spotrun.trainer.job.spec import FaultSpec, JobSpec
+from spotrun.trainer.job.sections import FaultSpec
+from spotrun.trainer.job.spec import JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"

@@ -23,7 +23,7 @@ from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.verify.comparison import compare_metrics
 from spotrun.orchestrator.verify.oracle import Verifier
-from spotrun.trainer.job.spec import FaultSpec
+from spotrun.trainer.job.sections import FaultSpec
 from spotrun.trainer.metrics import MetricPoint
 from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.storage import open_storage
@@ -85,15 +85,15 @@ def test_the_untouched_pair_passes_and_counts_what_replays_wrote_twice(runs):
     # bundle it restored (none yet published: everything), up to 8, whose bundle it published (every
     # point of an update is written before its bundle is published); attempt 3 restored that bundle
     # and had nothing left to train: 3 names per update
-    first, last = history(open_storage(f"file://{runs / 'runs'}"), "chaos")["restarts"]
-    assert last["restored_from"] == "chaos/bundles/u0000000008-a2"
-    assert report.restarts == 2 and report.restores_from_bundle == 1 + (first["restored_from"] is not None)
+    first, last = history(open_storage(f"file://{runs / 'runs'}"), "chaos").restarts
+    assert last.restored_from == "chaos/bundles/u0000000008-a2"
+    assert report.restarts == 2 and report.restores_from_bundle == 1 + (first.restored_from is not None)
     # each kill took the driver with it (no loss recorded): the downtime runs from the lost attempt's last
     # event, and verify's restart seconds are those same figures (one definition)
-    assert [r["cause"] for r in (first, last)] == ["driver-exit", "driver-exit"]
-    assert report.restart_seconds == [first["downtime_seconds"], last["downtime_seconds"]]
-    assert all(r["downtime_seconds"] > 0 for r in (first, last))
-    assert report.metric_duplicates_written == 3 * (5 - first["restored_update"]) > 0
+    assert [r.cause for r in (first, last)] == ["driver-exit", "driver-exit"]
+    assert report.restart_seconds == [first.downtime_seconds, last.downtime_seconds]
+    assert all(r.downtime_seconds > 0 for r in (first, last))
+    assert report.metric_duplicates_written == 3 * (5 - first.restored_update) > 0
     assert report.metric_writes == 3 * 8 + report.metric_duplicates_written
 
 
@@ -107,7 +107,7 @@ def test_a_point_that_differs_from_the_reference_fails(runs, tmp_path):
     # the contract held (parameters and occurrences): the headline says what failed instead
     from rich.console import Console
 
-    from spotrun.orchestrator.verify.oracle import render
+    from spotrun.orchestrator.verify.report import render
 
     console = Console(record=True, width=400)
     render(report, console)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from spotrun.orchestrator.verify.oracle import plan_faults
+from spotrun.orchestrator.verify.faultplan import plan_faults
 from tests.conftest import make_spec
 
 
@@ -58,7 +58,7 @@ def test_a_long_interval_starts_the_plan_with_a_kill_right_after_the_first_publi
 def test_the_verdict_gate_fails_a_run_that_tested_no_restore(tmp_path):
     """A pass needs a fault that fired and a restart that restored a published bundle; each way of
     missing one is a failure line that names the numbers to change."""
-    from spotrun.orchestrator.verify.oracle import proof_failures
+    from spotrun.orchestrator.verify.verdict import proof_failures
 
     spec = make_spec(tmp_path, "train.updates=30", "checkpoint.every_updates=3")
     assert proof_failures(spec, kills=6, seed=0, nodes=False, planned=6, delivered=6, restores=2) == []
@@ -127,7 +127,7 @@ def test_a_rejoin_fault_fires_at_the_warm_restart_resuming_at_or_before_its_upda
     import os
     import signal
 
-    from spotrun.trainer.job.spec import FaultSpec
+    from spotrun.trainer.job.sections import FaultSpec
     from spotrun.trainer.observe.faults import FaultInjector, FaultLog
     from spotrun.trainer.storage import open_storage
 

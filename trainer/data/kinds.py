@@ -24,7 +24,7 @@ from torch.utils.data import default_collate
 
 from spotrun.trainer.data.tokenizer import CharTokenizer, Tokenizer
 from spotrun.trainer.job.contract import JobError
-from spotrun.trainer.job.spec import DEFAULT_VOCAB
+from spotrun.trainer.job.sections import DEFAULT_VOCAB
 from spotrun.trainer.job.stateful import Stateful
 
 Transform = Callable[[Any, torch.Generator], Any]

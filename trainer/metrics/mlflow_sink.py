@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from spotrun.trainer.job.spec import MlflowSpec
+from spotrun.trainer.job.sections import MlflowSpec
 from spotrun.trainer.metrics.points import MetricPoint
 from spotrun.trainer.metrics.s3_sink import S3Sink
 from spotrun.trainer.storage import Storage

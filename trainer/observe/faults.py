@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from spotrun.trainer.job.spec import FaultSite, FaultSpec
+from spotrun.trainer.job.sections import FaultSite, FaultSpec
 from spotrun.trainer.storage import Storage
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spotrun.trainer.job.spec import TrainSpec
+from spotrun.trainer.job.sections import TrainSpec
 
 
 def group_names(opt: torch.optim.Optimizer, model: nn.Module) -> list[list[str]]:
