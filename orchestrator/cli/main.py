@@ -27,7 +27,8 @@ from spotrun.orchestrator.control.supervisor import JobFailedError
 from spotrun.orchestrator.ledger.goodput import TERMS as GOODPUT_TERMS
 from spotrun.orchestrator.workers.groups import RankFailed
 from spotrun.orchestrator.workers.ray_internals import RayInternalsChanged
-from spotrun.trainer.bundle.bundles import BundleError, load_bundle
+from spotrun.trainer.bundle.bundles import load_bundle
+from spotrun.trainer.bundle.errors import BundleError
 from spotrun.trainer.bundle.manifest import Manifest, ManifestError
 from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError, open_storage
 

@@ -19,13 +19,8 @@ from spotrun.orchestrator.control.states import Failed, Placing, Recovering, Run
 from spotrun.orchestrator.policy import topology as policy
 from spotrun.orchestrator.policy.recovery import Loss, LossCause, RecoveryPath
 from spotrun.orchestrator.workers.groups import CapacityUnavailable, RankFailed, RankLost, WorkerGroup
-from spotrun.trainer.bundle.bundles import (
-    BundleCorrupt,
-    BundleIncompatible,
-    first_that_loads,
-    list_bundles,
-    read_manifest,
-)
+from spotrun.trainer.bundle.bundles import first_that_loads, list_bundles, read_manifest
+from spotrun.trainer.bundle.errors import BundleCorrupt, BundleIncompatible
 from spotrun.trainer.bundle.manifest import Manifest, UnknownSchemaError, runtime_differences
 from spotrun.trainer.observe.faults import FaultInjector, FaultLog
 

@@ -6,7 +6,7 @@ that lie in the job's storage and in the driver's own copy of the job's code.
   shapes the trajectory, a manifest schema this spotrun does not know, or other data (another
   length or other contents: the driver builds the job's data to see it, only when there is a bundle
   to resume). Refused (exit 2, one paragraph): the same
-  :func:`~spotrun.trainer.bundle.bundles.spec_problems` and :func:`~spotrun.trainer.bundle.bundles.data_problems`
+  :func:`~spotrun.trainer.bundle.compat.spec_problems` and :func:`~spotrun.trainer.bundle.compat.data_problems`
   every rank checks when it restores, so the answer comes at once and never from inside a started
   cluster.
 - The job is finished: its ledger says so and its newest published bundle reached ``train.updates``.
@@ -25,15 +25,9 @@ from __future__ import annotations
 from spotrun.orchestrator.ledger.events import RefusalCheck, RunRefused
 from spotrun.orchestrator.ledger.history import state_of
 from spotrun.orchestrator.ledger.store import Ledger
-from spotrun.trainer.bundle.bundles import (
-    BundleCorrupt,
-    bundle_address,
-    data_problems,
-    incompatible,
-    list_bundles,
-    read_manifest,
-    spec_problems,
-)
+from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
+from spotrun.trainer.bundle.compat import bundle_address, data_problems, incompatible, spec_problems
+from spotrun.trainer.bundle.errors import BundleCorrupt
 from spotrun.trainer.bundle.manifest import Manifest, ManifestError, UnknownSchemaError
 from spotrun.trainer.data.feed import bind
 from spotrun.trainer.data.identity import DataIdentity
@@ -49,7 +43,7 @@ def preflight(spec: JobSpec) -> str | None:
 
     Returns None when the run is to start (a new job, or one with updates left that its newest
     bundle can take), or the paragraph to print when the job is finished (exit 0). Raises
-    :class:`~spotrun.trainer.bundle.bundles.BundleIncompatible` or
+    :class:`~spotrun.trainer.bundle.errors.BundleIncompatible` or
     :class:`~spotrun.trainer.bundle.manifest.UnknownSchemaError` (exit 2) when the newest bundle cannot take
     it. Both record a ``run_refused`` event and write nothing else. The job's entrypoint must be
     imported already (:func:`~spotrun.orchestrator.control.launch.check_entrypoint`): its module's source is

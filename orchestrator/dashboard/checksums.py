@@ -23,7 +23,8 @@ from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import Any, Literal, TypedDict
 
-from spotrun.trainer.bundle.bundles import BundleError, read_manifest
+from spotrun.trainer.bundle.bundles import read_manifest
+from spotrun.trainer.bundle.errors import BundleError
 from spotrun.trainer.bundle.manifest import ManifestError
 from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError
 from spotrun.trainer.storage.digest import SHA256, WORKERS, digest_of

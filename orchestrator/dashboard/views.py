@@ -22,7 +22,8 @@ from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.history_model import History
 from spotrun.orchestrator.ledger.points import LogCache, ObjectCache, Points, read_points, replaced
 from spotrun.orchestrator.ledger.store import Ledger
-from spotrun.trainer.bundle.bundles import BundleError, list_bundles, read_manifest
+from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
+from spotrun.trainer.bundle.errors import BundleError
 from spotrun.trainer.bundle.manifest import ManifestError
 from spotrun.trainer.observe.ranklog import list_rank_logs, read_rank_log
 from spotrun.trainer.storage import Storage

@@ -51,7 +51,8 @@ from spotrun.orchestrator.ledger.losses import (
 )
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.policy.budgets import Budget
-from spotrun.trainer.bundle.bundles import BundleCorrupt, list_bundles, read_manifest
+from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
+from spotrun.trainer.bundle.errors import BundleCorrupt
 from spotrun.trainer.bundle.manifest import ManifestError
 from spotrun.trainer.storage import Storage
 

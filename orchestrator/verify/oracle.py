@@ -86,7 +86,8 @@ from spotrun.orchestrator.verify.verdict import (
     restart_figures,
     verdict_failures,
 )
-from spotrun.trainer.bundle.bundles import BundleError, list_bundles, read_manifest
+from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
+from spotrun.trainer.bundle.errors import BundleError
 from spotrun.trainer.bundle.manifest import DataInfo, ManifestError
 from spotrun.trainer.job.sections import FaultSpec
 from spotrun.trainer.job.spec import JobSpec

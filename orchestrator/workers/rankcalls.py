@@ -19,7 +19,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from spotrun.orchestrator.policy.recovery import LossCause
 from spotrun.orchestrator.workers.groups import RankFailed, RankLost, refuses
-from spotrun.trainer.bundle.bundles import BundleError
+from spotrun.trainer.bundle.errors import BundleError
 from spotrun.trainer.bundle.manifest import ManifestError
 from spotrun.trainer.run.visibility import StorageNotShared
 

@@ -113,7 +113,9 @@ def test_strict_refuses_a_restore_onto_another_device_model_and_elastic_allows_i
     import dataclasses
 
     from spotrun.orchestrator.control.launch import run_in_process
-    from spotrun.trainer.bundle.bundles import BundleIncompatible, check_compatible, list_bundles, read_manifest
+    from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
+    from spotrun.trainer.bundle.compat import check_compatible
+    from spotrun.trainer.bundle.errors import BundleIncompatible
     from spotrun.trainer.run.session import TrainSession
     from spotrun.trainer.storage import open_storage
     from tests.conftest import make_spec

@@ -27,7 +27,8 @@ from spotrun.orchestrator.dashboard import create_app
 from spotrun.orchestrator.ledger.events import AttemptStarted, JobFailed, RunRefused
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.store import Ledger
-from spotrun.trainer.bundle.bundles import BundleIncompatible, load_bundle
+from spotrun.trainer.bundle.bundles import load_bundle
+from spotrun.trainer.bundle.errors import BundleIncompatible
 from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.storage import LocalStorage, open_storage
 from tests.conftest import ROOT, make_spec

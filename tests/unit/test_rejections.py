@@ -22,7 +22,8 @@ import torch
 from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.orchestrator.ledger.events import AttemptStarted, BundleRejected, Restored
 from spotrun.orchestrator.ledger.store import Ledger
-from spotrun.trainer.bundle.bundles import BundleCorrupt, BundleIncompatible, list_bundles, load_bundle, load_latest
+from spotrun.trainer.bundle.bundles import list_bundles, load_bundle, load_latest
+from spotrun.trainer.bundle.errors import BundleCorrupt, BundleIncompatible
 from spotrun.trainer.bundle.manifest import ManifestError, UnknownSchemaError
 from spotrun.trainer.data.listing import scan
 from spotrun.trainer.data.tokenizer import CharTokenizer

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spotrun.trainer.bundle.bundles import BundleIncompatible, LoadedBundle
+from spotrun.trainer.bundle.bundles import LoadedBundle
+from spotrun.trainer.bundle.errors import BundleIncompatible
 from spotrun.trainer.run.session import TrainSession
 from spotrun.trainer.state import rng as rng_module
 from spotrun.trainer.state.rng import GeneratorMismatch, RngState

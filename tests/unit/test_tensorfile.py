@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from spotrun.orchestrator.control.launch import run_in_process
-from spotrun.trainer.bundle.bundles import BundleCorrupt, encode, load_bundle
+from spotrun.trainer.bundle.bundles import encode, load_bundle
+from spotrun.trainer.bundle.errors import BundleCorrupt
 from spotrun.trainer.bundle.manifest import SCHEMA_VERSION
 from spotrun.trainer.bundle.tensorfile import PAD, TENSOR_REF, TensorFileError, chunks, decode, join, split
 from spotrun.trainer.run.session import TrainSession

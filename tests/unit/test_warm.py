@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from spotrun.orchestrator.control.launch import run_in_process
-from spotrun.trainer.bundle.bundles import BundleCorrupt, list_bundles, load_bundle, read_manifest
+from spotrun.trainer.bundle.bundles import list_bundles, load_bundle, read_manifest
+from spotrun.trainer.bundle.errors import BundleCorrupt
 from spotrun.trainer.job.contract import BuildContext, read_by_build
 from spotrun.trainer.run import warm
 from spotrun.trainer.run.context import Instrumentation

@@ -3,7 +3,7 @@
 :func:`describe` computes a :class:`Description` of a job's state without training: its code and data
 identity, model and optimizer layout, runtime and world size; :func:`build_manifest` turns it and the
 state at a boundary into rank 0's manifest draft. The compatibility checks that compare a
-Description with a manifest are :func:`spotrun.trainer.bundle.bundles.check_compatible`'s.
+Description with a manifest are :func:`spotrun.trainer.bundle.compat.check_compatible`'s.
 """
 
 from __future__ import annotations

@@ -26,14 +26,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from spotrun.trainer.bundle.bundles import (
-    BundleWriter,
-    LoadedBundle,
-    WriteResult,
-    bundle_dir,
-    check_compatible,
-    load_bundle,
-)
+from spotrun.trainer.bundle.bundles import BundleWriter, LoadedBundle, WriteResult, bundle_dir, load_bundle
+from spotrun.trainer.bundle.compat import check_compatible
 from spotrun.trainer.bundle.description import build_manifest
 from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.data.feed import TokenFeed

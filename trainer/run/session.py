@@ -18,8 +18,9 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from spotrun.trainer.bundle.bundles import BundleCorrupt, BundleIncompatible, LoadedBundle
+from spotrun.trainer.bundle.bundles import LoadedBundle
 from spotrun.trainer.bundle.description import Description, describe
+from spotrun.trainer.bundle.errors import BundleCorrupt, BundleIncompatible
 from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.data.feed import TokenFeed, bind
 from spotrun.trainer.data.kinds import DataCaution

@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from spotrun.trainer.bundle.bundles import TENSORS_SUFFIX, BundleCorrupt, Encoded, decode_payloads
+from spotrun.trainer.bundle.bundles import TENSORS_SUFFIX, Encoded, decode_payloads
+from spotrun.trainer.bundle.errors import BundleCorrupt
 from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.storage.digest import digest_of
