@@ -55,7 +55,7 @@ from spotrun.orchestrator.policy.recovery import LossCause
 from spotrun.orchestrator.publish.metric_commit import MetricCommitter
 from spotrun.orchestrator.publish.offsets import OffsetsStore
 from spotrun.orchestrator.publish.publisher import Publisher, PublishError
-from spotrun.orchestrator.workers.groups import RankFailed, RankLost
+from spotrun.orchestrator.workers.groups import RankFailed, RankLost, WorkerGroup
 from spotrun.trainer.data.listing import open_source
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.trace import TraceWriter
@@ -140,6 +140,8 @@ class Supervisor:
             while not isinstance(state, Finished | Stopped | Failed):
                 state = self.step(state)
         finally:
+            if isinstance(state, Running | Recovering):  # left by an exception (a bug, KeyboardInterrupt)
+                abandon(state.group)
             restore_signals()
             ctx.publisher.close(finished=isinstance(state, Finished))
             ctx.progress.close()
@@ -264,3 +266,13 @@ class Supervisor:
             ctx.budgets.published()
         ctx.published += new
         return st
+
+
+def abandon(group: WorkerGroup) -> None:
+    """Tear down the group of a run an exception is ending (a bug, ``KeyboardInterrupt``, a test's
+    stop): its ranks must not train on, nor hold the cluster's CPUs, with no supervisor left to
+    end them. Never raises over the exception in flight: a failed teardown is logged."""
+    try:
+        group.teardown()
+    except Exception:
+        log.exception("tearing down the ranks of an interrupted run failed; they may still hold their resources")

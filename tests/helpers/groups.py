@@ -33,7 +33,7 @@ class ScriptedGroup:
 
     def poll(self) -> list[Report]:
         nxt = self.polls.pop(0)
-        if isinstance(nxt, Exception):  # what a rank raised (RankFailed) or how it was lost
+        if isinstance(nxt, BaseException):  # what a rank raised (RankFailed), how it was lost, an interrupt
             raise nxt
         if nxt == "lost":
             raise RankLost(1 - self._salvage[0].rank, "process-exit", "SIGKILL", self.node_ids[0])

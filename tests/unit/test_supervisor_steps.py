@@ -163,6 +163,18 @@ def test_recovering_fails_the_job_once_the_failure_budget_is_spent(tmp_path):
     assert lost.budget is not None and lost.budget.failures == 1 and lost.backoff_seconds is None
 
 
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt(), SystemExit(), RuntimeError("a bug in the supervisor")])
+def test_a_run_an_exception_ends_tears_down_its_ranks(tmp_path, interrupt):
+    """An exception out of a running job's loop (Ctrl-C, a test stopping its job thread, a bug) ends the
+    run with its ranks torn down: nothing is left training or holding the cluster's CPUs."""
+    spec = make_spec(tmp_path, job_id="x")
+    group = StepGroup(1, [[Report(rank=0, last_update=1)], interrupt])
+    sup = supervisor(spec, group)
+    with pytest.raises(type(interrupt)):
+        sup.run()
+    assert group.torn_down == 1
+
+
 @pytest.mark.parametrize("state", [Pending(), Placing(), Stopped("s"), Failed("f"),
                                    Running(StepGroup(1, []), 1, 1, 0),
                                    Recovering(StepGroup(1, []), 1, 1, 0, RankLost(0, "oom"))])
