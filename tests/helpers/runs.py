@@ -6,13 +6,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
 from spotrun.orchestrator.control.launch import run_on_ray
-from spotrun.orchestrator.ledger.events import BundlePublished
+from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, WorkerLost
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import list_bundles
 from spotrun.trainer.observe.faults import FaultLog
@@ -44,16 +45,52 @@ def hold(update: int, *, rank: int = 0, attempt: int = 1, site: str = "before_up
     return f"{{site: {site}, signal: HOLD, update: {update}, rank: {rank}, attempt: {attempt}}}"
 
 
+class UnplannedLoss(AssertionError):
+    """A rank died in the attempt a test waits on and no fault of the test killed it: the test cannot
+    go on as planned. Seen: a rank's process aborted by glibc ("double free or corruption") inside
+    native code, once in hundreds of runs. The message says which rank and quotes its last words from
+    Ray's worker log; tests/conftest.py reruns a test once on this error, and only on this one."""
+
+
+def worker_last_words(pid: int, lines: int = 12) -> str:
+    """The end of what the Ray worker process ``pid`` wrote to its stderr log (the newest session's
+    that has one): where a native crash says what it was; empty when there is none."""
+    logs = sorted(Path(tempfile.gettempdir(), "ray").glob(f"session_*/logs/worker-*-{pid}.err"),
+                  key=lambda p: p.stat().st_mtime)
+    return "\n".join(logs[-1].read_text(errors="replace").splitlines()[-lines:]) if logs else ""
+
+
+def unplanned_loss(events: list, fired: list, attempt: int) -> str | None:
+    """What :class:`UnplannedLoss` says of ``attempt``, when a rank of it was lost and no fault of that
+    attempt other than a ``HOLD`` fired; else None."""
+    if any(f.attempt == attempt and f.signal != "HOLD" for f in fired):
+        return None
+    lost = next((e for e in events if isinstance(e, WorkerLost) and e.attempt == attempt), None)
+    if lost is None:
+        return None
+    started = next((e for e in events if isinstance(e, AttemptStarted) and e.attempt == attempt), None)
+    pid = started.rank_pids[lost.rank] if started and lost.rank is not None and lost.rank < len(started.rank_pids) \
+        else None
+    words = worker_last_words(pid) if pid is not None else ""
+    return (f"rank {lost.rank} (pid {pid}) of attempt {attempt} was lost ({lost.cause}) at update "
+            f"{lost.last_update}, and no fault of the test killed it: {lost.detail}\n"
+            f"its Ray worker log ends:\n{words or '(no log found)'}")
+
+
 def wait_until_held(storage: Storage, job: str, running: Callable[[], bool], attempt: int = 1,
                     published: int | None = None, timeout: float = 120) -> None:
     """Block until the job's ``HOLD`` fault of ``attempt`` fired (its record is written before the rank
     holds) and, with ``published``, the bundle of that update is published (a held rank reports the
     write in flight, so every bundle taken before the hold is published while it holds); fail when
-    the job ended first or ``timeout`` passed."""
+    the job ended first or ``timeout`` passed, and with :class:`UnplannedLoss` at once when a rank of
+    ``attempt`` died of something the test did not do."""
     faults, ledger, deadline = FaultLog(storage, job), Ledger(storage, job), time.monotonic() + timeout
 
     def reached() -> bool:
-        if not any(f.signal == "HOLD" and f.attempt == attempt for f in faults.read()):
+        fired = faults.read()
+        if not any(f.signal == "HOLD" and f.attempt == attempt for f in fired):
+            if (why := unplanned_loss(ledger.read(), fired, attempt)) is not None:
+                raise UnplannedLoss(f"job {job}: {why}")
             return False
         return published is None or any(isinstance(e, BundlePublished) and e.update == published
                                         for e in ledger.read())
@@ -145,7 +182,7 @@ class Background:
             wait_until_held(open_storage(self.spec.storage), self.spec.job_id, self.thread.is_alive, attempt,
                             published)
         except AssertionError as e:
-            raise AssertionError(f"{e}\n{self.story()}") from None
+            raise type(e)(f"{e}\n{self.story()}") from None
 
     def join(self) -> None:
         self.thread.join(timeout=300)
