@@ -265,6 +265,11 @@ def _plan(spec: JobSpec, kills: int, rng: random.Random, sites: Sequence[str], s
             "notice": dict(site="microstep", microstep=rng.randrange(accum), signal="SIGTERM"),
         }
         fault = by_site[site]
+        # a kill that restores the bundle before it fires once that bundle is published: the supervisor's
+        # publish would otherwise race the kill, and a restart that finds nothing newer starts earlier
+        restores = (u - 1) // every * every if site in MID_UPDATE else u - every if site == "bundle-write" else 0
+        if restores >= every:
+            fault = {**fault, "after_bundle": restores}
         faults.append(FaultSpec.model_validate({"update": u, "attempt": attempt, "rank": rank, **fault}))
         # a notice's emergency bundle is taken at the boundary the ranks reach when the request
         # arrives, which may be an update or two later: the next fault goes past it
@@ -275,7 +280,8 @@ def _plan(spec: JobSpec, kills: int, rng: random.Random, sites: Sequence[str], s
 def sure_restore(spec: JobSpec, kills: int, seed: int, nodes: bool, warm: bool,
                  epochs: Mapping[int, int] | None = None) -> str:
     """How to plan a fault whose restart restores a bundle whatever the timing: the publish-to-offsets
-    site kills right after a publish (the other sites race the supervisor's publish of the bundle).
+    site kills right after a publish (a kill inside an update or during a write waits for the bundle
+    before it, but finds none before the job's first boundary).
     Names the plan :func:`plan_faults` gives for these inputs (the same ``epochs`` and seed), or, where
     this run is too short to reach that site, the ``train.updates`` from which on every plan does."""
     sites, every = _sites(spec, nodes, warm), fixed_interval(spec)

@@ -69,7 +69,8 @@ def test_kill_during_bundle_write_never_restores_that_bundle(reference, tmp_path
     """A kill while bundle 10 is being written leaves it unpublished; the restart resumes from bundle 5."""
     trace = tmp_path / "t.jsonl"
     storage = open_storage(f"file://{tmp_path / 'runs'}")
-    cmd = run_cmd(tmp_path / "runs", "midwrite", trace, *SETS, "faults=[{site: bundle_write, update: 10}]")
+    cmd = run_cmd(tmp_path / "runs", "midwrite", trace, *SETS,
+                  "faults=[{site: bundle_write, update: 10, after_bundle: 5}]")  # once bundle 5 is published
     assert run_to_end(cmd).returncode == -9
     torn = [r for r in list_bundles(storage, "midwrite") if r.update == 10]
     assert len(torn) == 1 and not torn[0].published

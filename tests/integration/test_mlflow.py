@@ -63,7 +63,8 @@ def test_two_rank_job_killed_twice_has_one_point_per_update_equal_to_the_uninter
     done = run_to_end(run_cmd(root, "ref", tmp_path / "ref.jsonl", *sets, ray=ray_address))
     assert done.returncode == 0, done.stderr[-3000:]
     cmd = run_cmd(root, "killed", tmp_path / "t.jsonl", *sets,
-                  "faults=[{site: after_publish, update: 4}, {site: bundle_write, update: 12, rank: 1, attempt: 2}]",
+                  "faults=[{site: after_publish, update: 4}, "
+                  "{site: bundle_write, update: 12, rank: 1, attempt: 2, after_bundle: 8}]",
                   ray=ray_address)
     assert run_to_end(cmd).returncode == -9
     assert Tracker(tracking_uri, EXPERIMENT, "killed", "killed").read() == []  # bundle 4 published, nothing sent

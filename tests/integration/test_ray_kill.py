@@ -90,9 +90,30 @@ def test_rank_sigkilled_mid_accumulation_resumes_bitwise(reference, tmp_path):
     assert row.detected_at and row.restore_seconds >= 0
 
 
+def test_a_kill_right_after_a_boundary_that_waits_for_its_bundle_restores_it(reference, tmp_path):
+    """Rank 1 dies in the update right after boundary 10, once bundle 10 is published (after_bundle, as
+    verify plans its kills). Rank 0 is blocked in that update's all-reduce meanwhile, its bundle-10 write
+    done but not reported by its training thread: its poll thread reports it, or the bundle would never be
+    published (the kill would wait out its bound and the restart go back to bundle 5)."""
+    spec = make_spec(tmp_path, *SETS, "faults=[{site: microstep, update: 11, microstep: 1, rank: 1, after_bundle: 10}]",
+                     job_id="waits")
+    outcome = run_on_ray(spec, trace_path=str(tmp_path / "t.jsonl"))
+    assert outcome.state == "finished" and outcome.restarts == 1
+    events = Ledger(open_storage(spec.storage), "waits").read()
+    [restored] = [e for e in events if isinstance(e, Restored)]
+    assert (restored.update, restored.recovery_path, restored.lost_updates) == (10, "warm-replace", 0)
+    [fired] = FaultLog(open_storage(spec.storage), "waits").read()
+    published = next(e for e in events if isinstance(e, BundlePublished) and e.update == 10)
+    assert published.at <= fired.at
+    final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
+    assert first_divergence(reference, list(final.values())) is None
+
+
 def test_kill_during_background_write_is_never_restored(reference, tmp_path):
     """Rank 1 dies while writing bundle 10: rank 0's files exist, no manifest; the restart uses bundle 5."""
-    spec = make_spec(tmp_path, *SETS, "faults=[{site: bundle_write, update: 10, rank: 1}]", job_id="torn")
+    # after_bundle: the kill waits for bundle 5 to be published (five tiny updates can outrun the publish)
+    spec = make_spec(tmp_path, *SETS, "faults=[{site: bundle_write, update: 10, rank: 1, after_bundle: 5}]",
+                     job_id="torn")
     outcome = run_on_ray(spec, trace_path=str(tmp_path / "t.jsonl"))
     assert outcome.restarts == 1
     events = Ledger(open_storage(spec.storage), "torn").read()
@@ -225,7 +246,8 @@ def test_a_spare_takes_a_killed_ranks_place_from_memory_and_the_run_stays_bitwis
 def test_a_rank_killed_while_writing_a_bundle_restarts_warm_from_the_one_before(reference, tmp_path):
     """Rank 1 dies writing bundle 15 (rank 0 captured it; it is never published): rank 0 still holds
     bundle 10, the newest published, in its other set of host buffers, and the spare restarts from it."""
-    spec = make_spec(tmp_path, *SETS, "world.spares=1", "faults=[{site: bundle_write, update: 15, rank: 1}]",
+    spec = make_spec(tmp_path, *SETS, "world.spares=1",
+                     "faults=[{site: bundle_write, update: 15, rank: 1, after_bundle: 10}]",
                      job_id="torn")
     outcome = run_on_ray(spec, trace_path=str(tmp_path / "t.jsonl"))
     assert outcome.state == "finished" and outcome.restarts == 1

@@ -392,3 +392,33 @@ def test_a_short_direct_write_that_cannot_continue_is_refused(tmp_path, monkeypa
     with pytest.raises(StorageUnavailableError, match="stopped short"):
         s.put("k", os.urandom(3 * 4096))
     assert not s.exists("k") and os.listdir(tmp_path) == []
+
+
+def test_a_folder_removed_while_it_is_listed_is_skipped_not_an_error(tmp_path, monkeypatch):
+    """Retention prunes a bundle while a rank lists the bundles (a fault waiting for one to be published):
+    the listing goes on without the removed folder. A folder that cannot be read stays an error."""
+    import shutil
+
+    from spotrun.trainer.storage import StorageError, open_storage
+
+    storage = open_storage(f"file://{tmp_path}")
+    storage.put("job/bundles/u1/a.bin", b"x")
+    storage.put("job/bundles/u2/b.bin", b"y")
+    walk = os.walk
+
+    def pruned_meanwhile(top, **kw):
+        inner = walk(top, **kw)
+        first = next(inner)  # the top folder read: its subfolders are named, not yet walked
+        shutil.rmtree(os.path.join(top, "u1"))
+        yield first
+        yield from inner
+
+    monkeypatch.setattr(os, "walk", pruned_meanwhile)
+    assert storage.list("job/bundles/") == ["job/bundles/u2/b.bin"]
+    (tmp_path / "job/bundles/u2").chmod(0)
+    try:
+        if os.geteuid() != 0:  # root reads any folder
+            with pytest.raises(StorageError, match="cannot list"):
+                storage.list("job/bundles/")
+    finally:
+        (tmp_path / "job/bundles/u2").chmod(0o755)

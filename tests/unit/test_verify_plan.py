@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from spotrun.orchestrator.verify.faultplan import plan_faults
 from tests.conftest import make_spec
 
@@ -134,7 +136,8 @@ def test_a_rejoin_fault_fires_at_the_warm_restart_resuming_at_or_before_its_upda
     planned = FaultSpec(site="rejoin", update=11, attempt=2, rank=1)
     log = FaultLog(open_storage(f"file://{tmp_path}"), "job")
     injector = FaultInjector([planned], attempt=2, rank=1, log=log)
-    injector.armed = {k: "SIGUSR1" for k in injector.armed}  # a signal this test survives, not SIGKILL
+    # a signal this test survives, not SIGKILL
+    injector.armed = {k: f.model_copy(update={"signal": "SIGUSR1"}) for k, f in injector.armed.items()}
     received: list[int] = []
     old = signal.signal(signal.SIGUSR1, lambda signum, _: received.append(signum))
     try:
@@ -148,3 +151,49 @@ def test_a_rejoin_fault_fires_at_the_warm_restart_resuming_at_or_before_its_upda
     assert (fired.update, fired.pid) == (7, os.getpid())
     assert fired.model_copy(update={"signal": "SIGKILL"}).matches(planned)
     assert not fired.model_copy(update={"signal": "SIGKILL", "update": 12}).matches(planned)
+
+
+def test_a_kill_waiting_for_a_bundle_fires_only_once_it_is_published(tmp_path):
+    """verify's kills inside an update wait for the bundle before them (the supervisor's publish would
+    otherwise race the kill): the injector asks until the bundle is published, then records and fires."""
+    import signal
+
+    from spotrun.trainer.job.sections import FaultSpec
+    from spotrun.trainer.observe.faults import FaultInjector, FaultLog
+    from spotrun.trainer.storage import open_storage
+
+    planned = FaultSpec(site="microstep", update=8, microstep=1, after_bundle=6)
+    log = FaultLog(open_storage(f"file://{tmp_path}"), "job")
+    injector = FaultInjector([planned], attempt=1, rank=0, log=log)
+    injector.armed = {k: f.model_copy(update={"signal": "SIGUSR1"}) for k, f in injector.armed.items()}
+    asked: list[int] = []
+
+    def published(update: int) -> bool:  # published at the third look
+        asked.append(update)
+        assert not log.read(), "the fault was recorded before its bundle was published"
+        return len(asked) >= 3
+
+    injector.published_with(published)
+    received: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda signum, _: received.append(signum))
+    try:
+        injector.hit("microstep", 8, 1)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert asked == [6, 6, 6] and received == [signal.SIGUSR1] and len(log.read()) == 1
+
+
+def test_verify_plans_its_kills_to_wait_for_the_bundle_they_restore(tmp_path):
+    spec = make_spec(tmp_path, "train.updates=60", "checkpoint.every_updates=3", "world.size=2")
+    faults, _ = plan_faults(spec, 6, seed=1)
+    for f in faults:
+        if f.site in ("microstep", "backward") and f.signal == "SIGKILL":
+            assert f.after_bundle == (f.update - 1) // 3 * 3, f
+        elif f.site == "bundle_write":
+            assert f.after_bundle == f.update - 3, f
+        else:
+            assert f.after_bundle is None, f
+    assert any(f.after_bundle for f in faults)
+    with pytest.raises(ValueError, match="after_bundle=8 waits for a bundle before the fault's own update"):
+        type(faults[0])(site="microstep", update=8, after_bundle=8)
+

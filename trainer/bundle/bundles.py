@@ -183,9 +183,11 @@ class BundleWriter:
         pending, self._pending = self._pending, None
         return pending.result() if pending is not None else None
 
-    def poll(self) -> WriteResult | None:
-        """The finished write, without blocking; ``None`` while none finished."""
-        if self._pending is not None and self._pending.done():
+    def poll(self, failed: bool = True) -> WriteResult | None:
+        """The finished write, without blocking; ``None`` while none finished (or, with ``failed=False``,
+        when it failed: it stays for a later :meth:`wait` or :meth:`poll` to raise)."""
+        pending = self._pending
+        if pending is not None and pending.done() and (failed or pending.exception() is None):
             return self.wait()
         return None
 

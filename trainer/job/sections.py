@@ -370,9 +370,19 @@ class FaultSpec(Strict):
     attempt: int = Field(1, ge=1, description="the attempt the fault happens in, so that the resumed job does not "
                                               "hit it again at the same place")
     rank: int = Field(0, ge=0, description="the rank the fault happens on (a `HOLD` holds every rank)")
+    after_bundle: int | None = Field(
+        None, ge=1, description="fire only once a bundle of this earlier update is published (by any attempt), "
+                                "so that the restart is sure to restore it; waits at most 120 s, "
+                                "then fires anyway. `spotrun verify` sets it on its kills inside an update and "
+                                "during a bundle write", json_schema_extra={"unit": "updates"})
 
     @model_validator(mode="after")
     def _check(self) -> FaultSpec:
+        if self.after_bundle is not None and (self.after_bundle >= self.update or self.site in ("after_publish",
+                                                                                                "rejoin")):
+            raise ValueError(f"after_bundle={self.after_bundle} waits for a bundle before the fault's own update "
+                             f"({self.update}), at a site of a rank's loop or writer (not {self.site!r}): set it "
+                             f"below the update, or drop it")
         if self.signal == "HOLD" and self.site not in HOLD_SITES:
             raise ValueError(f"a HOLD fault at site {self.site!r} would hold the supervisor (after_publish), the "
                              f"background writer (bundle_write) or a restart (rejoin), not the training loop it is "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 
@@ -78,17 +79,22 @@ class FaultLog:
         return out
 
 
+FAULT_WAIT_S = 120.0  # the longest a fault waits for its after_bundle to be published
+PUBLISHED_POLL_S = 0.02
+
+
 class FaultInjector:
     def __init__(self, faults: Iterable[FaultSpec], attempt: int, rank: int, log: FaultLog | None = None) -> None:
         self.attempt, self.rank = attempt, rank
         # A HOLD holds every rank: one rank held alone leaves its peers in the next collective, where
         # their bundle writes finish unreported and the bundle a test waits for is never published
         self.armed = {
-            (f.site, f.update, f.microstep): f.signal for f in faults
+            (f.site, f.update, f.microstep): f for f in faults
             if f.attempt == attempt and (f.rank == rank or f.signal == "HOLD")
         }
         self.log = log
         self._hold: Callable[[], object] | None = None
+        self._published: Callable[[int], bool] | None = None
 
     def record_to(self, log: FaultLog) -> None:
         """Record every fault this injector fires in ``log`` (before its signal is sent)."""
@@ -99,14 +105,22 @@ class FaultInjector:
         or abort (at once when it already was)."""
         self._hold = wait
 
+    def published_with(self, published: Callable[[int], bool]) -> None:
+        """How a fault's ``after_bundle`` is checked: ``published(update)`` says whether a bundle of
+        ``update`` is published."""
+        self._published = published
+
     def hit(self, site: FaultSite, update: int, microstep: int = 0) -> None:
         armed_at = update
         if site == "rejoin":  # armed at the last update the restart may resume at (FaultSpec.site)
             armed_at = min((u for s, u, m in self.armed if s == site and m == microstep and u >= update),
                            default=update)
-        sig = self.armed.pop((site, armed_at, microstep), None)
-        if sig is None:
+        fault = self.armed.pop((site, armed_at, microstep), None)
+        if fault is None:
             return
+        if fault.after_bundle is not None:
+            self._await_bundle(fault.after_bundle)
+        sig = fault.signal
         if self.log is not None:  # first: a test acts on this record while the rank holds
             self.log.record(FaultFired(site=site, signal=sig, update=update, microstep=microstep,
                                        attempt=self.attempt, rank=self.rank, pid=os.getpid()))
@@ -119,3 +133,15 @@ class FaultInjector:
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), getattr(signal, sig))
+
+    def _await_bundle(self, update: int) -> None:
+        """Block until a bundle of ``update`` is published, or ``FAULT_WAIT_S`` passed (the fault then fires
+        anyway, and the restart restores whatever is there: verify reports what it restored). The rank's
+        poll thread reports its finished writes meanwhile, so the supervisor can publish the bundle."""
+        if self._published is None:
+            raise RuntimeError(f"a fault waiting for bundle {update} has no way to see it published: only a rank "
+                               "whose storage is known can wait")
+        deadline = time.monotonic() + FAULT_WAIT_S
+        while not self._published(update) and time.monotonic() < deadline:
+            time.sleep(PUBLISHED_POLL_S)  # polling the storage for the manifest: the publish is another process's
+

@@ -17,7 +17,7 @@ PLAIN_WINDOW = 32  # recent plain updates the baseline is the median of
 
 
 class WriteOverlap:
-    """One rank's meter. Not thread-safe: the training thread alone calls it."""
+    """One rank's meter. Not thread-safe: the rank calls it under its write-path lock."""
 
     def __init__(self) -> None:
         self._plain: deque[float] = deque(maxlen=PLAIN_WINDOW)

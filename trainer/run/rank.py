@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from spotrun.trainer.bundle.bundles import BundleWriter, LoadedBundle, WriteResult, bundle_dir, load_bundle
+from spotrun.trainer.bundle.bundles import (
+    BundleWriter,
+    LoadedBundle,
+    WriteResult,
+    bundle_dir,
+    list_bundles,
+    load_bundle,
+)
 from spotrun.trainer.bundle.compat import check_compatible
 from spotrun.trainer.bundle.description import build_manifest
 from spotrun.trainer.bundle.manifest import Manifest
@@ -46,7 +53,7 @@ from spotrun.trainer.run.warm import REPLICATED, Held, Kept, assemble, ineligibl
 from spotrun.trainer.run.write_gate import WriteGate
 from spotrun.trainer.runtime.collective import Collective
 from spotrun.trainer.state.training import CopiesDone
-from spotrun.trainer.storage import open_storage
+from spotrun.trainer.storage import StorageError, open_storage
 
 
 @dataclass
@@ -132,6 +139,7 @@ class RankRunner:
         self.session.faults.record_to(FaultLog(self.storage, spec.job_id))  # verify counts what fired
         self._asked = threading.Event()  # set by request() and abort(): ends a HOLD fault's wait
         self.session.faults.hold_with(self._hold)
+        self.session.faults.published_with(self._published)
         self.writer = BundleWriter(self.storage, self.session.faults, ship=shipped if self.warm else None)
         self.gate = WriteGate(rank, spec.storage_outage_s)  # an outage skips checkpoints, never ends the job
         self.overlap = WriteOverlap()  # the write's cost beyond the stall, for checkpoint.every_updates=auto
@@ -143,6 +151,13 @@ class RankRunner:
                 mlflow=spec.metrics.mlflow, job_id=spec.job_id,
                 at_write=instrument.mlflow_send is MlflowSend.AT_WRITE))
         self._lock = threading.Lock()
+        # The write path: the writer, the drafts, the write-overlap meter, the held captures and the gate
+        # change under this lock, taken by the training thread (at a checkpoint, after each update) and
+        # by the poll thread, which reports a finished write while the training thread is blocked in a
+        # collective (a peer held up would otherwise sit on its written bundle, unpublished). Taken before
+        # ``_lock``, never after it.
+        self._writing = threading.Lock()
+        self._looping = False  # the poll thread collects only while the loop runs (a restore reads ``held``)
         self._news = threading.Event()  # set: the next poll holds what the supervisor acts on at once
         self._checkpoint_requested = False
         self._stop_requested = False
@@ -232,6 +247,15 @@ class RankRunner:
         return self._news.wait(timeout)
 
     def poll(self) -> Report:
+        """What happened since the last poll. A finished bundle write is collected here too, unless the
+        training thread is on the write path itself (it then collects the write) or the write failed
+        (the training thread's to handle: the gate, an outage)."""
+        if self._looping and self._writing.acquire(blocking=False):
+            try:
+                if self._looping:
+                    self._collect(self.writer.poll(failed=False))
+            finally:
+                self._writing.release()
         with self._lock:
             self._news.clear()  # under the lock: news reported after this swap sets it again
             report, self._report = self._report, Report(rank=self.rank, last_update=self._report.last_update,
@@ -246,6 +270,7 @@ class RankRunner:
         s = self.session
         s.start()
         state = RankState.FINISHED
+        self._looping = True
         try:
             while not s.done:
                 t0 = time.perf_counter()
@@ -259,7 +284,8 @@ class RankRunner:
                         [record.loss, *(record.metrics[n] for n in names)], self._flags(record.update))
                     record.metrics = dict(zip(names, values, strict=True))
                 checkpoint, stop, abort = agreed
-                self.overlap.update(time.perf_counter() - t0)
+                with self._writing:
+                    self.overlap.update(time.perf_counter() - t0)
                 self.metrics.write(points_of(self.spec.job_id, record.update, self.attempt, self.lineage_id,
                                              {"loss": record.loss, "lr": record.lr, "applied": record.applied,
                                               **record.metrics}))
@@ -277,13 +303,18 @@ class RankRunner:
                             # a HOLD after this boundary waits for the next request: under auto the
                             # supervisor asks again and again, and one it made long ago holds nothing
                             self._asked.clear()
-                    self._checkpoint(record.update)
-                self._collect(self.gate.finished(self.writer.poll))
+                    with self._writing:
+                        self._checkpoint(record.update)
+                with self._writing:
+                    self._collect(self.gate.finished(self.writer.poll))
                 if stop and not s.done:
                     state = RankState.STOPPED
                     break
-            self._collect(self.gate.finished(self.writer.wait))
+            with self._writing:
+                self._collect(self.gate.finished(self.writer.wait))
         finally:
+            with self._writing:
+                self._looping = False
             self.writer.close()
             self.metrics.close()
             s.close()
@@ -292,12 +323,19 @@ class RankRunner:
         return state
 
     def _hold(self) -> None:
-        """A HOLD fault, on the training thread: report the bundle write in flight once it is done (the
-        loop reports writes between updates, so a held rank would sit on it and the supervisor could not
-        publish it), then wait until asked to checkpoint, stop or abort (a checkpoint request the rank
-        already took at an earlier boundary does not count)."""
-        self._collect(self.writer.wait())
+        """A HOLD fault, on the training thread: report the bundle write in flight once it is done (at
+        once, not at the next poll), then wait until asked to checkpoint, stop or abort (a checkpoint
+        request the rank already took at an earlier boundary does not count)."""
+        with self._writing:
+            self._collect(self.writer.wait())
         self._asked.wait()
+
+    def _published(self, update: int) -> bool:
+        """Whether a bundle of ``update`` is published (a fault's ``after_bundle``); a storage error is a no."""
+        try:
+            return any(r.published and r.update == update for r in list_bundles(self.storage, self.spec.job_id))
+        except StorageError:
+            return False
 
     def _flags(self, update: int) -> list[bool]:
         """This rank's boundary flags for ``update``: checkpoint (asked for, or scheduled), stop, abort."""
@@ -311,7 +349,7 @@ class RankRunner:
         record.blocks, record.ranks = unpack_stages(payloads, self.session.accum_steps)
 
     def _checkpoint(self, update: int) -> None:
-        """Capture the state at this boundary and hand it to the background writer.
+        """Capture the state at this boundary and hand it to the background writer (under ``_writing``).
 
         The stall is everything the loop waits for here, from the first line to the hand-off:
         the metric points reaching their sinks, the previous write finishing (the capture reuses
@@ -345,12 +383,13 @@ class RankRunner:
         self._collect(self.writer.submit(capture, key, self.gate.outage if final else None))
         self.overlap.began(key)
         if draft is not None:
-            # read when this bundle's write is collected, always later and on this thread
+            # read when this bundle's write is collected: later, under the same lock
             self._drafts[key] = ({**draft, "stall_seconds": time.perf_counter() - t0,
                                   "write_wait_seconds": waited, "capture_seconds": capture.stall_seconds},
                                  capture.ready)
 
     def _collect(self, result: WriteResult | None) -> None:
+        """Report a finished write (under ``_writing``): its draft, overlap and capture kept for warm recovery."""
         if result is None:
             return
         draft = _with_copy_wait(*self._drafts.pop(result.bundle_key, (None, None)))

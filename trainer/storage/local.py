@@ -265,17 +265,22 @@ class LocalStorage:
         return self._path(key).is_file()
 
     def list(self, prefix: str) -> list[str]:
+        """Every file under ``prefix``. A folder removed while it is walked (retention pruning a bundle,
+        a ledger fold) is skipped, not an error: its files were being deleted anyway."""
         base = self._path(prefix.rstrip("/")) if prefix else self.root
-        try:
-            if not base.is_dir():
-                return []
-            return sorted(
-                p.relative_to(self.root).as_posix()
-                for p in base.rglob("*")
-                if p.is_file() and not p.name.endswith(".tmp")
-            )
-        except OSError as e:
-            raise storage_error("list", base, e) from e
+        failed: list[OSError] = []
+
+        def walk_error(e: OSError) -> None:
+            if not isinstance(e, FileNotFoundError):
+                failed.append(e)
+
+        if not base.is_dir():
+            return []
+        found = [Path(d, f) for d, _, files in os.walk(base, onerror=walk_error) for f in files
+                 if not f.endswith(".tmp")]
+        if failed:
+            raise storage_error("list", base, failed[0]) from failed[0]
+        return sorted(p.relative_to(self.root).as_posix() for p in found)
 
     def delete_prefix(self, prefix: str) -> None:
         self._mapped("delete under", prefix, lambda: self._delete_prefix(prefix))
