@@ -38,6 +38,7 @@ from spotrun.trainer.metrics.writer import BackgroundWriter
 from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.observe.ranklog import RankLine
 from spotrun.trainer.observe.trace import UpdateRecord, pack_stages, unpack_stages
+from spotrun.trainer.run.beacon import Phase, Reading
 from spotrun.trainer.run.context import AttemptContext, MlflowSend
 from spotrun.trainer.run.overlap import WriteOverlap
 from spotrun.trainer.run.session import TrainSession
@@ -87,6 +88,8 @@ class Report:
     # the lines the rank's code wrote since the last poll (its process or thread fills them in:
     # trainer/observe/ranklog.py)
     output: list[RankLine] = field(default_factory=list)
+    # where the training thread was when polled (trainer/run/beacon.py): the driver's progress signal
+    reading: Reading | None = None
 
 
 class RankRunner:
@@ -237,6 +240,7 @@ class RankRunner:
             report, self._report = self._report, Report(rank=self.rank, last_update=self._report.last_update,
                                                         state=self._report.state)
         report.storage_retries = getattr(self.storage, "retries", 0)  # the S3 metric sink shares this storage
+        report.reading = self.session.beacon.read()
         return report
 
     # -- the loop -----------------------------------------------------------------------
@@ -255,6 +259,7 @@ class RankRunner:
                 names = sorted(record.metrics)
                 agreed = s.agreed_flags  # the flags, loss and metrics rode with the gradients
                 if agreed is None:  # no gradient sync (one rank, or DDP's own): a collective of their own
+                    s.beacon.enter(Phase.BARRIER)
                     (record.loss, *values), agreed = self.collective.mean_and_agree(
                         [record.loss, *(record.metrics[n] for n in names)], self._flags(record.update))
                     record.metrics = dict(zip(names, values, strict=True))
@@ -283,6 +288,7 @@ class RankRunner:
                     state = RankState.STOPPED
                     break
             self._collect(self.gate.finished(self.writer.wait))
+            s.beacon.enter(Phase.DONE)
         finally:
             self.writer.close()
             self.metrics.close()
@@ -332,6 +338,7 @@ class RankRunner:
         self._collect(self.gate.finished(self.writer.wait))
         self._drafts.clear()  # nothing is in flight now: a draft left is an abandoned write's
         waited = time.perf_counter() - t1
+        s.beacon.enter(Phase.CAPTURE)
         capture = s.capture(keep_replica=self.warm, generation=self.held.next_generation() if self.warm else 0)
         draft = None
         if self.rank == 0:
