@@ -1,0 +1,111 @@
+"""The Ray group's health watch: when each rank last answered its poll and what it said, judged by
+:func:`spotrun.orchestrator.policy.health.judge` (runs in the driver), and what is done with a rank judged
+hung or stuck: its stacks taken on its own node, kept in the attempt's logs, then the process killed.
+
+The silence is measured from the poll the rank did not answer: a rank asked at ``t`` that has not
+answered at ``t + hang_after_s`` is hung (a live rank answers in well under a second: bench 13).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from spotrun.orchestrator.policy.health import Bounds, Seen, Verdict, judge
+from spotrun.orchestrator.workers.groups import Evidence
+from spotrun.trainer.job.spec import JobSpec
+from spotrun.trainer.observe.ranklog import LOGS
+from spotrun.trainer.observe.stacks import take
+from spotrun.trainer.run.beacon import Reading
+from spotrun.trainer.storage import Storage
+
+STACKS_TIMEOUT_S = 10.0  # py-spy on a stopped process takes well under a second; a faulthandler dump as long
+log = logging.getLogger("spotrun.watch")
+
+
+def bounds_of(spec: JobSpec) -> Bounds:
+    w = spec.world
+    return Bounds(hang_after_s=w.hang_after_s, stuck_factor=w.stuck_factor, stuck_floor_s=w.stuck_floor_s)
+
+
+class Watch:
+    """Per rank of one attempt: when it last answered, and its last reading."""
+
+    def __init__(self, world_size: int, bounds: Bounds, clock=time.monotonic) -> None:
+        self.bounds = bounds
+        self._clock = clock
+        now = clock()
+        self._answered = [now] * world_size
+        self._readings: list[Reading | None] = [None] * world_size
+
+    def answered(self, rank: int, reading: Reading | None) -> None:
+        self._answered[rank] = self._clock()
+        if reading is not None:
+            self._readings[rank] = reading
+
+    def silent(self, rank: int, asked_at: float) -> None:
+        """Rank ``rank`` did not answer the poll sent at ``asked_at``: silent since then (not since its last
+        answer: the driver may have asked nothing for a while, publishing a bundle say)."""
+        self._answered[rank] = asked_at
+
+    def last(self, rank: int) -> Reading | None:
+        return self._readings[rank]
+
+    def verdicts(self) -> list[Verdict]:
+        now = self._clock()
+        seen = [Seen(r, now - at, self._readings[r]) for r, at in enumerate(self._answered)]
+        return judge(seen, self.update_seconds(), self.bounds)
+
+    def update_seconds(self) -> list[float]:
+        """The job's recent update times as the ranks measured them (own work plus waiting: the whole update)."""
+        totals = [s.compute_s + s.wait_s for r in self._readings if r is not None for s in r.recent]
+        return [statistics.median(totals)] if totals else []
+
+
+@ray.remote(num_cpus=0)
+def _stacks_then_kill(pid: int, armed_log: str | None) -> tuple[str, str, str]:
+    """On the rank's node: its stacks (trainer/observe/stacks.py), then SIGKILL (a stopped process is
+    killed too; its peers' collective then fails at once instead of timing out)."""
+    stacks = take(pid, Path(armed_log) if armed_log else None, timeout_s=STACKS_TIMEOUT_S)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return stacks.how, stacks.text, stacks.why
+
+
+def stacks_key(job_id: str, attempt: int, rank: int) -> str:
+    """Where a hung or stuck rank's stacks are kept: beside the attempt's rank logs."""
+    return f"{job_id}/{LOGS}/attempt-{attempt}/rank-{rank}.stacks.txt"
+
+
+def condemn(verdict: Verdict, where: dict[str, Any], storage: Storage, job_id: str, attempt: int) -> Evidence:
+    """Take the stacks of the rank ``verdict`` names on its node (``where``: its node id, pid and armed
+    log), keep them in storage, and kill its process. Never raises for the stacks: a rank whose stacks
+    could not be taken is killed all the same, the reason kept in their place."""
+    reading = verdict.reading
+    head = (f"rank {verdict.rank} {verdict.signal} in update {reading.update if reading else '?'}, "
+            f"phase {reading.phase if reading else '?'} (pid {where.get('pid')}, host {where.get('host')})\n")
+    try:
+        how, text, why = ray.get(_stacks_then_kill.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=where["node_id"], soft=False),
+        ).remote(where["pid"], where.get("stacks_log")), timeout=STACKS_TIMEOUT_S * 2 + 5)
+    except Exception as e:  # noqa: BLE001 - the node may be dying: the rank is lost either way
+        how, text, why = "none", "", f"the stacks task failed: {type(e).__name__}: {e}"
+    key: str | None = stacks_key(job_id, attempt, verdict.rank)
+    try:
+        body = head + (text if text else f"no stacks: {why}\n")
+        storage.put(stacks_key(job_id, attempt, verdict.rank), body.encode())
+    except OSError as e:
+        log.warning("the stacks of rank %d could not be kept: %s", verdict.rank, e)
+        key = None
+    return Evidence(signal=verdict.signal, phase=str(reading.phase) if reading else None,
+                    update=reading.update if reading else None, stacks_key=key, stacks_how=how)
