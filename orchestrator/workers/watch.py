@@ -23,7 +23,7 @@ from spotrun.orchestrator.policy.health import Bounds, Seen, Verdict, judge
 from spotrun.orchestrator.workers.groups import Evidence
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.ranklog import LOGS
-from spotrun.trainer.observe.stacks import take
+from spotrun.trainer.observe.stacks import Stacks, stopped, take
 from spotrun.trainer.run.beacon import Reading
 from spotrun.trainer.storage import Storage
 
@@ -74,7 +74,10 @@ class Watch:
 def _stacks_then_kill(pid: int, armed_log: str | None) -> tuple[str, str, str]:
     """On the rank's node: its stacks (trainer/observe/stacks.py), then SIGKILL (a stopped process is
     killed too; its peers' collective then fails at once instead of timing out)."""
+    was_stopped = stopped(pid)
     stacks = take(pid, Path(armed_log) if armed_log else None, timeout_s=STACKS_TIMEOUT_S)
+    if was_stopped:
+        stacks = Stacks(stacks.how, f"(the process was stopped: SIGSTOP, or a tracer)\n{stacks.text}", stacks.why)
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -1,0 +1,50 @@
+"""A hung rank on a real local Ray: rank 1's process SIGSTOPs itself mid-update (alive, silent: what a
+wedged driver call or a dying node looks like). It is found hung after world.hang_after_s, its stacks are
+kept in the attempt's logs naming where it stopped, it is killed, the spare takes its place from memory,
+and the run ends bitwise equal to the uninterrupted one."""
+
+from __future__ import annotations
+
+import pytest
+
+from spotrun.orchestrator.control.launch import run_on_ray
+from spotrun.orchestrator.ledger.events import Restored, WorkerLost
+from spotrun.orchestrator.ledger.store import Ledger
+from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
+from spotrun.trainer.storage import open_storage
+from tests.conftest import make_spec
+from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
+SETS = ("world.size=2", "train.updates=16", "checkpoint.every_updates=4", "data.workers=1", "model.dropout=0.1")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hangref")
+    spec = make_spec(tmp, *SETS, job_id="ref")
+    outcome = run_on_ray(spec, trace_path=str(tmp / "ref.jsonl"))
+    assert outcome.state == "finished" and outcome.restarts == 0
+    return read_trace(tmp / "ref.jsonl")
+
+
+def test_a_stopped_rank_is_found_hung_named_by_its_stacks_and_replaced_warm_bitwise(reference, tmp_path):
+    spec = make_spec(tmp_path, *SETS, "world.spares=1",
+                     "faults=[{site: backward, signal: SIGSTOP, update: 10, microstep: 1, rank: 1}]", job_id="hung")
+    outcome = run_on_ray(spec, trace_path=str(tmp_path / "t.jsonl"))
+    assert outcome.state == "finished" and outcome.restarts == 1
+    final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
+    assert sorted(final) == list(range(1, 17))
+    assert first_divergence(reference, list(final.values())) is None
+    storage = open_storage(spec.storage)
+    events = Ledger(storage, "hung").read()
+    (lost,) = [e for e in events if isinstance(e, WorkerLost)]
+    assert (lost.rank, lost.cause, lost.signal) == (1, "hang", "hang")
+    assert (lost.stopped_phase, lost.stopped_update) == ("backward", 10)
+    assert lost.loss == "failure"
+    assert lost.stacks == "hung/logs/attempt-1/rank-1.stacks.txt"
+    stacks = storage.get(lost.stacks).decode()
+    # py-spy reads a stopped process's stacks: the fault's kill, inside the loop's backward step
+    assert "run_update" in stacks and "hit" in stacks, stacks
+    (restored,) = [e for e in events if isinstance(e, Restored)]
+    assert restored.recovery_path == "warm-spare" and restored.recovery_label == "exact"
