@@ -48,3 +48,24 @@ def test_a_stopped_rank_is_found_hung_named_by_its_stacks_and_replaced_warm_bitw
     assert "run_update" in stacks and "hit" in stacks, stacks
     (restored,) = [e for e in events if isinstance(e, Restored)]
     assert restored.recovery_path == "warm-spare" and restored.recovery_label == "exact"
+
+
+def test_a_step_blocked_forever_on_one_rank_is_found_stuck_named_by_its_line_and_replaced_warm(tmp_path):
+    """Rank 1's step waits on an event nobody sets (once per job): it answers every poll, but stands in
+    its forward pass while rank 0 waits for it at the all-reduce. Past the bound (world.stuck_floor_s
+    here: the updates take milliseconds) it is stuck: its stacks name the blocking line, it is killed,
+    and the spare takes its place from memory."""
+    spec = make_spec(tmp_path, "world.size=2", "world.spares=1", "world.stuck_floor_s=2", "train.updates=10",
+                     "checkpoint.every_updates=2", "data.workers=0", "job.entrypoint=tests.helpers.jobs:blocks_once",
+                     f"job.config.marker={tmp_path / 'blocked'}", job_id="stuck")
+    outcome = run_on_ray(spec)
+    assert outcome.state == "finished" and outcome.restarts == 1
+    storage = open_storage(spec.storage)
+    events = Ledger(storage, "stuck").read()
+    (lost,) = [e for e in events if isinstance(e, WorkerLost)]
+    assert (lost.rank, lost.cause, lost.signal) == (1, "stuck", "stuck")
+    assert (lost.stopped_phase, lost.stopped_update) == ("forward", 5)
+    stacks = storage.get(lost.stacks).decode()
+    assert "step (tests/helpers/jobs.py" in stacks, stacks
+    (restored,) = [e for e in events if isinstance(e, Restored)]
+    assert restored.recovery_path == "warm-spare"
