@@ -98,7 +98,8 @@ class WorkerLost(LedgerEvent):
     detected_at: datetime | None = None  # when the supervisor noticed the loss (``at`` is after the teardown)
     teardown_seconds: float | None = None  # stopping the attempt's ranks and releasing their resources
     # a rank found hung (silent) or stuck (no progress while its peers waited): the signal, the phase and
-    # update it stood in (None: it never answered), and the storage key of the stacks taken before it was killed
+    # update of its last answer (a hung rank may have gone on a little after it; its stacks say where it
+    # stopped; None: it never answered), and the storage key of the stacks taken before it was killed
     signal: Literal["hang", "stuck"] | None = None
     stopped_phase: str | None = None
     stopped_update: int | None = None
