@@ -327,6 +327,9 @@ class RankRunner:
         final = update >= self.spec.train.updates
         if not self.gate.opens(update, final):
             return
+        # the whole boundary stall (the metric sinks, the previous write, the capture) reads as capture: its
+        # length follows storage, not the update time, so a peer waiting through it is no sign of a stuck rank
+        s.beacon.enter(Phase.CAPTURE)
         prefetched = s.prefetched_ahead
         t0 = time.perf_counter()
         # Every point up to this update is in the sink before this bundle can be published (a kill
@@ -338,7 +341,6 @@ class RankRunner:
         self._collect(self.gate.finished(self.writer.wait))
         self._drafts.clear()  # nothing is in flight now: a draft left is an abandoned write's
         waited = time.perf_counter() - t1
-        s.beacon.enter(Phase.CAPTURE)
         capture = s.capture(keep_replica=self.warm, generation=self.held.next_generation() if self.warm else 0)
         draft = None
         if self.rank == 0:
