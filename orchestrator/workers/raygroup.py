@@ -364,7 +364,7 @@ class RayGroup:
             except BaseException:
                 _settle(refs[rank + 1:])
                 raise
-            self.watch.answered(rank, report.reading)
+            self.watch.answered(rank, report.reading, asked_at)
             reports.append(report)
             self.notices += notices
         verdicts = self.watch.verdicts()

@@ -13,13 +13,14 @@ import os
 import signal
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from spotrun.orchestrator.policy.health import Bounds, Seen, Verdict, judge
+from spotrun.orchestrator.policy.health import Bounds, Nearness, Seen, Verdict, judge, nearness
 from spotrun.orchestrator.workers.groups import Evidence
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.ranklog import LOGS
@@ -36,8 +37,29 @@ def bounds_of(spec: JobSpec) -> Bounds:
     return Bounds(hang_after_s=w.hang_after_s, stuck_factor=w.stuck_factor, stuck_floor_s=w.stuck_floor_s)
 
 
+@dataclass
+class Margins:
+    """How near an attempt's ranks came to a verdict over all the polls judged: a false alarm needs a ratio
+    over 1. ``slowest_answer_s``: the longest a poll waited for every rank's answer (a rank slower than
+    ``hang_after_s`` is silent); ``silence``/``stuck``: the largest :class:`Nearness` ratios, with the
+    stand-still and bound behind the largest stuck ratio."""
+
+    polls: int = 0
+    slowest_answer_s: float = 0.0
+    silence: float = 0.0
+    stuck: float = 0.0
+    stuck_age_s: float = 0.0
+    stuck_bound_s: float = 0.0
+
+    def add(self, near: Nearness) -> None:
+        self.polls += 1
+        self.silence = max(self.silence, near.silence)
+        if near.stuck > self.stuck:
+            self.stuck, self.stuck_age_s, self.stuck_bound_s = near.stuck, near.stuck_age_s, near.stuck_bound_s
+
+
 class Watch:
-    """Per rank of one attempt: when it last answered, and its last reading."""
+    """Per rank of one attempt: when it last answered, and its last reading; and the attempt's margins."""
 
     def __init__(self, world_size: int, bounds: Bounds, clock=time.monotonic) -> None:
         self.bounds = bounds
@@ -45,9 +67,13 @@ class Watch:
         now = clock()
         self._answered = [now] * world_size
         self._readings: list[Reading | None] = [None] * world_size
+        self.margins = Margins()
 
-    def answered(self, rank: int, reading: Reading | None) -> None:
-        self._answered[rank] = self._clock()
+    def answered(self, rank: int, reading: Reading | None, asked_at: float | None = None) -> None:
+        """Rank ``rank`` answered (the poll sent at ``asked_at``, where known: its wait is measured)."""
+        self._answered[rank] = now = self._clock()
+        if asked_at is not None:
+            self.margins.slowest_answer_s = max(self.margins.slowest_answer_s, now - asked_at)
         if reading is not None:
             self._readings[rank] = reading
 
@@ -60,9 +86,12 @@ class Watch:
         return self._readings[rank]
 
     def verdicts(self) -> list[Verdict]:
+        """The ranks hung or stuck now (:func:`judge`); how near they came is added to :attr:`margins`."""
         now = self._clock()
         seen = [Seen(r, now - at, self._readings[r]) for r, at in enumerate(self._answered)]
-        return judge(seen, self.update_seconds(), self.bounds)
+        update_seconds = self.update_seconds()
+        self.margins.add(nearness(seen, update_seconds, self.bounds))
+        return judge(seen, update_seconds, self.bounds)
 
     def update_seconds(self) -> list[float]:
         """The job's recent update times as the ranks measured them (own work plus waiting: the whole update)."""

@@ -46,3 +46,22 @@ def test_a_rank_standing_still_while_its_peer_waits_is_stuck_with_the_measured_u
     w.answered(1, reading(Phase.FORWARD, 1.6))
     (v,) = w.verdicts()
     assert isinstance(v, Stuck) and v.rank == 1 and v.waiting == (0,)
+
+
+def test_the_margins_keep_the_slowest_answer_and_the_nearest_approach_to_each_bound_over_the_polls():
+    clock = Clock()
+    w = Watch(2, Bounds(hang_after_s=5.0, stuck_factor=10.0, stuck_floor_s=1.0), clock)
+    asked = clock.t
+    clock.t += 0.3
+    w.answered(0, reading(Phase.ALL_REDUCE, 0.5), asked)
+    w.answered(1, reading(Phase.FORWARD, 0.6), asked)  # bound 1.5 s (10 x 0.15 s)
+    assert w.verdicts() == []
+    asked = clock.t
+    clock.t += 0.1
+    w.answered(0, reading(Phase.ALL_REDUCE, 0.1), asked)
+    w.answered(1, reading(Phase.FORWARD, 0.3), asked)
+    assert w.verdicts() == []
+    m = w.margins
+    assert m.polls == 2 and abs(m.slowest_answer_s - 0.3) < 1e-9
+    assert m.stuck_age_s == 0.6 and abs(m.stuck_bound_s - 1.5) < 1e-9 and abs(m.stuck - 0.4) < 1e-9  # the first poll's
+    assert m.silence == 0.0  # both answered just now
