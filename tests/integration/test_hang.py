@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from bench.false_alarms import SETS as LOADED
+from bench.false_alarms import loaded_run
 from spotrun.orchestrator.control.launch import run_on_ray
 from spotrun.orchestrator.ledger.events import Restored, WorkerLost
 from spotrun.orchestrator.ledger.store import Ledger
@@ -73,3 +75,15 @@ def test_a_step_blocked_forever_on_one_rank_is_found_stuck_named_by_its_line_and
     assert "step (tests/helpers/jobs.py" in stacks, stacks
     (restored,) = [e for e in events if isinstance(e, Restored)]
     assert restored.recovery_path == "warm-spare"
+
+
+def test_a_minute_beside_a_cpu_hog_with_checkpoints_every_few_updates_records_no_hung_or_stuck_rank(tmp_path):
+    """The CI version of bench 14 (bench/false_alarms.py: ten minutes): a 2-rank job trains for a minute while
+    one busy process per core takes every core, checkpointing every 4 updates, and is stopped by a notice.
+    No rank may be found hung or stuck, and the health watch must really have judged it all along."""
+    spec = make_spec(tmp_path, *LOADED, job_id="loaded")
+    run = loaded_run(spec, 60.0)
+    assert run.false_alarms == [] and run.lost == [] and run.restarts == 0, run.lost
+    assert run.state == "stopped" and run.updates > 0 and run.checkpoints >= 2
+    m = run.margins
+    assert m.polls > 0 and m.slowest_answer_s < spec.world.hang_after_s and m.silence < 1 and m.stuck < 1, m
