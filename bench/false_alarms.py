@@ -86,8 +86,11 @@ def loaded_run(spec: JobSpec, seconds: float, hogs: int | None = None) -> Loaded
         return group
 
     sup = Supervisor(spec, replace(platform, make_group=make_group), Options())
-    stop = threading.Timer(seconds, sup.notify, [Notice(source="sigterm", node_id=None, deadline=None,
-                                                        detail="the loaded run's length is over")])
+
+    def stop_now() -> None:  # made when sent: a notice's grace runs from its received_at
+        sup.notify(Notice(source="sigterm", node_id=None, deadline=None, detail="the loaded run's length is over"))
+
+    stop = threading.Timer(seconds, stop_now)
     busy = hog((os.cpu_count() or 1) if hogs is None else hogs)
     t0 = time.perf_counter()
     try:
