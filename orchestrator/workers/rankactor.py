@@ -109,6 +109,13 @@ class RankActor:
     def where(self) -> dict[str, Any]:
         return {**this_node().model_dump(), "pid": os.getpid(), "stacks_log": str(self.stacks_log)}
 
+    def stacks_then_kill(self, pid: int, armed_log: str | None) -> tuple[str, str, str]:
+        """For the driver: a hung or stuck peer's stacks taken on this node, then the peer killed (a thread
+        of this live process does it, where a task would first start a worker: watch.condemn)."""
+        from spotrun.orchestrator.workers.watch import stacks_then_kill
+
+        return stacks_then_kill(pid, armed_log)
+
     def free_port(self) -> int:
         with socket.socket() as s:
             s.bind(("", 0))

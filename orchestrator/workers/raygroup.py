@@ -368,18 +368,21 @@ class RayGroup:
             reports.append(report)
             self.notices += notices
         verdicts = self.watch.verdicts()
+        live = [r for r, ref in enumerate(refs) if ref in answered]
         if verdicts:  # hung first: the first is the one condemned (its loss ends the attempt)
             _settle(refs)
-            self._condemn(verdicts[0])
+            self._condemn(verdicts[0], live)
         if len(reports) < len(refs):  # silent for the whole wait, judged a hair under the bound: hung all the same
             rank = next(r for r, ref in enumerate(refs) if ref not in answered)
-            self._condemn(Hung(rank, time.monotonic() - asked_at, self.watch.last(rank)))
+            self._condemn(Hung(rank, time.monotonic() - asked_at, self.watch.last(rank)), live)
         return reports
 
-    def _condemn(self, verdict: Verdict) -> None:
-        """A rank judged hung or stuck: its stacks into the attempt's logs, its process killed, its loss raised."""
+    def _condemn(self, verdict: Verdict, live: list[int]) -> None:
+        """A rank judged hung or stuck: its stacks into the attempt's logs (taken by a rank of ``live``, those
+        that answered this poll, on its node if there is one), its process killed, its loss raised."""
         rank = verdict.rank
-        evidence = condemn(verdict, self.where[rank], self.storage, self.spec.job_id, self.ctx.attempt)
+        helper = next((self.actors[r] for r in live if r != rank and self.node_ids[r] == self.node_ids[rank]), None)
+        evidence = condemn(verdict, self.where[rank], self.storage, self.spec.job_id, self.ctx.attempt, helper)
         ray.kill(self.actors[rank], no_restart=True)
         reading = verdict.reading
         where = f" in update {reading.update}, phase {reading.phase}" if reading is not None else ""

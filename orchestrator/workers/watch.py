@@ -99,10 +99,10 @@ class Watch:
         return [statistics.median(totals)] if totals else []
 
 
-@ray.remote(num_cpus=0)
-def _stacks_then_kill(pid: int, armed_log: str | None) -> tuple[str, str, str]:
+def stacks_then_kill(pid: int, armed_log: str | None) -> tuple[str, str, str]:
     """On the rank's node: its stacks (trainer/observe/stacks.py), then SIGKILL (a stopped process is
-    killed too; its peers' collective then fails at once instead of timing out)."""
+    killed too; its peers' collective then fails at once instead of timing out). Returns the stacks'
+    (how, text, why)."""
     was_stopped = stopped(pid)
     stacks = take(pid, Path(armed_log) if armed_log else None, timeout_s=STACKS_TIMEOUT_S)
     if was_stopped:
@@ -114,22 +114,29 @@ def _stacks_then_kill(pid: int, armed_log: str | None) -> tuple[str, str, str]:
     return stacks.how, stacks.text, stacks.why
 
 
+_stacks_task = ray.remote(num_cpus=0)(stacks_then_kill)
+
+
 def stacks_key(job_id: str, attempt: int, rank: int) -> str:
     """Where a hung or stuck rank's stacks are kept: beside the attempt's rank logs."""
     return f"{job_id}/{LOGS}/attempt-{attempt}/rank-{rank}.stacks.txt"
 
 
-def condemn(verdict: Verdict, where: dict[str, Any], storage: Storage, job_id: str, attempt: int) -> Evidence:
+def condemn(verdict: Verdict, where: dict[str, Any], storage: Storage, job_id: str, attempt: int,
+            helper: Any = None) -> Evidence:
     """Take the stacks of the rank ``verdict`` names on its node (``where``: its node id, pid and armed
-    log), keep them in storage, and kill its process. Never raises for the stacks: a rank whose stacks
-    could not be taken is killed all the same, the reason kept in their place."""
+    log), keep them in storage, and kill its process. ``helper``: a live rank actor on the same node, which
+    does it at once (its :meth:`stacks_then_kill`); without one, a task pinned to the node does, which may
+    first have to start a worker process there (~1.5 s on a loaded 2-core host: bench 15). Never raises for
+    the stacks: a rank whose stacks could not be taken is killed all the same, the reason kept in their place."""
     reading = verdict.reading
     head = (f"rank {verdict.rank} {verdict.signal} in update {reading.update if reading else '?'}, "
             f"phase {reading.phase if reading else '?'} (pid {where.get('pid')}, host {where.get('host')})\n")
     try:
-        how, text, why = ray.get(_stacks_then_kill.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=where["node_id"], soft=False),
-        ).remote(where["pid"], where.get("stacks_log")), timeout=STACKS_TIMEOUT_S * 2 + 5)
+        args = (where["pid"], where.get("stacks_log"))
+        ref = helper.stacks_then_kill.remote(*args) if helper is not None else _stacks_task.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=where["node_id"], soft=False)).remote(*args)
+        how, text, why = ray.get(ref, timeout=STACKS_TIMEOUT_S * 2 + 5)
     except Exception as e:  # noqa: BLE001 - the node may be dying: the rank is lost either way
         how, text, why = "none", "", f"the stacks task failed: {type(e).__name__}: {e}"
     key: str | None = stacks_key(job_id, attempt, verdict.rank)

@@ -5,13 +5,20 @@ and the run ends bitwise equal to the uninterrupted one."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+
 import pytest
+import ray
 
 from bench.false_alarms import SETS as LOADED
 from bench.false_alarms import loaded_run
 from spotrun.orchestrator.control.launch import run_on_ray
 from spotrun.orchestrator.ledger.events import Restored, WorkerLost
 from spotrun.orchestrator.ledger.store import Ledger
+from spotrun.orchestrator.policy.health import Hung
+from spotrun.orchestrator.workers.watch import condemn
 from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from spotrun.trainer.storage import open_storage
 from tests.conftest import make_spec
@@ -87,3 +94,21 @@ def test_a_minute_beside_a_cpu_hog_with_checkpoints_every_few_updates_records_no
     assert run.state == "stopped" and run.updates > 0 and run.checkpoints >= 2
     m = run.margins
     assert m.polls > 0 and m.slowest_answer_s < spec.world.hang_after_s and m.silence < 1 and m.stuck < 1, m
+
+
+def test_a_rank_alone_on_its_node_has_its_stacks_taken_and_is_killed_by_a_task_pinned_there(tmp_path):
+    """condemn without a live rank on the node to help (a cluster of one rank per node): a task pinned to
+    the node takes the stopped process's stacks, keeps them, and kills it."""
+    victim = subprocess.Popen([sys.executable, "-c", "import threading; threading.Event().wait()"])
+    victim.send_signal(signal.SIGSTOP)
+    storage = open_storage(f"file://{tmp_path}")
+    where = {"node_id": ray.get_runtime_context().get_node_id(), "pid": victim.pid, "host": "here"}
+    try:
+        evidence = condemn(Hung(1, 6.0, None), where, storage, "alone", 1)
+        assert victim.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        victim.kill()  # a failed test leaves no stopped process behind
+    assert (evidence.signal, evidence.stacks_how, evidence.stacks_key) == ("hang", "py-spy", "alone/logs/attempt-1/"
+                                                                            "rank-1.stacks.txt")
+    stacks = storage.get(evidence.stacks_key).decode()
+    assert "the process was stopped" in stacks and "wait" in stacks, stacks
