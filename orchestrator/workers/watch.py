@@ -105,7 +105,7 @@ def stacks_then_kill(pid: int, armed_log: str | None) -> tuple[str, str, str]:
     (how, text, why)."""
     was_stopped = stopped(pid)
     stacks = take(pid, Path(armed_log) if armed_log else None, timeout_s=STACKS_TIMEOUT_S)
-    if was_stopped:
+    if was_stopped and stacks.text:  # (without stacks, the reason why is what is kept)
         stacks = Stacks(stacks.how, f"(the process was stopped: SIGSTOP, or a tracer)\n{stacks.text}", stacks.why)
     try:
         os.kill(pid, signal.SIGKILL)

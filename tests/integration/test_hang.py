@@ -99,7 +99,9 @@ def test_a_minute_beside_a_cpu_hog_with_checkpoints_every_few_updates_records_no
 def test_a_rank_alone_on_its_node_has_its_stacks_taken_and_is_killed_by_a_task_pinned_there(tmp_path):
     """condemn without a live rank on the node to help (a cluster of one rank per node): a task pinned to
     the node takes the stopped process's stacks, keeps them, and kills it."""
-    victim = subprocess.Popen([sys.executable, "-c", "import threading; threading.Event().wait()"])
+    victim = subprocess.Popen([sys.executable, "-c", "import threading; print('up', flush=True); "
+                               "threading.Event().wait()"], stdout=subprocess.PIPE, text=True)
+    assert victim.stdout is not None and victim.stdout.readline() == "up\n"  # Python's own stacks exist by now
     victim.send_signal(signal.SIGSTOP)
     storage = open_storage(f"file://{tmp_path}")
     where = {"node_id": ray.get_runtime_context().get_node_id(), "pid": victim.pid, "host": "here"}
