@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from spotrun.trainer.job.sections import WorldSpec
 from spotrun.trainer.run.beacon import Phase, Reading
 
 NOT_UPDATE_SIZED = (Phase.START, Phase.CAPTURE)  # phases whose length does not follow the update time
@@ -33,11 +34,12 @@ NOT_UPDATE_SIZED = (Phase.START, Phase.CAPTURE)  # phases whose length does not 
 
 @dataclass(frozen=True)
 class Bounds:
-    """How long silence or standing still may last before a rank is judged."""
+    """How long silence or standing still may last before a rank is judged (the first three: the spec's
+    ``world`` keys, their defaults the spec's)."""
 
-    hang_after_s: float = 5.0
-    stuck_factor: float = 10.0
-    stuck_floor_s: float = 30.0
+    hang_after_s: float = WorldSpec.model_fields["hang_after_s"].default
+    stuck_factor: float = WorldSpec.model_fields["stuck_factor"].default
+    stuck_floor_s: float = WorldSpec.model_fields["stuck_floor_s"].default
     start_s: float = 300.0
     straggler_ratio: float = 1.5
     window: int = 20

@@ -352,7 +352,7 @@ class RayGroup:
             raise blame(failure, self.actors, self.node_ids)
         asked_at = time.monotonic()
         refs = [a.poll.remote() for a in self.actors]
-        # a live rank answers in well under a second (bench 13): waiting world.hang_after_s, not a minute
+        # a live rank answers in about a second at worst under load: waiting world.hang_after_s, not a minute
         answered, _ = ray.wait(refs, num_returns=len(refs), timeout=self.watch.bounds.hang_after_s)
         reports = []
         for rank, ref in enumerate(refs):

@@ -3,7 +3,7 @@
 hung or stuck: its stacks taken on its own node, kept in the attempt's logs, then the process killed.
 
 The silence is measured from the poll the rank did not answer: a rank asked at ``t`` that has not
-answered at ``t + hang_after_s`` is hung (a live rank answers in well under a second: bench 13).
+answered at ``t + hang_after_s`` is hung (the slowest answer of a live rank measured under load: ~1 s).
 """
 
 from __future__ import annotations

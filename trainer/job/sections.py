@@ -255,9 +255,11 @@ class WorldSpec(Strict):
                                                   "model only; off: every restart starts anew from storage)")
     spares: int = Field(0, ge=0, description="extra rank processes, built and waiting, that take a lost rank's place "
                                              "at once (with world.warm_recovery)", json_schema_extra={"unit": "ranks"})
-    hang_after_s: float = Field(5.0, gt=0, description="a rank that answers no health poll for this long is hung: its "
-                                "stacks are taken, it is killed and replaced warm (a live rank answers in < 0.5 s "
-                                "under load: bench 13)", json_schema_extra={"unit": "seconds"})
+    hang_after_s: float = Field(4.0, gt=0, description="a rank that answers no health poll for this long is hung: its "
+                                "stacks are taken, it is killed and replaced warm. The default is 3.7x the slowest "
+                                "answer a live rank gave under load (1.07 s in a GC storm; 0.96 s over 10 minutes "
+                                "with every core taken); raise it for a job that holds the interpreter's lock "
+                                "longer (a huge GC, a C call that keeps it)", json_schema_extra={"unit": "seconds"})
     stuck_factor: float = Field(10.0, gt=0, description="a rank that stands in one phase of its own work for this many "
                                 "median update times while a peer waits for it is stuck (replaced like a hung one)")
     stuck_floor_s: float = Field(30.0, gt=0, description="the shortest a rank may stand still while a peer waits "
