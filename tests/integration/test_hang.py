@@ -49,8 +49,9 @@ def test_a_stopped_rank_is_found_hung_named_by_its_stacks_and_replaced_warm_bitw
     events = Ledger(storage, "hung").read()
     (lost,) = [e for e in events if isinstance(e, WorkerLost)]
     assert (lost.rank, lost.cause, lost.signal) == (1, "hang", "hang")
-    # the last reading the rank gave before it fell silent (a poll may have come before the fault's microstep)
-    assert lost.stopped_update in (9, 10) and lost.stopped_phase is not None
+    # the last reading the rank gave before it fell silent: polled every 0.1 s while its updates take milliseconds,
+    # that may be a few updates before the fault's (seen: 6 to 10); where it stopped is what its stacks say
+    assert 1 <= lost.stopped_update <= 10 and lost.stopped_phase is not None
     assert lost.loss == "failure"
     assert lost.stacks == "hung/logs/attempt-1/rank-1.stacks.txt"
     stacks = storage.get(lost.stacks).decode()
