@@ -1,6 +1,6 @@
 """``make bench``: run every bench in its own process, then assemble bench/RESULTS.md.
 
-    python -m bench                    # the full set (about 20 minutes on a quiet 2-core machine)
+    python -m bench                    # the full set (about 30 minutes on a quiet 2-core machine)
     python -m bench --only NAME...     # those benches; the other sections of RESULTS.md stay as they were
     python -m bench --quick            # tiny runs, results under bench/.work/quick/
 
@@ -24,7 +24,8 @@ MODULES = {"1-checkpoint-stall": "bench.checkpoint_stall", "2-training-overhead"
            "5-grad-sync": "bench.grad_sync", "6-s3-metrics": "bench.s3_metrics", "7-trace-cost": "bench.trace_cost",
            "8-steady-speed": "bench.steady_speed", "9-sharded-bundles": "bench.sharded_bundles",
            "10-ledger-week": "bench.ledger_week", "11-auto-interval": "bench.auto_interval",
-           "12-data-identity": "bench.data_identity", "13-health-poll": "bench.health_poll"}
+           "12-data-identity": "bench.data_identity", "13-health-poll": "bench.health_poll",
+           "14-false-alarms": "bench.false_alarms", "15-hang-recovery": "bench.hang_recovery"}
 
 
 def main() -> int:

@@ -134,15 +134,24 @@ def group_signals_spare_ray() -> Iterator[None]:
 def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | None = None,
                record_ids: bool = False, init_from: tuple[str, str] | None = None,
                reset: tuple[str, ...] = (), drop: tuple[str, ...] = (), progress: Progress | None = None) -> Outcome:
+    check_entrypoint(spec)
+    ensure_ray(spec, address)
+    instrument = Instrumentation.of(trace=trace_path is not None, record_ids=record_ids, mutate=drop)
+    sup = Supervisor(spec, ray_platform(spec, instrument),
+                     Options(trace_path=trace_path, record_ids=record_ids, init_from=init_from, reset=reset,
+                             progress=progress, oracle_acts=not instrument.mutant,
+                             send_at_publish=instrument.mlflow_send is MlflowSend.AT_PUBLISH))
+    return sup.run()
+
+
+def ray_platform(spec: JobSpec, instrument: Instrumentation) -> Platform:
+    """The connected Ray as the job's platform: each attempt a :class:`RayGroup`, the capacity Ray's free
+    rank slots (less the nodes it is draining), its autoscaler asked for room. A bench that watches the
+    groups themselves wraps ``make_group`` (``dataclasses.replace``)."""
     from spotrun.orchestrator.workers.placement import available_rank_slots, rank_bundle, room_for_more_ranks
     from spotrun.orchestrator.workers.raygroup import RayGroup
 
-    check_entrypoint(spec)
-    ensure_ray(spec, address)
-
     storage = open_storage(spec.storage, spec.storage_endpoint_url, check=False)  # the supervisor checks it
-
-    instrument = Instrumentation.of(trace=trace_path is not None, record_ids=record_ids, mutate=drop)
 
     def make_group(size, attempt, lineage, label, mode):
         return RayGroup(AttemptContext(spec=spec, attempt=attempt, world_size=size, lineage_id=lineage,
@@ -170,8 +179,4 @@ def run_on_ray(spec: JobSpec, *, address: str | None = None, trace_path: str | N
         def room_for(self, extra: int) -> bool:
             return room_for_more_ranks(spec, extra)
 
-    platform = Platform(make_group, capacity, scaler=RayScaler(), drains=drain_source)
-    sup = Supervisor(spec, platform, Options(trace_path=trace_path, record_ids=record_ids, init_from=init_from,
-                                             reset=reset, progress=progress, oracle_acts=not instrument.mutant,
-                                             send_at_publish=instrument.mlflow_send is MlflowSend.AT_PUBLISH))
-    return sup.run()
+    return Platform(make_group, capacity, scaler=RayScaler(), drains=drain_source)

@@ -11,6 +11,7 @@ so the ledger's order is the order of the facts. Bundles and offsets are the pub
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from spotrun.orchestrator.control.states import End, Failed, Finished, Placing, Recovering, Running, State
 from spotrun.orchestrator.ledger.events import (
@@ -137,4 +138,13 @@ class Recorder:
         self.ledger.append(WorkerLost(attempt=st.attempt, rank=lost.rank, node_id=lost.node_id, cause=lost.cause,
                                       detail=lost.detail, last_update=st.last_update, detected_at=st.detected_at,
                                       teardown_seconds=round(teardown_s, 4), loss=loss_class, budget=budget,
-                                      backoff_seconds=None if backoff_s is None else round(backoff_s, 4)))
+                                      backoff_seconds=None if backoff_s is None else round(backoff_s, 4),
+                                      **_evidence(lost)))
+
+
+def _evidence(lost: RankLost) -> dict[str, Any]:
+    """The ledger's fields for a hung or stuck rank's loss (none for any other)."""
+    ev = lost.evidence
+    if ev is None:
+        return {}
+    return {"signal": ev.signal, "stopped_phase": ev.phase, "stopped_update": ev.update, "stacks": ev.stacks_key}

@@ -86,7 +86,8 @@ class WorkerLost(LedgerEvent):
     kind: Literal["worker_lost"] = "worker_lost"
     rank: int | None
     node_id: str | None = None
-    # node-lost | notice:<source> | process-exit | oom | unresponsive | collective-timeout | collective-error
+    # node-lost | notice:<source> | process-exit | oom | unresponsive | hang | stuck | collective-timeout
+    # | collective-error
     # | error (the job's code raised) | start-failed
     cause: str
     loss: Literal["preemption", "failure"] | None = None  # None: recorded before losses were classed
@@ -96,6 +97,13 @@ class WorkerLost(LedgerEvent):
     last_update: int  # the furthest update the attempt is known to have completed
     detected_at: datetime | None = None  # when the supervisor noticed the loss (``at`` is after the teardown)
     teardown_seconds: float | None = None  # stopping the attempt's ranks and releasing their resources
+    # a rank found hung (silent) or stuck (no progress while its peers waited): the signal, the phase and
+    # update of its last answer (a hung rank may have gone on a little after it; its stacks say where it
+    # stopped; None: it never answered), and the storage key of the stacks taken before it was killed
+    signal: Literal["hang", "stuck"] | None = None
+    stopped_phase: str | None = None
+    stopped_update: int | None = None
+    stacks: str | None = None
 
 
 class CapacityWait(LedgerEvent):

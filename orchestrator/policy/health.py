@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from spotrun.trainer.job.sections import WorldSpec
 from spotrun.trainer.run.beacon import Phase, Reading
 
 NOT_UPDATE_SIZED = (Phase.START, Phase.CAPTURE)  # phases whose length does not follow the update time
@@ -33,11 +34,12 @@ NOT_UPDATE_SIZED = (Phase.START, Phase.CAPTURE)  # phases whose length does not 
 
 @dataclass(frozen=True)
 class Bounds:
-    """How long silence or standing still may last before a rank is judged."""
+    """How long silence or standing still may last before a rank is judged (the first three: the spec's
+    ``world`` keys, their defaults the spec's)."""
 
-    hang_after_s: float = 5.0
-    stuck_factor: float = 10.0
-    stuck_floor_s: float = 30.0
+    hang_after_s: float = WorldSpec.model_fields["hang_after_s"].default
+    stuck_factor: float = WorldSpec.model_fields["stuck_factor"].default
+    stuck_floor_s: float = WorldSpec.model_fields["stuck_floor_s"].default
     start_s: float = 300.0
     straggler_ratio: float = 1.5
     window: int = 20
@@ -87,19 +89,46 @@ def judge(seen: Sequence[Seen], update_seconds: Sequence[float], bounds: Bounds)
     """Every rank that is hung or stuck now; hung first. ``update_seconds``: the job's recent update
     times as the driver measured them (empty: none yet)."""
     hung: list[Verdict] = [Hung(s.rank, s.silent_s, s.reading) for s in seen if s.silent_s > bounds.hang_after_s]
-    judged = {v.rank for v in hung}
-    waiting = tuple(s.rank for s in seen if s.rank not in judged and s.reading is not None
-                    and s.reading.phase.waits_for_peers)
-    stuck: list[Verdict] = []
-    if waiting:
-        for s in seen:
-            r = s.reading
-            if s.rank in judged or r is None or r.phase.waits_for_peers or r.phase is Phase.DONE:
-                continue
-            bound = stuck_bound(r.phase, update_seconds, bounds)
-            if r.age_s > bound:
-                stuck.append(Stuck(s.rank, r, bound, waiting))
+    waiting, standing = _standing(seen, {v.rank for v in hung}, update_seconds, bounds)
+    stuck: list[Verdict] = [Stuck(s.rank, r, bound, waiting) for s, r, bound in standing if r.age_s > bound]
     return hung + stuck
+
+
+@dataclass(frozen=True)
+class Nearness:
+    """How near one poll's ranks came to a verdict (``judge`` passes a rank once a ratio exceeds 1):
+    the longest silence over ``hang_after_s``, and the longest stand-still in a rank's own work while a
+    peer waited over that rank's stuck bound (0 when no rank stood in its own work while a peer waited)."""
+
+    silence: float
+    stuck: float
+    stuck_age_s: float = 0.0  # the stand-still behind ``stuck``, and its bound
+    stuck_bound_s: float = 0.0
+
+
+def nearness(seen: Sequence[Seen], update_seconds: Sequence[float], bounds: Bounds) -> Nearness:
+    """What :func:`judge` compares, as ratios to the bounds: a run's largest ratios are its margin to a false
+    alarm (bench 14 records them under load)."""
+    silence = max((s.silent_s for s in seen), default=0.0) / bounds.hang_after_s
+    hung = {s.rank for s in seen if s.silent_s > bounds.hang_after_s}
+    _, standing = _standing(seen, hung, update_seconds, bounds)
+    if not standing:
+        return Nearness(silence, 0.0)
+    _, r, bound = max(standing, key=lambda x: x[1].age_s / x[2])
+    return Nearness(silence, r.age_s / bound, r.age_s, bound)
+
+
+def _standing(seen: Sequence[Seen], hung: set[int], update_seconds: Sequence[float],
+              bounds: Bounds) -> tuple[tuple[int, ...], list[tuple[Seen, Reading, float]]]:
+    """The ranks (not ``hung``) waiting at a collective, and, when there are any, each other rank in its
+    own work with its reading and stuck bound: the ranks a stuck verdict may fall on."""
+    waiting = tuple(s.rank for s in seen if s.rank not in hung and s.reading is not None
+                    and s.reading.phase.waits_for_peers)
+    if not waiting:
+        return waiting, []
+    return waiting, [(s, s.reading, stuck_bound(s.reading.phase, update_seconds, bounds)) for s in seen
+                     if s.rank not in hung and s.reading is not None and not s.reading.phase.waits_for_peers
+                     and s.reading.phase is not Phase.DONE]
 
 
 def slowdowns(seen: Sequence[Seen], bounds: Bounds) -> dict[int, float]:

@@ -41,7 +41,9 @@ class LossCause(StrEnum):
     NOTICE = "notice"  # a preemption notice acted on (an emergency bundle, or a fallback)
     PROCESS_EXIT = "process-exit"  # the rank's process died on a node that is still alive
     OOM = "oom"  # the rank's process was killed for memory
-    UNRESPONSIVE = "unresponsive"  # the rank did not answer a poll in time (a hang)
+    UNRESPONSIVE = "unresponsive"  # the rank did not answer a call in time (a start or request that hung)
+    HANG = "hang"  # the rank's process answered no poll for world.hang_after_s: stopped, wedged, its node dying
+    STUCK = "stuck"  # the rank answered but made no progress while its peers waited for it (policy/health.py)
     ERROR = "error"  # the job's own code raised
     COLLECTIVE_ERROR = "collective-error"  # a collective raised with every peer alive
     COLLECTIVE_TIMEOUT = "collective-timeout"  # a collective timed out with every peer alive
@@ -59,9 +61,12 @@ class LossCause(StrEnum):
 
     @property
     def warm(self) -> bool:
-        """The survivors may restart warm: a rank's process or node is gone, nothing the others hold is
-        suspect. After a failure (the job raised, a collective failed, a rank hung) every rank starts anew."""
-        return self in (LossCause.NODE_LOST, LossCause.NOTICE, LossCause.PROCESS_EXIT, LossCause.OOM)
+        """The survivors may restart warm: a rank's process or node is gone (or, hung or stuck, is killed),
+        nothing the others hold is suspect: they were waiting for it, their state is the last boundary's.
+        After a failure the group cannot place on one rank (the job raised, a collective failed with every
+        peer alive, a call that hung) every rank starts anew."""
+        return self in (LossCause.NODE_LOST, LossCause.NOTICE, LossCause.PROCESS_EXIT, LossCause.OOM,
+                        LossCause.HANG, LossCause.STUCK)
 
 
 def notice_cause(source: str) -> str:

@@ -29,13 +29,27 @@ from spotrun.trainer.runtime.device import rank_device
 from spotrun.trainer.storage import open_storage
 
 
+@dataclass(frozen=True)
+class Evidence:
+    """What the ledger keeps of a hung or stuck rank: which signal found it, where it stood (its last
+    reading; None: it never answered), and the storage key of its stacks (how they were taken)."""
+
+    signal: str  # hang | stuck
+    phase: str | None
+    update: int | None
+    stacks_key: str | None
+    stacks_how: str
+
+
 class RankLost(RuntimeError):
-    def __init__(self, rank: int | None, cause: str, detail: str = "", node_id: str | None = None) -> None:
+    def __init__(self, rank: int | None, cause: str, detail: str = "", node_id: str | None = None,
+                 evidence: Evidence | None = None) -> None:
         super().__init__(f"rank {rank} lost ({cause}): {detail}")
         self.rank = rank
         self.cause = cause
         self.detail = detail
         self.node_id = node_id
+        self.evidence = evidence  # a hung or stuck rank's: where it stood, its stacks
 
 
 class RankFailed(RuntimeError):

@@ -8,9 +8,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -23,6 +25,7 @@ from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.ranklog import RankLog
 from spotrun.trainer.observe.redirect import FdRedirect
+from spotrun.trainer.observe.stacks import arm
 from spotrun.trainer.run.context import AttemptContext
 from spotrun.trainer.run.rank import RankRunner, RankState, Report
 from spotrun.trainer.run.session import TrainSession
@@ -39,6 +42,13 @@ from spotrun.trainer.storage import open_storage
 
 # A poll waits this long at most for the rank's output to be read (a millisecond, unless the process is starved).
 POLL_DRAIN_S = 0.2
+STACKS_DIR = "spotrun-stacks"  # under the node's temporary folder: where each rank process's faulthandler writes
+
+
+def stacks_log(pid: int) -> Path:
+    """The local file process ``pid`` on this node writes its stacks to when asked (trainer/observe/stacks.py);
+    the driver copies what it took into the attempt's rank logs in storage."""
+    return Path(tempfile.gettempdir()) / STACKS_DIR / f"rank-process-{pid}.log"
 log = logging.getLogger("spotrun.rankactor")
 
 
@@ -72,6 +82,10 @@ class RankActor:
         # a SIGTERM to this process becomes a notice instead of an exit. _on_notice runs on the
         # notices' own thread, never in the handler, so its lock and the runner's wake are safe.
         install_signal_notices(self.node_id, None, self.grace_s, self._on_notice)
+        # Armed once for the process's life: a hung rank's stacks can be asked of it (where py-spy is missing)
+        self.stacks_log = stacks_log(os.getpid())
+        self.stacks_log.parent.mkdir(parents=True, exist_ok=True)
+        arm(self.stacks_log)
 
     def _on_notice(self, notice: Notice) -> None:
         with self._lock:
@@ -93,7 +107,14 @@ class RankActor:
                           label, write=write)
 
     def where(self) -> dict[str, Any]:
-        return {**this_node().model_dump(), "pid": os.getpid()}
+        return {**this_node().model_dump(), "pid": os.getpid(), "stacks_log": str(self.stacks_log)}
+
+    def stacks_then_kill(self, pid: int, armed_log: str | None) -> tuple[str, str, str]:
+        """For the driver: a hung or stuck peer's stacks taken on this node, then the peer killed (a thread
+        of this live process does it, where a task would first start a worker: watch.condemn)."""
+        from spotrun.orchestrator.workers.watch import stacks_then_kill
+
+        return stacks_then_kill(pid, armed_log)
 
     def free_port(self) -> int:
         with socket.socket() as s:

@@ -24,10 +24,12 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spotrun.orchestrator.notices.notice import Notice
-from spotrun.orchestrator.policy.recovery import RecoveryPath, WarmPlan, plan_warm
+from spotrun.orchestrator.policy.health import Hung, Verdict
+from spotrun.orchestrator.policy.recovery import LossCause, RecoveryPath, WarmPlan, plan_warm
 from spotrun.orchestrator.workers.groups import (
     CapacityUnavailable,
     RankFailed,
+    RankLost,
     Reformed,
     WarmUnavailable,
 )
@@ -36,6 +38,7 @@ from spotrun.orchestrator.workers.placement import rank_bundle
 from spotrun.orchestrator.workers.rankactor import RankActor, this_node
 from spotrun.orchestrator.workers.rankcalls import answer_of, blame
 from spotrun.orchestrator.workers.rankcalls import settle as _settle
+from spotrun.orchestrator.workers.watch import Watch, bounds_of, condemn
 from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.run.context import AttemptContext
 from spotrun.trainer.run.rank import Report
@@ -108,6 +111,7 @@ class RayGroup:
         self._runs: list[Any] = []
         self._ended: set[Any] = set()  # runs wait() saw end (poll() reads their outcome)
         self._news: dict[int, Any] = {}  # rank -> its wait_for_news call in flight
+        self.watch = Watch(world_size, bounds_of(spec))  # when each rank last answered, what it said
         self.notices: list[Notice] = []
         try:
             ray.get(self.pg.ready(), timeout=placement_timeout_s)
@@ -281,6 +285,7 @@ class RayGroup:
         self.node_ids = [w_["node_id"] for w_ in wheres]
         self.world_size = world_size
         self._runs, self._ended, self._news = [], set(), {}
+        self.watch = Watch(world_size, bounds_of(self.spec))
         t1 = time.perf_counter()
         port = self._call([members[0].free_port.remote()])[0]
         self.ctx = ctx = self.ctx.model_copy(update={
@@ -345,11 +350,50 @@ class RayGroup:
                     failure = failure or e  # a later rank's death may be the reason: look at all first
         if failure is not None:
             raise blame(failure, self.actors, self.node_ids)
+        asked_at = time.monotonic()
+        refs = [a.poll.remote() for a in self.actors]
+        # a live rank answers in about a second at worst under load: waiting world.hang_after_s, not a minute
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=self.watch.bounds.hang_after_s)
         reports = []
-        for report, notices in self._call([a.poll.remote() for a in self.actors]):
+        for rank, ref in enumerate(refs):
+            if ref not in answered:
+                self.watch.silent(rank, asked_at)
+                continue
+            try:
+                report, notices = self._get(rank, ref)
+            except BaseException:
+                _settle(refs[rank + 1:])
+                raise
+            self.watch.answered(rank, report.reading, asked_at)
             reports.append(report)
             self.notices += notices
+        verdicts = self.watch.verdicts()
+        live = [r for r, ref in enumerate(refs) if ref in answered]
+        if verdicts:  # hung first: the first is the one condemned (its loss ends the attempt)
+            _settle(refs)
+            self._condemn(verdicts[0], live)
+        if len(reports) < len(refs):  # silent for the whole wait, judged a hair under the bound: hung all the same
+            rank = next(r for r, ref in enumerate(refs) if ref not in answered)
+            self._condemn(Hung(rank, time.monotonic() - asked_at, self.watch.last(rank)), live)
         return reports
+
+    def _condemn(self, verdict: Verdict, live: list[int]) -> None:
+        """A rank judged hung or stuck: its stacks into the attempt's logs (taken by a rank of ``live``, those
+        that answered this poll, on its node if there is one), its process killed, its loss raised."""
+        rank = verdict.rank
+        helper = next((self.actors[r] for r in live if r != rank and self.node_ids[r] == self.node_ids[rank]), None)
+        evidence = condemn(verdict, self.where[rank], self.storage, self.spec.job_id, self.ctx.attempt, helper)
+        ray.kill(self.actors[rank], no_restart=True)
+        reading = verdict.reading
+        where = f" in update {reading.update}, phase {reading.phase}" if reading is not None else ""
+        detail = (f"answered no poll for {verdict.silent_s:.1f} s{where}" if isinstance(verdict, Hung) else
+                  f"stood in phase {verdict.reading.phase} of update {verdict.reading.update} for "
+                  f"{verdict.reading.age_s:.1f} s (over {verdict.bound_s:.1f} s) while ranks "
+                  f"{list(verdict.waiting)} waited")
+        log.warning("rank %d %s: %s; stacks %s", rank, verdict.signal, detail,
+                    evidence.stacks_key or evidence.stacks_how)
+        raise RankLost(rank, LossCause(verdict.signal), detail,
+                       self.node_ids[rank] if rank < len(self.node_ids) else None, evidence)
 
     def wait(self, seconds: float, wake: threading.Event) -> None:
         running = [ref for ref in self._runs if ref not in self._ended]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+import threading
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -399,3 +401,21 @@ def raises_at_a_call(ctx: spotrun.BuildContext) -> spotrun.Job:
 
     return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.MapData(Points(ctx.seed)), step=step,
                        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01), state={"calls": calls})
+
+
+def blocks_once(ctx: spotrun.BuildContext) -> spotrun.Job:
+    """A regression whose step, on rank 1, blocks forever at its tenth call (update 5): a deadlock in the job's own
+    code (its peers wait for it in the next all-reduce). Once per job: the first process to block marks
+    ``ctx.config["marker"]`` (a file), so the restarted attempt runs through."""
+    calls = Calls()
+    marker = Path(ctx.config["marker"])
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        calls.n += 1
+        if calls.n == 10 and torch.distributed.get_rank() == 1 and not marker.exists():
+            marker.touch()
+            threading.Event().wait()  # the line the stuck rank's stacks name
+        return regression(model, batch)
+
+    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.StreamData(NoiseStream(ctx.seed)), step=step,
+                       optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01))

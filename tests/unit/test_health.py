@@ -6,7 +6,17 @@ import threading
 
 import pytest
 
-from spotrun.orchestrator.policy.health import Bounds, Hung, Seen, Stuck, judge, slowdowns, stragglers, stuck_bound
+from spotrun.orchestrator.policy.health import (
+    Bounds,
+    Hung,
+    Seen,
+    Stuck,
+    judge,
+    nearness,
+    slowdowns,
+    stragglers,
+    stuck_bound,
+)
 from spotrun.trainer.run.beacon import Beacon, Phase, Reading, Split
 
 B = Bounds(hang_after_s=5.0, stuck_factor=10.0, stuck_floor_s=30.0, start_s=300.0, straggler_ratio=1.5, window=4)
@@ -80,6 +90,26 @@ def test_judge(row):
             assert v.bound_s == stuck_bound(v.reading.phase, times, B) and v.rank not in v.waiting and v.waiting
         else:
             assert isinstance(v, Hung) and v.silent_s > B.hang_after_s
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_nearness_passes_one_exactly_where_judge_gives_that_verdict(row):
+    """The false-alarm bench reports these ratios as a run's margin: they must measure what judge compares."""
+    seen, times, want = ROWS[row]
+    near = nearness([Seen(r, silent, reading) for r, (silent, reading) in enumerate(seen)], times, B)
+    assert (near.silence > 1) == ("hang" in want.values())
+    assert (near.stuck > 1) == ("stuck" in want.values())
+    assert near.stuck == 0 or near.stuck == pytest.approx(near.stuck_age_s / near.stuck_bound_s)
+
+
+def test_nearness_of_a_healthy_poll_is_its_longest_silence_and_stand_still_over_their_bounds():
+    seen = [Seen(0, 0.5, at(Phase.FORWARD, 6.0)), Seen(1, 1.0, at(Phase.ALL_REDUCE, 9.0)),
+            Seen(2, 0.2, at(Phase.DATA, 3.0))]
+    near = nearness(seen, [4.0], B)  # bound: 10 x 4 s, over the 30 s floor
+    assert near.silence == pytest.approx(1.0 / 5.0)
+    assert (near.stuck_age_s, near.stuck_bound_s, near.stuck) == (6.0, 40.0, pytest.approx(6.0 / 40.0))
+    nobody_waits = [Seen(0, 0.1, at(Phase.FORWARD, 60.0)), Seen(1, 0.1, at(Phase.BACKWARD, 60.0))]
+    assert nearness(nobody_waits, [1.0], B).stuck == 0.0
 
 
 def splits(*compute: float) -> tuple[Split, ...]:

@@ -39,6 +39,9 @@ BUNDLE = "job/bundles/u0000000010-a1"
     ("collective-error", False, "failure"),
     ("collective-timeout", False, "failure"),
     ("unresponsive", False, "failure"),
+    ("hang", False, "failure"),  # the failure budget: a rank that hangs again and again ends the job
+    ("stuck", False, "failure"),
+    ("hang", True, "preemption"),  # a notice for its node came first: a dying machine
     ("start-failed", False, "failure"),
 ])
 def test_each_cause_has_its_class(cause, noticed, loss):
@@ -60,6 +63,10 @@ ROWS = [
     ("process-exit", 1, (), BUNDLE, RAY2, 1, Warm("failure", 0.0), None),
     ("oom", 1, (), BUNDLE, RAY2, 1, Warm("failure", 0.0), None),
     ("node-lost", 1, (), BUNDLE, RAY2, 1, Warm("preemption", 0.0), None),
+    ("hang", 1, (), BUNDLE, RAY2, 1, Warm("failure", 0.0), None),  # the culprit is killed, the rest kept
+    ("stuck", 1, (), BUNDLE, RAY2, 1, Warm("failure", 0.0), None),
+    ("hang", 1, (), None, RAY2, 1, Cold, "no bundle published since the driver started"),
+    ("stuck", None, (), BUNDLE, RAY2, 1, Cold, "a loss of cause stuck"),
     ("notice:gcp", 1, (), BUNDLE, RAY2, 1, Warm("preemption", 0.0), None),
     ("process-exit", 1, (), BUNDLE, RAY2, 3, Warm("failure", 7.0), None),  # losses in a row: the backoff
     # cold: the cause says every rank starts anew

@@ -255,6 +255,15 @@ class WorldSpec(Strict):
                                                   "model only; off: every restart starts anew from storage)")
     spares: int = Field(0, ge=0, description="extra rank processes, built and waiting, that take a lost rank's place "
                                              "at once (with world.warm_recovery)", json_schema_extra={"unit": "ranks"})
+    hang_after_s: float = Field(4.0, gt=0, description="a rank that answers no health poll for this long is hung: its "
+                                "stacks are taken, it is killed and replaced warm. The default is 3.7x the slowest "
+                                "answer a live rank gave under load (1.07 s in a GC storm; 0.96 s over 10 minutes "
+                                "with every core taken); raise it for a job that holds the interpreter's lock "
+                                "longer (a huge GC, a C call that keeps it)", json_schema_extra={"unit": "seconds"})
+    stuck_factor: float = Field(10.0, gt=0, description="a rank that stands in one phase of its own work for this many "
+                                "median update times while a peer waits for it is stuck (replaced like a hung one)")
+    stuck_floor_s: float = Field(30.0, gt=0, description="the shortest a rank may stand still while a peer waits "
+                                 "before it is stuck, however fast the updates", json_schema_extra={"unit": "seconds"})
 
     @field_validator("num_gpus_per_rank")
     @classmethod
@@ -360,9 +369,11 @@ class FaultSpec(Strict):
                     "created, offsets not committed; `rejoin` a rank of a warm restart (a survivor or a spare) in "
                     "the new process group, before it puts the bundle back from memory (`update`: the restart "
                     "fires it when it resumes at this update or before, whichever bundle it restores)")
-    signal: Literal["SIGKILL", "SIGTERM", "HOLD"] = Field(
+    signal: Literal["SIGKILL", "SIGTERM", "HOLD", "SIGSTOP"] = Field(
         "SIGKILL", description="`SIGKILL` kills the process; `SIGTERM` is a preemption notice; `HOLD` waits at the "
-                               "site, on every rank, until the supervisor asks for a checkpoint, stop or abort")
+                               "site, on every rank, until the supervisor asks for a checkpoint, stop or abort; "
+                               "`SIGSTOP` stops the process where it is (a hang: found and replaced after "
+                               "world.hang_after_s)")
     update: int = Field(ge=1, description="the update the fault happens in (1-based)",
                         json_schema_extra={"unit": "updates"})
     microstep: int = Field(0, ge=0, description="the microstep within that update (sites `microstep`, `backward`)",

@@ -30,6 +30,7 @@ from spotrun.trainer.observe.trace import (
     digest_tensors,
     span_ids,
 )
+from spotrun.trainer.run.beacon import Beacon, Phase
 from spotrun.trainer.run.step_guard import StepGuard
 from spotrun.trainer.runtime.sharding import gathered
 from spotrun.trainer.runtime.streams import microbatch_seed, seed_all
@@ -99,8 +100,10 @@ def _check_all_reached(ddp: DistributedDataParallel, update: int) -> None:
 class TrainLoop:
     def __init__(self, state: TrainState, batches: Iterator[Any], accum_steps: int, attempt: int,
                  faults: FaultInjector, grad_sync: GradSync | None = None, record_ids: bool = False,
-                 digests: bool = True) -> None:
+                 digests: bool = True, beacon: Beacon | None = None) -> None:
         self.state = state
+        # where this rank is, for the driver's health poll (trainer/run/beacon.py): one mark per phase
+        self.beacon = beacon or Beacon()
         self.batches = batches
         self.accum_steps = accum_steps
         self.attempt = attempt
@@ -142,7 +145,9 @@ class TrainLoop:
         blocks: list[BlockDigests] = []
         sums: dict[str, float] = {}
         plan = first = None
+        mark = self.beacon.enter
         for m in range(self.accum_steps):
+            mark(Phase.DATA, update, m)
             self.faults.hit("microstep", update, m)
             plan, batch = next(self.batches)
             if (plan.update, plan.microstep) != (update, m):
@@ -161,8 +166,10 @@ class TrainLoop:
             if st.wrapped:  # FSDP: reduce-scatter once, after the last microstep's backward
                 trained.set_requires_gradient_sync(m == self.accum_steps - 1)  # type: ignore[operator]
             with sync:
+                mark(Phase.FORWARD)
                 with self.guard.watching(update):
                     loss, metrics = forward(st, batch)
+                mark(Phase.BACKWARD)
                 self.faults.hit("backward", update, m)
                 st.scaler.scale(loss / self.accum_steps).backward()
             self._check_names(metrics)
@@ -234,7 +241,9 @@ class TrainLoop:
         if self.grad_sync is not None:
             raised = flags(st.counters.value.attempted_updates + 1) if flags is not None else []  # read late
             used = st.grad_use.take() if st.grad_use is not None else None
+            self.beacon.enter(Phase.ALL_REDUCE)
             sums = self.grad_sync(st.model, [*riders, *(float(f) for f in raised)], used)
+        self.beacon.enter(Phase.OPTIMIZER)
         wait_for_copies(st.pending_copy)  # the step overwrites what the capture copies
         st.pending_copy = None
         st.scaler.unscale_(st.optimizer)

@@ -45,6 +45,7 @@ from spotrun.trainer.metrics.writer import BackgroundWriter
 from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.observe.ranklog import RankLine
 from spotrun.trainer.observe.trace import UpdateRecord, pack_stages, unpack_stages
+from spotrun.trainer.run.beacon import Phase, Reading
 from spotrun.trainer.run.context import AttemptContext, MlflowSend
 from spotrun.trainer.run.overlap import WriteOverlap
 from spotrun.trainer.run.session import TrainSession
@@ -94,6 +95,8 @@ class Report:
     # the lines the rank's code wrote since the last poll (its process or thread fills them in:
     # trainer/observe/ranklog.py)
     output: list[RankLine] = field(default_factory=list)
+    # where the training thread was when polled (trainer/run/beacon.py): the driver's progress signal
+    reading: Reading | None = None
 
 
 class RankRunner:
@@ -261,6 +264,7 @@ class RankRunner:
             report, self._report = self._report, Report(rank=self.rank, last_update=self._report.last_update,
                                                         state=self._report.state)
         report.storage_retries = getattr(self.storage, "retries", 0)  # the S3 metric sink shares this storage
+        report.reading = self.session.beacon.read()
         return report
 
     # -- the loop -----------------------------------------------------------------------
@@ -280,6 +284,7 @@ class RankRunner:
                 names = sorted(record.metrics)
                 agreed = s.agreed_flags  # the flags, loss and metrics rode with the gradients
                 if agreed is None:  # no gradient sync (one rank, or DDP's own): a collective of their own
+                    s.beacon.enter(Phase.BARRIER)
                     (record.loss, *values), agreed = self.collective.mean_and_agree(
                         [record.loss, *(record.metrics[n] for n in names)], self._flags(record.update))
                     record.metrics = dict(zip(names, values, strict=True))
@@ -312,6 +317,7 @@ class RankRunner:
                     break
             with self._writing:
                 self._collect(self.gate.finished(self.writer.wait))
+            s.beacon.enter(Phase.DONE)
         finally:
             with self._writing:
                 self._looping = False
@@ -359,6 +365,9 @@ class RankRunner:
         final = update >= self.spec.train.updates
         if not self.gate.opens(update, final):
             return
+        # the whole boundary stall (the metric sinks, the previous write, the capture) reads as capture: its
+        # length follows storage, not the update time, so a peer waiting through it is no sign of a stuck rank
+        s.beacon.enter(Phase.CAPTURE)
         prefetched = s.prefetched_ahead
         t0 = time.perf_counter()
         # Every point up to this update is in the sink before this bundle can be published (a kill

@@ -31,6 +31,7 @@ from spotrun.trainer.job.contract import build_job
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.faults import FaultInjector
 from spotrun.trainer.observe.trace import UpdateRecord
+from spotrun.trainer.run.beacon import Beacon
 from spotrun.trainer.run.context import TRACED, Instrumentation
 from spotrun.trainer.run.loop import BoundaryFlags, GradSync, TrainLoop
 from spotrun.trainer.runtime.device import deterministic_env
@@ -77,6 +78,7 @@ class TrainSession:
         self._sampler: PlanSampler | None = None
         self._loop: TrainLoop | None = None
         self._iter: Iterator[Any] | None = None
+        self.beacon = Beacon()  # where the training thread is, read by the rank's polls (trainer/run/beacon.py)
 
     def rejoin(self, *, rank: int, world_size: int, attempt: int, grad_sync: GradSync | None,
                instrument: Instrumentation) -> None:
@@ -94,6 +96,7 @@ class TrainSession:
         self.faults = FaultInjector(self.spec.faults, attempt, rank)
         self.grad_sync, self.instrument = grad_sync, instrument.for_rank(rank)
         self._sampler = self._loop = None
+        self.beacon = Beacon()  # a new attempt: its updates are read afresh
 
     def can_rejoin(self, rank: int, world_size: int) -> str | None:
         """Why this session cannot serve as rank ``rank`` of ``world_size`` (None: it can): the job's
@@ -255,7 +258,8 @@ class TrainSession:
                              self.spec.data.prefetch)
         self._iter = iter(loader)
         self._loop = TrainLoop(self.state, self._counting(self._iter), self.accum_steps, self.attempt, self.faults,
-                               self.grad_sync, self.instrument.record_ids, self.instrument.trace)
+                               self.grad_sync, self.instrument.record_ids, self.instrument.trace,
+                               beacon=self.beacon)
 
     def _counting(self, it: Iterator[Any]) -> Iterator[Any]:
         """The loader's batches, each with its plan again (the workers got only its order)."""
