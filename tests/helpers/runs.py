@@ -18,9 +18,9 @@ from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import list_bundles
 from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.observe.ranklog import list_rank_logs, read_rank_log
-from spotrun.trainer.observe.trace import UpdateRecord
+from spotrun.trainer.observe.trace import UpdateRecord, read_trace
 from spotrun.trainer.storage import Storage, open_storage
-from tests.conftest import ROOT
+from tests.conftest import ROOT, make_spec
 from tests.helpers.ray_local import job_thread
 
 
@@ -100,6 +100,15 @@ def wait_until_held(storage: Storage, job: str, running: Callable[[], bool], att
         assert running(), f"job {job} ended before it came to {what}"
         assert time.monotonic() < deadline, f"job {job} did not come to {what} in {timeout:g}s"
         time.sleep(0.01)  # polling a condition (the fault's record, the ledger)
+
+
+def uninterrupted_trace(tmp: Path, *sets: str) -> list[UpdateRecord]:
+    """The trace of an uninterrupted run on Ray of tiny with ``sets`` (job ``ref`` under ``tmp``): the
+    reference a module's interrupted runs are compared with."""
+    spec = make_spec(tmp, *sets, job_id="ref")
+    outcome = run_on_ray(spec, trace_path=str(tmp / "ref.jsonl"))
+    assert outcome.state == "finished" and outcome.restarts == 0
+    return read_trace(tmp / "ref.jsonl")
 
 
 def kill_when_held(cmd: list[str], storage: Path, job: str, attempt: int = 1, published: int | None = None) -> int:

@@ -23,6 +23,7 @@ from spotrun.trainer.observe.trace import first_divergence, latest_per_update, r
 from spotrun.trainer.storage import open_storage
 from tests.conftest import make_spec
 from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
+from tests.helpers.runs import uninterrupted_trace
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
 SETS = ("world.size=2", "train.updates=16", "checkpoint.every_updates=4", "data.workers=1", "model.dropout=0.1")
@@ -30,11 +31,7 @@ SETS = ("world.size=2", "train.updates=16", "checkpoint.every_updates=4", "data.
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hangref")
-    spec = make_spec(tmp, *SETS, job_id="ref")
-    outcome = run_on_ray(spec, trace_path=str(tmp / "ref.jsonl"))
-    assert outcome.state == "finished" and outcome.restarts == 0
-    return read_trace(tmp / "ref.jsonl")
+    return uninterrupted_trace(tmp_path_factory.mktemp("hangref"), *SETS)
 
 
 def test_a_stopped_rank_is_found_hung_named_by_its_stacks_and_replaced_warm_bitwise(reference, tmp_path):

@@ -30,7 +30,7 @@ from spotrun.trainer.observe.trace import first_divergence, latest_per_update, r
 from spotrun.trainer.storage import open_storage
 from tests.conftest import make_spec
 from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
-from tests.helpers.runs import Background, hide_bundle_files, hold
+from tests.helpers.runs import Background, hide_bundle_files, hold, uninterrupted_trace
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
 SETS = ("world.size=2", "train.updates=30", "checkpoint.every_updates=5", "data.workers=1", "model.dropout=0.1")
@@ -38,11 +38,7 @@ SETS = ("world.size=2", "train.updates=30", "checkpoint.every_updates=5", "data.
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("rayref")
-    spec = make_spec(tmp, *SETS, job_id="ref2")
-    outcome = run_on_ray(spec, trace_path=str(tmp / "ref.jsonl"))
-    assert outcome.state == "finished" and outcome.restarts == 0
-    return read_trace(tmp / "ref.jsonl")
+    return uninterrupted_trace(tmp_path_factory.mktemp("rayref"), *SETS)
 
 
 def test_two_ranks_are_deterministic(reference, tmp_path):

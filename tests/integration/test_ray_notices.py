@@ -22,7 +22,7 @@ from spotrun.trainer.storage import open_storage
 from tests.conftest import ROOT, make_spec
 from tests.helpers.imds import AzureEvents, GcpMetadata, Imds
 from tests.helpers.ray_local import job_thread, ray_for_module  # noqa: F401 - the module's local Ray
-from tests.helpers.runs import hold, run_cmd, run_to_end, wait_until_held
+from tests.helpers.runs import hold, run_cmd, run_to_end, uninterrupted_trace, wait_until_held
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
 # every_updates is large: the only bundles before the end are the ones notices ask for.
@@ -57,9 +57,7 @@ def azure():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("noticeref")
-    run_on_ray(make_spec(tmp, *SETS, job_id="ref"), trace_path=str(tmp / "ref.jsonl"))
-    return read_trace(tmp / "ref.jsonl")
+    return uninterrupted_trace(tmp_path_factory.mktemp("noticeref"), *SETS)
 
 
 def run_in_background(spec, trace):
