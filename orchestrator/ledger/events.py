@@ -214,6 +214,34 @@ class SparesReady(LedgerEvent):
     wanted: int  # world.spares
 
 
+class Slowdowns(LedgerEvent):
+    """How much slower each rank ran than its peers over the attempt's last ``window`` updates
+    (orchestrator/policy/health.py): its median own-work time (everything but waiting for peers at a
+    collective) over the median of its peers'. Recorded once the attempt's first full window is in,
+    whenever the set of stragglers changes, and otherwise at most every few minutes while a rank's
+    figure moves."""
+
+    kind: Literal["slowdowns"] = "slowdowns"
+    update: int  # the update the attempt had reached
+    window: int  # world.straggler_window: the updates each figure is the median of
+    ratio: float  # world.straggler_ratio: a rank at or over it is a straggler
+    slowdown: dict[int, float]  # per rank
+    stragglers: list[int]  # the ranks at or over ``ratio``, slowest first
+    node_ids: list[str] = []  # per rank
+
+
+class StragglerReplacing(LedgerEvent):
+    """``world.replace_stragglers``: rank ``rank`` ran ``slowdown`` times slower than its peers; the
+    ranks checkpoint at the next boundary and a ready spare takes its place, from memory (nothing is
+    lost: the restart resumes at the bundle just published). The restart's row has cause ``straggler``."""
+
+    kind: Literal["straggler_replacing"] = "straggler_replacing"
+    rank: int
+    node_id: str | None = None
+    slowdown: float
+    update: int  # the update the attempt had reached when the replacement was asked for
+
+
 class JobFailed(LedgerEvent):
     kind: Literal["job_failed"] = "job_failed"
     reason: str
@@ -243,7 +271,7 @@ class RunRefused(LedgerEvent):
 Event = Annotated[
     AttemptStarted | Restored | InitializedFrom | BundleRejected | BundlePublished | WorkerLost | CapacityWait
     | TopologyChanged | Resizing | OffsetsCommitted | NoticeSeen | NoticeHandled | JobFinished | JobFailed
-    | IntervalChosen | SparesReady | RunRefused,
+    | IntervalChosen | SparesReady | RunRefused | Slowdowns | StragglerReplacing,
     Field(discriminator="kind"),
 ]
 EVENT = TypeAdapter(Event)
