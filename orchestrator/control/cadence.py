@@ -51,8 +51,8 @@ class Cadence:
         world fits, checkpoint at the next boundary and restart with it (the attempt, now growing)."""
         ctx, spec = self.ctx, self.ctx.spec
         every = spec.world.grow_check_s
-        if (spec.world.policy != "elastic" or not every or st.draining is not None
-                or st.growing is not None or ctx.clock() - self._grow_checked < every):
+        if (spec.world.policy != "elastic" or not every or st.draining is not None or st.growing is not None
+                or st.replacing is not None or ctx.clock() - self._grow_checked < every):
             return st
         self._grow_checked = ctx.clock()
         decision = policy.grow(spec, st.world_size, ctx.platform.capacity(), spec.train.updates - st.last_update,
@@ -76,7 +76,8 @@ class Cadence:
         the checkpoint cost, and every :data:`interval.REDECIDE_S`; ask the ranks for a checkpoint once
         the interval has passed since the attempt's start or the latest publication (one at a time)."""
         ctx = self.ctx
-        if ctx.spec.checkpoint.fixed_every is not None or st.draining is not None or st.growing is not None:
+        if (ctx.spec.checkpoint.fixed_every is not None or st.draining is not None or st.growing is not None
+                or st.replacing is not None):
             return
         c, now = self.auto, ctx.clock()
         if c.attempt != st.attempt:

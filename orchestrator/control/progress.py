@@ -45,6 +45,8 @@ from spotrun.orchestrator.ledger.events import (
     NoticeSeen,
     Resizing,
     Restored,
+    Slowdowns,
+    StragglerReplacing,
     TopologyChanged,
     WorkerLost,
 )
@@ -193,6 +195,11 @@ class _Figures:
                     f"(accum_steps {e.accum_steps_after})")
         if isinstance(e, Resizing):
             return f"scale-up: {e.world_size_before} -> {e.world_size_target} ranks ({e.reason})"
+        if isinstance(e, Slowdowns) and e.stragglers:
+            return (f"straggler: rank {', '.join(f'{r} ({e.slowdown[r]:.2f}x)' for r in e.stragglers)} its peers' "
+                    f"own work over {e.window} updates")
+        if isinstance(e, StragglerReplacing):
+            return f"replacing straggler rank {e.rank} by a spare after the next boundary"
         if isinstance(e, CapacityWait):
             return f"waited {e.waited_seconds:.1f}s for capacity ({e.available} of {e.needed} ranks): {e.outcome}"
         if isinstance(e, IntervalChosen):

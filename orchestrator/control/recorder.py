@@ -27,7 +27,9 @@ from spotrun.orchestrator.ledger.events import (
     Resizing,
     Restored,
     RunRefused,
+    Slowdowns,
     SparesReady,
+    StragglerReplacing,
     TopologyChanged,
     WorkerLost,
 )
@@ -115,6 +117,18 @@ class Recorder:
 
     def spares_ready(self, attempt: int, ready: int) -> None:
         self.ledger.append(SparesReady(attempt=attempt, ready=ready, wanted=self.spec.world.spares))
+
+    def slowdowns(self, st: Running, slowdown: dict[int, float], stragglers: list[int]) -> None:
+        w = self.spec.world
+        self.ledger.append(Slowdowns(attempt=st.attempt, update=st.last_update, window=w.straggler_window,
+                                     ratio=w.straggler_ratio, slowdown={r: round(x, 4) for r, x in slowdown.items()},
+                                     stragglers=stragglers, node_ids=list(st.group.node_ids)))
+
+    def straggler_replacing(self, st: Running, rank: int, slowdown: float) -> None:
+        node_ids = st.group.node_ids
+        self.ledger.append(StragglerReplacing(attempt=st.attempt, rank=rank, slowdown=round(slowdown, 4),
+                                              node_id=node_ids[rank] if rank < len(node_ids) else None,
+                                              update=st.last_update))
 
     def notice_seen(self, attempt: int, n: Notice, action: str, reason: str, remaining: float | None = None,
                     needed: float | None = None) -> None:

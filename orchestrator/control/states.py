@@ -51,6 +51,7 @@ class Running:
     draining: Notice | None = None  # a notice being acted on: checkpoint at the next boundary, then stop
     early: tuple[Notice, int] | None = None  # an early checkpoint asked for, and the update it was asked at
     growing: int | None = None  # elastic: the larger world to restart with after the next boundary
+    replacing: int | None = None  # world.replace_stragglers: the rank a spare takes over after the next boundary
     progress_at: float | None = None  # clock when last_update last advanced
 
 

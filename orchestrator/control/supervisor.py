@@ -9,8 +9,9 @@ Each state is a small frozen class carrying its payload (orchestrator/control/st
 :meth:`Supervisor.step` maps one state to the next, so a test can drive it one transition at a time.
 This module owns the loop and the ``Running`` state's look at the ranks; the other transitions are
 carried out by their own parts: placing and restoring (placing.py), notices (noticing.py), the
-checkpoint clock and growth (cadence.py) and recovery (recovering.py). The policies decide
-(orchestrator/policy/); every event the driver records goes through one :class:`Recorder`.
+checkpoint clock and growth (cadence.py), stragglers (straggling.py) and recovery (recovering.py).
+The policies decide (orchestrator/policy/); every event the driver records goes through one
+:class:`Recorder`.
 
 Checkpoints happen inside the ranks (trainer/run/rank.py); the supervisor only publishes: it merges
 the ranks' write reports into a manifest, creates it (the commit point), commits offsets, then runs
@@ -45,6 +46,7 @@ from spotrun.orchestrator.control.states import (
     State,
     Stopped,
 )
+from spotrun.orchestrator.control.straggling import Stragglers
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.history_model import RestartRow
 from spotrun.orchestrator.ledger.store import Ledger
@@ -100,6 +102,7 @@ class Supervisor:
         self.notices = NoticeDesk(self.ctx)
         self.cadence = Cadence(self.ctx)
         self.recovery = Recovery(self.ctx, self.placer)
+        self.stragglers = Stragglers(self.ctx, self.recovery)
 
     @property
     def storage(self) -> Storage:
@@ -231,6 +234,9 @@ class Supervisor:
         if st.growing is not None and stopped:
             st.group.teardown()
             return Placing(cause="scale-up", last_update=st.last_update, world_before=st.world_size)
+        if st.replacing is not None and stopped:
+            return self.stragglers.replace(st)
+        st = self.stragglers.look(st)
         st = self.cadence.consider_growing(st)
         self.cadence.tick(st)
         self.recovery.count_spares(st)

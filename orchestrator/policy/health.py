@@ -16,7 +16,8 @@ judged, not it); every rank in its own work at once (a slow job, a loaded host, 
 waits); a background bundle write (the loop goes on beside it).
 
 A **straggler** keeps answering and progressing, only slower: over the last :attr:`Bounds.window`
-updates its median own-work time is :attr:`Bounds.straggler_ratio` times the median of its peers'.
+updates its median own-work time is :attr:`Bounds.straggler_ratio` times the median of its peers', and
+:attr:`Bounds.straggler_floor_s` more at least.
 """
 
 from __future__ import annotations
@@ -34,15 +35,18 @@ NOT_UPDATE_SIZED = (Phase.START, Phase.CAPTURE)  # phases whose length does not 
 
 @dataclass(frozen=True)
 class Bounds:
-    """How long silence or standing still may last before a rank is judged (the first three: the spec's
-    ``world`` keys, their defaults the spec's)."""
+    """How long silence or standing still may last before a rank is judged, and how much slower than its
+    peers a straggler is (all but ``start_s``: the spec's ``world`` keys, their defaults the spec's)."""
 
     hang_after_s: float = WorldSpec.model_fields["hang_after_s"].default
     stuck_factor: float = WorldSpec.model_fields["stuck_factor"].default
     stuck_floor_s: float = WorldSpec.model_fields["stuck_floor_s"].default
     start_s: float = 300.0
-    straggler_ratio: float = 1.5
-    window: int = 20
+    straggler_ratio: float = WorldSpec.model_fields["straggler_ratio"].default
+    window: int = WorldSpec.model_fields["straggler_window"].default
+    # a straggler's own work exceeds its peers' by this much too: under it a ratio is noise (a tiny job's updates
+    # take a millisecond or two, of which rank 0's own duties alone are half again as much)
+    straggler_floor_s: float = 0.005
 
 
 @dataclass(frozen=True)
@@ -131,9 +135,22 @@ def _standing(seen: Sequence[Seen], hung: set[int], update_seconds: Sequence[flo
                      and s.reading.phase is not Phase.DONE]
 
 
-def slowdowns(seen: Sequence[Seen], bounds: Bounds) -> dict[int, float]:
-    """Each rank's median own-work time over the last ``bounds.window`` updates, as a multiple of the
-    median of its peers' medians. Empty until every rank answered with a full window (two ranks at least)."""
+@dataclass(frozen=True)
+class Pace:
+    """One rank's own work per update against its peers': medians over the last ``Bounds.window`` updates."""
+
+    own_s: float  # the rank's median own work (everything but waiting for peers at a collective)
+    peers_s: float  # the median of its peers' medians
+
+    @property
+    def slowdown(self) -> float:
+        """How many times its peers' own work the rank's is (``spotrun_rank_slowdown``)."""
+        return self.own_s / self.peers_s if self.peers_s > 0 else 1.0
+
+
+def paces(seen: Sequence[Seen], bounds: Bounds) -> dict[int, Pace]:
+    """Each rank's :class:`Pace` over the last ``bounds.window`` updates. Empty until every rank answered
+    with a full window (two ranks at least)."""
     medians: dict[int, float] = {}
     for s in seen:
         if s.reading is None or len(s.reading.recent) < bounds.window:
@@ -141,13 +158,12 @@ def slowdowns(seen: Sequence[Seen], bounds: Bounds) -> dict[int, float]:
         medians[s.rank] = statistics.median(x.compute_s for x in s.reading.recent[-bounds.window:])
     if len(medians) < 2:
         return {}
-    out = {}
-    for rank, own in medians.items():
-        peers = statistics.median(m for r, m in medians.items() if r != rank)
-        out[rank] = own / peers if peers > 0 else 1.0
-    return out
+    return {rank: Pace(own, statistics.median(m for r, m in medians.items() if r != rank))
+            for rank, own in medians.items()}
 
 
-def stragglers(slowdown: Mapping[int, float], bounds: Bounds) -> list[int]:
-    """The ranks slower than their peers by ``bounds.straggler_ratio`` or more, slowest first."""
-    return sorted((r for r, x in slowdown.items() if x >= bounds.straggler_ratio), key=lambda r: -slowdown[r])
+def stragglers(pace: Mapping[int, Pace], bounds: Bounds) -> list[int]:
+    """The ranks slower than their peers by ``bounds.straggler_ratio`` or more and by
+    ``bounds.straggler_floor_s`` at least, slowest first."""
+    return sorted((r for r, p in pace.items() if p.slowdown >= bounds.straggler_ratio
+                   and p.own_s - p.peers_s >= bounds.straggler_floor_s), key=lambda r: -pace[r].slowdown)

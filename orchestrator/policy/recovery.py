@@ -48,6 +48,8 @@ class LossCause(StrEnum):
     COLLECTIVE_ERROR = "collective-error"  # a collective raised with every peer alive
     COLLECTIVE_TIMEOUT = "collective-timeout"  # a collective timed out with every peer alive
     START_FAILED = "start-failed"  # a rank could not be placed or built
+    # not a loss: a straggler the driver chose to replace by a spare (world.replace_stragglers), after a bundle
+    STRAGGLER = "straggler"
 
     @classmethod
     def of(cls, cause: str) -> LossCause:
@@ -66,7 +68,7 @@ class LossCause(StrEnum):
         After a failure the group cannot place on one rank (the job raised, a collective failed with every
         peer alive, a call that hung) every rank starts anew."""
         return self in (LossCause.NODE_LOST, LossCause.NOTICE, LossCause.PROCESS_EXIT, LossCause.OOM,
-                        LossCause.HANG, LossCause.STUCK)
+                        LossCause.HANG, LossCause.STUCK, LossCause.STRAGGLER)
 
 
 def notice_cause(source: str) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from spotrun.orchestrator.notices.notice import Notice
+from spotrun.orchestrator.policy.health import Pace
 from spotrun.orchestrator.policy.recovery import RecoveryPath
 from spotrun.trainer.bundle.manifest import Manifest, Versions
 from spotrun.trainer.observe.ranklog import RankLog
@@ -150,6 +151,15 @@ class WarmGroup(Protocol):
 
     def spares_ready(self) -> int:
         """Spares placed, built and waiting."""
+
+
+@runtime_checkable
+class WatchedGroup(Protocol):
+    """A group whose ranks' health the driver watches (a Ray group: orchestrator/workers/watch.py)."""
+
+    def paces(self) -> dict[int, Pace]:
+        """Each rank's own work per update against its peers' (policy/health.py ``paces``) over the last
+        ``world.straggler_window`` updates: empty until every rank's window is full."""
 
 
 class InProcessGroup:

@@ -24,7 +24,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from spotrun.orchestrator.notices.notice import Notice
-from spotrun.orchestrator.policy.health import Hung, Verdict
+from spotrun.orchestrator.policy.health import Hung, Pace, Verdict
 from spotrun.orchestrator.policy.recovery import LossCause, RecoveryPath, WarmPlan, plan_warm
 from spotrun.orchestrator.workers.groups import (
     CapacityUnavailable,
@@ -376,6 +376,9 @@ class RayGroup:
             rank = next(r for r, ref in enumerate(refs) if ref not in answered)
             self._condemn(Hung(rank, time.monotonic() - asked_at, self.watch.last(rank)), live)
         return reports
+
+    def paces(self) -> dict[int, Pace]:
+        return self.watch.paces()
 
     def _condemn(self, verdict: Verdict, live: list[int]) -> None:
         """A rank judged hung or stuck: its stacks into the attempt's logs (taken by a rank of ``live``, those

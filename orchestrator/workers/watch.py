@@ -20,7 +20,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from spotrun.orchestrator.policy.health import Bounds, Nearness, Seen, Verdict, judge, nearness
+from spotrun.orchestrator.policy.health import Bounds, Nearness, Pace, Seen, Verdict, judge, nearness, paces
 from spotrun.orchestrator.workers.groups import Evidence
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.ranklog import LOGS
@@ -34,7 +34,8 @@ log = logging.getLogger("spotrun.watch")
 
 def bounds_of(spec: JobSpec) -> Bounds:
     w = spec.world
-    return Bounds(hang_after_s=w.hang_after_s, stuck_factor=w.stuck_factor, stuck_floor_s=w.stuck_floor_s)
+    return Bounds(hang_after_s=w.hang_after_s, stuck_factor=w.stuck_factor, stuck_floor_s=w.stuck_floor_s,
+                  straggler_ratio=w.straggler_ratio, window=w.straggler_window)
 
 
 @dataclass
@@ -42,7 +43,8 @@ class Margins:
     """How near an attempt's ranks came to a verdict over all the polls judged: a false alarm needs a ratio
     over 1. ``slowest_answer_s``: the longest a poll waited for every rank's answer (a rank slower than
     ``hang_after_s`` is silent); ``silence``/``stuck``: the largest :class:`Nearness` ratios, with the
-    stand-still and bound behind the largest stuck ratio."""
+    stand-still and bound behind the largest stuck ratio; ``slowdown``: the straggler check's nearest
+    approach (a flag needs ``straggler_ratio``)."""
 
     polls: int = 0
     slowest_answer_s: float = 0.0
@@ -50,6 +52,7 @@ class Margins:
     stuck: float = 0.0
     stuck_age_s: float = 0.0
     stuck_bound_s: float = 0.0
+    slowdown: float = 0.0  # the largest slowdown of a rank against its peers (policy/health.py Pace), 0: none seen
 
     def add(self, near: Nearness) -> None:
         self.polls += 1
@@ -91,7 +94,14 @@ class Watch:
         seen = [Seen(r, now - at, self._readings[r]) for r, at in enumerate(self._answered)]
         update_seconds = self.update_seconds()
         self.margins.add(nearness(seen, update_seconds, self.bounds))
+        self.margins.slowdown = max([self.margins.slowdown, *(p.slowdown for p in paces(seen, self.bounds).values())])
         return judge(seen, update_seconds, self.bounds)
+
+    def paces(self) -> dict[int, Pace]:
+        """Each rank's own work against its peers' over the last ``bounds.window`` updates (:func:`paces`;
+        empty until every rank's window is full)."""
+        now = self._clock()
+        return paces([Seen(r, now - at, self._readings[r]) for r, at in enumerate(self._answered)], self.bounds)
 
     def update_seconds(self) -> list[float]:
         """The job's recent update times as the ranks measured them (own work plus waiting: the whole update)."""

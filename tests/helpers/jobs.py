@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -418,4 +420,40 @@ def blocks_once(ctx: spotrun.BuildContext) -> spotrun.Job:
         return regression(model, batch)
 
     return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.StreamData(NoiseStream(ctx.seed)), step=step,
+                       optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01))
+
+
+class SlowedStream(NoiseStream):
+    """A :class:`NoiseStream` whose every element takes ``sleep_s`` longer in one process: the first to serve
+    as rank 1 (it marks ``marker``, a file, with its pid). A straggler in the data path; the process that takes
+    its place runs at its peers' speed. The elements are the stream's: the sleep changes no number."""
+
+    def __init__(self, seed: int, marker: Path, sleep_s: float) -> None:
+        super().__init__(seed)
+        self.marker, self.sleep_s = marker, sleep_s
+        self._slow: bool | None = None  # decided at the first element, once the process knows its rank
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._slow is None:
+            self._slow = torch.distributed.get_rank() == 1 and self._mark()
+        if self._slow:
+            time.sleep(self.sleep_s)  # the straggler's slowness itself, not a wait for anything
+        return super().__next__()
+
+    def _mark(self) -> bool:
+        pid = str(os.getpid())
+        try:
+            with open(self.marker, "x") as f:
+                f.write(pid)
+            return True
+        except FileExistsError:
+            return self.marker.read_text() == pid
+
+
+def slowed_rank(ctx: spotrun.BuildContext) -> spotrun.Job:
+    """A regression on a :class:`SlowedStream` (``ctx.config``: ``marker``, ``sleep_s``; no marker: no sleep)."""
+    marker = ctx.config.get("marker")
+    data = (SlowedStream(ctx.seed, Path(marker), float(ctx.config["sleep_s"])) if marker
+            else NoiseStream(ctx.seed))
+    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.StreamData(data), step=regression,
                        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01))

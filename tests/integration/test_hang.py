@@ -15,7 +15,7 @@ import ray
 from bench.false_alarms import SETS as LOADED
 from bench.false_alarms import loaded_run
 from spotrun.orchestrator.control.launch import run_on_ray
-from spotrun.orchestrator.ledger.events import Restored, WorkerLost
+from spotrun.orchestrator.ledger.events import Restored, Slowdowns, StragglerReplacing, WorkerLost
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.policy.health import Hung
 from spotrun.orchestrator.workers.watch import condemn
@@ -85,13 +85,15 @@ def test_a_step_blocked_forever_on_one_rank_is_found_stuck_named_by_its_line_and
 def test_a_minute_beside_a_cpu_hog_with_checkpoints_every_few_updates_records_no_hung_or_stuck_rank(tmp_path):
     """The CI version of bench 14 (bench/false_alarms.py: ten minutes): a 2-rank job trains for a minute while
     one busy process per core takes every core, checkpointing every 4 updates, and is stopped by a notice.
-    No rank may be found hung or stuck, and the health watch must really have judged it all along."""
+    No rank may be found hung, stuck or straggling, and the health watch must really have judged it all along."""
     spec = make_spec(tmp_path, *LOADED, job_id="loaded")
     run = loaded_run(spec, 60.0)
     assert run.false_alarms == [] and run.lost == [] and run.restarts == 0, run.lost
+    assert run.flagged == [], run.flagged  # a rank as fast as its peer is no straggler, however loaded the host
     assert run.state == "stopped" and run.updates > 0 and run.checkpoints >= 2
     m = run.margins
     assert m.polls > 0 and m.slowest_answer_s < spec.world.hang_after_s and m.silence < 1 and m.stuck < 1, m
+    assert 0 < m.slowdown < spec.world.straggler_ratio, m  # the paces were judged, and none came near a flag
 
 
 def test_a_rank_alone_on_its_node_has_its_stacks_taken_and_is_killed_by_a_task_pinned_there(tmp_path):
@@ -112,3 +114,35 @@ def test_a_rank_alone_on_its_node_has_its_stacks_taken_and_is_killed_by_a_task_p
                                                                             "rank-1.stacks.txt")
     stacks = storage.get(evidence.stacks_key).decode()
     assert "the process was stopped" in stacks and "wait" in stacks, stacks
+
+
+STRAGGLER = ("world.size=2", "train.updates=48", "checkpoint.every_updates=4", "data.workers=0",
+             "job.entrypoint=tests.helpers.jobs:slowed_rank")
+
+
+def test_a_rank_slowed_in_its_data_path_is_flagged_and_replaced_by_a_spare_at_a_boundary_bitwise(tmp_path):
+    """Rank 1's process sleeps before every element of its stream (its own work twice its peers' or more).
+    Once every rank's window (world.straggler_window) is full it is flagged; with world.replace_stragglers the
+    ranks checkpoint at the next boundary, the spare takes its place from memory, nothing is lost, and the run
+    ends bitwise equal to the uninterrupted one (the sleep changes no number)."""
+    reference = uninterrupted_trace(tmp_path / "ref", *STRAGGLER)
+    spec = make_spec(tmp_path, *STRAGGLER, "world.spares=1", "world.replace_stragglers=true",
+                     "world.straggler_window=8", f"job.config.marker={tmp_path / 'slow'}", "job.config.sleep_s=0.002",
+                     job_id="straggler")
+    outcome = run_on_ray(spec, trace_path=str(tmp_path / "t.jsonl"))
+    assert outcome.state == "finished" and outcome.attempts == 2 and outcome.restarts == 0
+    final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
+    assert sorted(final) == list(range(1, 49))
+    assert first_divergence(reference, list(final.values())) is None
+    events = Ledger(open_storage(spec.storage), "straggler").read()
+    assert not [e for e in events if isinstance(e, WorkerLost)]
+    first = next(e for e in events if isinstance(e, Slowdowns))
+    # flagged at the first look with every window full: rank 1 at least twice as slow as rank 0
+    assert first.attempt == 1 and first.stragglers == [1] and first.slowdown[1] >= 2, first
+    (replacing,) = [e for e in events if isinstance(e, StragglerReplacing)]
+    assert (replacing.attempt, replacing.rank) == (1, 1)
+    (restored,) = [e for e in events if isinstance(e, Restored)]
+    assert (restored.cause, restored.recovery_path, restored.recovery_label) == ("straggler", "warm-spare", "exact")
+    assert restored.lost_updates == 0 and restored.update >= replacing.update
+    # the spare runs at its peer's speed: no straggler in the attempt it joined
+    assert all(not e.stragglers for e in events if isinstance(e, Slowdowns) and e.attempt == 2)

@@ -13,7 +13,7 @@ from spotrun.orchestrator.policy.health import (
     Stuck,
     judge,
     nearness,
-    slowdowns,
+    paces,
     stragglers,
     stuck_bound,
 )
@@ -120,12 +120,16 @@ def test_a_rank_twice_as_slow_as_its_peers_is_a_straggler_once_its_window_is_ful
     seen = [Seen(0, 0.1, at(Phase.FORWARD, 0.0, recent=splits(1.0, 1.1, 0.9, 1.0))),
             Seen(1, 0.1, at(Phase.FORWARD, 0.0, recent=splits(2.0, 2.1, 1.9, 2.0))),
             Seen(2, 0.1, at(Phase.FORWARD, 0.0, recent=splits(1.0, 1.0, 1.0, 1.0)))]
-    slow = slowdowns(seen, B)
-    assert slow[1] == pytest.approx(2.0) and slow[0] == pytest.approx(2 / 3) and stragglers(slow, B) == [1]
+    pace = paces(seen, B)
+    assert pace[1].slowdown == pytest.approx(2.0) and pace[0].slowdown == pytest.approx(2 / 3)
+    assert stragglers(pace, B) == [1]
     short = [Seen(0, 0.1, at(Phase.FORWARD, 0.0, recent=splits(1.0))), *seen[1:]]
-    assert slowdowns(short, B) == {}  # one rank without a full window: no verdict yet
+    assert paces(short, B) == {}  # one rank without a full window: no verdict yet
     even = [Seen(r, 0.1, at(Phase.FORWARD, 0.0, recent=splits(1.0, 1.3, 1.0, 1.2))) for r in range(2)]
-    assert stragglers(slowdowns(even, B), B) == []
+    assert stragglers(paces(even, B), B) == []
+    # twice as slow, but by a millisecond: a tiny job's noise, not a straggler
+    tiny = [Seen(r, 0.1, at(Phase.FORWARD, 0.0, recent=splits(*[0.001 * (r + 1)] * 4))) for r in range(2)]
+    assert paces(tiny, B)[1].slowdown == pytest.approx(2.0) and stragglers(paces(tiny, B), B) == []
 
 
 def test_the_beacon_splits_each_update_into_own_work_and_waiting():

@@ -8,7 +8,7 @@ import re
 from datetime import UTC, datetime, timedelta
 
 from spotrun.orchestrator.control.progress import PlainProgress
-from spotrun.orchestrator.ledger.events import AttemptStarted, Restored, WorkerLost
+from spotrun.orchestrator.ledger.events import AttemptStarted, Restored, Slowdowns, StragglerReplacing, WorkerLost
 from spotrun.trainer.observe.trace import UpdateRecord
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
@@ -129,3 +129,15 @@ def test_the_progress_line_says_how_long_storage_has_been_unavailable_and_the_la
     assert "storage unavailable" not in lines[0]
     assert lines[1].endswith("storage unavailable for 42 s, last bundle at update 8")
     assert "storage unavailable" not in lines[2]
+
+
+def test_a_straggler_is_told_when_flagged_and_when_replaced_and_even_figures_are_not():
+    out = io.StringIO()
+    progress = PlainProgress(total=16, samples_per_update=4, out=out, every=100)
+    for stragglers in ([], [1]):
+        progress.event(Slowdowns(attempt=1, update=20, window=20, ratio=1.5, slowdown={0: 0.5, 1: 2.0},
+                                 stragglers=stragglers))
+    progress.event(StragglerReplacing(attempt=1, rank=1, slowdown=2.0, update=21))
+    assert out.getvalue().splitlines() == [
+        "straggler: rank 1 (2.00x) its peers' own work over 20 updates",
+        "replacing straggler rank 1 by a spare after the next boundary"]

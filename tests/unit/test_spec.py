@@ -82,6 +82,13 @@ def test_cross_field_rule_names_both_values():
     assert "model.n_head=2" in msg
 
 
+
+def test_replacing_stragglers_without_a_spare_is_refused_naming_the_fix():
+    msg = spec_error("world.size=2", "world.replace_stragglers=true")
+    assert "world.replace_stragglers=true" in msg and "world.spares=0" in msg and "world.spares=1" in msg
+    load_spec(TINY, ["world.size=2", "world.replace_stragglers=true", "world.spares=1"])  # with one: accepted
+
+
 # -- --set overrides --------------------------------------------------------------------
 
 

@@ -2,8 +2,8 @@
 
 Each test arranges a state, makes one step, and checks the state it returns and what the ledger
 recorded for it: placing -> running, running -> recovering on a lost rank and the restart after it
-(warm, cold), recovering -> failed once a budget is spent, and a notice drained (a node's: a loss;
-the driver's: the job stops).
+(warm, cold), recovering -> failed once a budget is spent, a notice drained (a node's: a loss;
+the driver's: the job stops), and a straggler flagged and replaced.
 """
 
 from __future__ import annotations
@@ -28,10 +28,13 @@ from spotrun.orchestrator.ledger.events import (
     NoticeHandled,
     NoticeSeen,
     Restored,
+    Slowdowns,
+    StragglerReplacing,
     TopologyChanged,
     WorkerLost,
 )
 from spotrun.orchestrator.notices.notice import Notice
+from spotrun.orchestrator.policy.health import Pace
 from spotrun.orchestrator.workers.groups import RankLost, Reformed
 from spotrun.trainer.run.rank import Report
 from tests.conftest import make_spec
@@ -42,8 +45,11 @@ from tests.helpers.groups import ScriptedGroup
 class StepGroup(ScriptedGroup):
     """A scripted group that records what the supervisor asks of it, and re-forms warm as told."""
 
-    def __init__(self, world_size: int, polls: list, salvage: list[Report] = (), reformed: Reformed | None = None):
+    def __init__(self, world_size: int, polls: list, salvage: list[Report] = (), reformed: Reformed | None = None,
+                 spares: int = 0):
         super().__init__(world_size, polls, salvage)
+        self.spares = spares
+        self.pace: dict[int, Pace] = {}  # what the health watch makes of the ranks' speeds (none: windows not full)
         self.requests: list[tuple[bool, bool]] = []
         self.reforms: list[tuple[set[int], str, list[int], int]] = []
         self.torn_down = 0
@@ -62,7 +68,11 @@ class StepGroup(ScriptedGroup):
         return self.reformed
 
     def spares_ready(self) -> int:
-        return 0
+        return self.spares
+
+    # a WatchedGroup: the supervisor reads its ranks' paces
+    def paces(self) -> dict[int, Pace]:
+        return self.pace
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +221,38 @@ def test_a_notice_drains_the_attempt_after_its_emergency_bundle(tmp_path, draft,
     else:
         assert isinstance(drained, Recovering)
         assert (drained.lost.cause, drained.lost.node_id, drained.last_update) == ("notice:aws", "node-0", 2)
+
+
+SLOW_RANK_1 = {0: Pace(0.010, 0.030), 1: Pace(0.030, 0.010)}  # rank 1: three times its peer's own work
+
+
+@pytest.mark.parametrize("replace", [True, False])
+def test_a_straggler_is_recorded_and_replaced_by_a_ready_spare_after_the_next_bundle(tmp_path, draft, replace):
+    """Flagged once (the same figures at the next look are not recorded again); with world.replace_stragglers
+    the ranks checkpoint and stop, then the spare takes rank 1's place from that bundle: a planned restart,
+    no loss recorded, no budget used. Without it, the straggler is only flagged."""
+    spec = make_spec(tmp_path, "world.size=2", "world.spares=1", f"world.replace_stragglers={str(replace).lower()}",
+                     job_id="s")
+    group = StepGroup(2, [], reformed=Reformed("warm-spare", 2, "exact", 0.0, []), spares=1)
+    sup = supervisor(spec, group, capacity=2)
+    st = _published_running(sup, "s", draft, 2)
+    group.pace = SLOW_RANK_1
+    group.polls += [[Report(rank=r, last_update=3) for r in range(2)] for _ in range(2)]
+    st = sup.step(sup.step(st))
+    [flagged] = events(sup, Slowdowns)
+    assert (flagged.attempt, flagged.update, flagged.stragglers, flagged.slowdown) == (1, 3, [1], {0: 0.3333, 1: 3.0})
+    if not replace:
+        assert st.replacing is None and group.requests == [] and events(sup, StragglerReplacing) == []
+        return
+    assert st.replacing == 1 and group.requests == [(True, True)]
+    [replacing] = events(sup, StragglerReplacing)
+    assert (replacing.rank, replacing.slowdown, replacing.update) == (1, 3.0, 3)
+    group.polls.append([Report(rank=r, last_update=4, state="stopped", bundles=[drafts.part("s", r, 4, 1, 2, draft)])
+                        for r in range(2)])
+    st = sup.step(st)
+    assert isinstance(st, Running) and (st.attempt, st.last_update, st.replacing) == (2, 4, None)
+    assert group.reforms == [({1}, "s/bundles/u0000000004-a1", [2], 2)] and group.torn_down == 0
+    [restored] = events(sup, Restored)
+    assert (restored.cause, restored.recovery_path, restored.update, restored.lost_updates) == (
+        "straggler", "warm-spare", 4, 0)
+    assert events(sup, WorkerLost) == [] and sup.ctx.budgets.record().failures == 0

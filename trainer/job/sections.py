@@ -264,6 +264,16 @@ class WorldSpec(Strict):
                                 "median update times while a peer waits for it is stuck (replaced like a hung one)")
     stuck_floor_s: float = Field(30.0, gt=0, description="the shortest a rank may stand still while a peer waits "
                                  "before it is stuck, however fast the updates", json_schema_extra={"unit": "seconds"})
+    straggler_ratio: float = Field(1.5, gt=1, description="a rank whose median own work per update (everything but "
+                                   "waiting for its peers) over the last `world.straggler_window` updates is this many "
+                                   "times its peers' median is a straggler: flagged in the ledger, the dashboard and "
+                                   "/metrics (`spotrun_rank_slowdown`)")
+    straggler_window: int = Field(20, ge=3, le=256, description="the updates each rank's straggler figure is the "
+                                  "median of: a slow update or two (a GC pause, a checkpoint) moves no median",
+                                  json_schema_extra={"unit": "updates"})
+    replace_stragglers: bool = Field(False, description="a straggler is replaced by a ready spare (`world.spares`): "
+                                     "the ranks checkpoint at the next boundary and the spare takes its place from "
+                                     "memory, nothing lost (a planned restart: no restart budget used)")
 
     @field_validator("num_gpus_per_rank")
     @classmethod

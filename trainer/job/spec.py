@@ -91,6 +91,10 @@ class JobSpec(Strict):
             if why:
                 raise ValueError(f"world.spares={w.spares} take a lost rank's place in a warm restart, which this job "
                                  f"never makes: {why}. Set world.spares=0, or change what stops warm recovery")
+        if w.replace_stragglers and not w.spares:
+            raise ValueError("world.replace_stragglers=true replaces a straggler by a ready spare, and world.spares=0 "
+                             "places none: set world.spares=1 (or more), or world.replace_stragglers=false to only "
+                             "flag stragglers")
         if w.policy == "elastic":
             bad = [n for n in self.allowed_world_sizes() if self.global_sequences % (n * self.train.micro_batch)]
             if bad:

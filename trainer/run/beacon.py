@@ -57,6 +57,7 @@ class Beacon:
     """The training thread's marks, readable from any thread."""
 
     def __init__(self, window: int = 32, clock=time.monotonic) -> None:
+        """``window``: how many finished updates :attr:`Reading.recent` keeps (the straggler check's window)."""
         self._clock = clock
         now = clock()
         # (update, microstep, phase, entered at); replaced whole, so a reader never sees half a mark

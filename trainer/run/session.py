@@ -78,7 +78,8 @@ class TrainSession:
         self._sampler: PlanSampler | None = None
         self._loop: TrainLoop | None = None
         self._iter: Iterator[Any] | None = None
-        self.beacon = Beacon()  # where the training thread is, read by the rank's polls (trainer/run/beacon.py)
+        # where the training thread is, read by the rank's polls (trainer/run/beacon.py)
+        self.beacon = Beacon(window=spec.world.straggler_window)
 
     def rejoin(self, *, rank: int, world_size: int, attempt: int, grad_sync: GradSync | None,
                instrument: Instrumentation) -> None:
@@ -96,7 +97,7 @@ class TrainSession:
         self.faults = FaultInjector(self.spec.faults, attempt, rank)
         self.grad_sync, self.instrument = grad_sync, instrument.for_rank(rank)
         self._sampler = self._loop = None
-        self.beacon = Beacon()  # a new attempt: its updates are read afresh
+        self.beacon = Beacon(window=self.spec.world.straggler_window)  # a new attempt: its updates read afresh
 
     def can_rejoin(self, rank: int, world_size: int) -> str | None:
         """Why this session cannot serve as rank ``rank`` of ``world_size`` (None: it can): the job's
