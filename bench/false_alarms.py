@@ -1,4 +1,4 @@
-"""Bench 14 — zero false hangs: a 2-rank job trains for minutes beside a CPU hog and no rank is found hung or stuck.
+"""Bench 14 — zero false hangs: a 2-rank job trains for minutes beside a CPU hog; no rank is hung, stuck or a straggler.
 
 A rank is hung when it answers no health poll for ``world.hang_after_s``, stuck when it stands in its own
 work past its adaptive bound while a peer waits for it at a collective (orchestrator/policy/health.py).
@@ -8,8 +8,10 @@ trains on 2 ranks of a local Ray, checkpointing every 4 updates, while one busy 
 every core of the host taken; after the run's length (10 minutes, ``--minutes``) a stop notice to the
 driver ends it (an emergency checkpoint, then the end). The driver's own health watch says how near the
 run came to each verdict: the polls it judged, the slowest poll answer and the longest silence it judged
-against ``world.hang_after_s``, and the largest stand-still of a rank in its own work while a peer waited
-against that rank's stuck bound. The ledger says what was recorded: hung and stuck ranks (target: none).
+against ``world.hang_after_s``, the largest stand-still of a rank in its own work while a peer waited
+against that rank's stuck bound, and the largest slowdown of a rank's own work against its peers'
+against ``world.straggler_ratio``. The ledger says what was recorded: hung and stuck ranks and straggler
+flags (target: none).
 
     python -m bench.false_alarms [--minutes 10]
 
@@ -33,7 +35,7 @@ from spotrun.orchestrator.control.launch import check_entrypoint, ensure_ray, ra
 from spotrun.orchestrator.control.platform import Options
 from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.orchestrator.control.supervisor import Supervisor
-from spotrun.orchestrator.ledger.events import WorkerLost
+from spotrun.orchestrator.ledger.events import Slowdowns, WorkerLost
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.notices.notice import Notice
 from spotrun.orchestrator.workers.watch import Margins
@@ -59,6 +61,7 @@ class Loaded:
     restarts: int
     margins: Margins
     lost: list[WorkerLost]  # every rank lost; a false alarm is one with cause hang or stuck
+    flagged: list[Slowdowns]  # the records that named a straggler (a false one here: every rank runs alike)
     hogs: int
     load_at_end: float  # the 1-minute load average just before the hogs were stopped
 
@@ -108,7 +111,9 @@ def loaded_run(spec: JobSpec, seconds: float, hogs: int | None = None) -> Loaded
                   updates=outcome.counters.attempted_updates if outcome.counters else 0,
                   checkpoints=len(outcome.published), restarts=outcome.restarts,
                   margins=merged([g.watch.margins for g in groups]),
-                  lost=[e for e in events if isinstance(e, WorkerLost)], hogs=len(busy), load_at_end=load)
+                  lost=[e for e in events if isinstance(e, WorkerLost)],
+                  flagged=[e for e in events if isinstance(e, Slowdowns) and e.stragglers], hogs=len(busy),
+                  load_at_end=load)
 
 
 def merged(each: Sequence[Margins]) -> Margins:
@@ -120,6 +125,7 @@ def merged(each: Sequence[Margins]) -> Margins:
         out.silence = max(out.silence, m.silence)
         if m.stuck > out.stuck:
             out.stuck, out.stuck_age_s, out.stuck_bound_s = m.stuck, m.stuck_age_s, m.stuck_bound_s
+        out.slowdown = max(out.slowdown, m.slowdown)
     return out
 
 
@@ -134,19 +140,24 @@ def tables(run: Loaded, spec: JobSpec, minutes: float) -> tuple[list[Table], lis
     t.add("longest silence judged (s)", m.silence * hang, f"hang_after_s {hang:g}", m.silence)
     t.add("largest stand-still in own work while a peer waited (s)", m.stuck_age_s,
           f"its stuck bound {fmt(m.stuck_bound_s or None)}", m.stuck)
+    ratio = spec.world.straggler_ratio
+    t.add("largest slowdown of a rank's own work against its peers' (x)", m.slowdown,
+          f"straggler_ratio {ratio:g}", m.slowdown / ratio)
     t.add("hung ranks recorded", sum(e.cause == "hang" for e in run.lost), "0", "")
     t.add("stuck ranks recorded", sum(e.cause == "stuck" for e in run.lost), "0", "")
+    t.add("straggler flags recorded", len(run.flagged), "0", "")
     t.add("ranks lost for any cause", len(run.lost), "", "")
     t.notes += [f"ended {run.state} (a stop notice after {fmt(minutes)} min), {run.restarts} restarts; the 1-minute "
                 f"load average at the end {run.load_at_end:.2f}",
                 f"stuck bound: world.stuck_factor {spec.world.stuck_factor:g} x the median update time, at least "
                 f"world.stuck_floor_s {spec.world.stuck_floor_s:g} s (a capture: 300 s); a ratio over 1 is a verdict",
                 "the slowest poll answer is the longest the driver waited for every rank's answer to one poll"]
-    ok = not run.false_alarms and run.state == "stopped" and run.restarts == 0
-    verdict = (f"no hung or stuck rank in {fmt(run.seconds / 60)} min beside a CPU hog (one busy process per core), "
-               f"checkpoints every 4 updates: **{'MET' if ok else 'NOT MET'}** ({len(run.false_alarms)} false alarms "
-               f"over {m.polls:,} polls; slowest poll answer {fmt(m.slowest_answer_s)} s against hang_after_s "
-               f"{hang:g} s; largest stuck ratio {fmt(m.stuck)})")
+    ok = not run.false_alarms and not run.flagged and run.state == "stopped" and run.restarts == 0
+    verdict = (f"no hung, stuck or straggling rank in {fmt(run.seconds / 60)} min beside a CPU hog (one busy process "
+               f"per core), checkpoints every 4 updates: **{'MET' if ok else 'NOT MET'}** ({len(run.false_alarms)} "
+               f"false alarms and {len(run.flagged)} straggler flags over {m.polls:,} polls; slowest poll answer "
+               f"{fmt(m.slowest_answer_s)} s against hang_after_s {hang:g} s; largest stuck ratio {fmt(m.stuck)}; "
+               f"largest slowdown {fmt(m.slowdown)}x against straggler_ratio {ratio:g})")
     return [t], [verdict]
 
 
@@ -164,11 +175,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     tabs, verdicts = tables(run, spec, minutes)
     data = {"minutes": minutes, "seconds": run.seconds, "state": run.state, "updates": run.updates,
             "checkpoints": run.checkpoints, "restarts": run.restarts, "margins": run.margins.__dict__,
-            "lost": [e.model_dump(mode="json") for e in run.lost], "hogs": run.hogs, "load_at_end": run.load_at_end,
+            "lost": [e.model_dump(mode="json") for e in run.lost],
+            "flagged": [e.model_dump(mode="json") for e in run.flagged], "hogs": run.hogs,
+            "load_at_end": run.load_at_end,
             "hang_after_s": spec.world.hang_after_s}
     Section("14-false-alarms", "14. Zero false hangs: a loaded host, minutes of training", __doc__.split("\n", 2)[2]
             .split("\n\n    python")[0], tabs, verdicts, clock.seconds, data, clock.measured).emit(args.out)
-    if run.false_alarms:
+    if run.false_alarms or run.flagged:
         sys.exit(1)
 
 
