@@ -2,7 +2,8 @@
 
 A straggler keeps answering and progressing, only slower than its peers (orchestrator/policy/health.py:
 its median own work per update over the last ``world.straggler_window`` updates is
-``world.straggler_ratio`` times its peers'). Every rank's figure is recorded (``slowdowns``) when the
+``world.straggler_ratio`` times its peers'), and stays so at every look for a whole window more
+updates. Every rank's figure is recorded (``slowdowns``) when the
 attempt's first full window is in, when the set of stragglers changes, and otherwise at most every
 :data:`RECORD_EVERY_S` while a figure moves; the dashboard's ``spotrun_rank_slowdown`` reads it.
 
@@ -49,6 +50,7 @@ class Stragglers:
         w = ctx.spec.world
         self.bounds = Bounds(straggler_ratio=w.straggler_ratio, window=w.straggler_window)
         self._recorded: _Recorded | None = None
+        self._over: tuple[int, dict[int, int]] = (0, {})  # (attempt, rank -> the update it went over the ratio at)
         self._no_spare_said = -1  # the attempt whose wait for a spare was logged
 
     def look(self, st: Running) -> Running:
@@ -60,7 +62,7 @@ class Stragglers:
         pace = group.paces()
         if not pace:
             return st
-        slow = stragglers(pace, self.bounds)
+        slow = self._sustained(st, stragglers(pace, self.bounds))
         slowdown = {r: p.slowdown for r, p in pace.items()}
         self._record(st, slowdown, slow)
         if (not slow or not self.ctx.spec.world.replace_stragglers or st.draining is not None
@@ -99,6 +101,17 @@ class Stragglers:
         st.group.teardown()
         return Placing(cause=LossCause.STRAGGLER, last_update=st.last_update, world_before=st.world_size,
                        cold_because=because)
+
+    def _sustained(self, st: Running, over: list[int]) -> list[int]:
+        """The ranks of ``over`` (over the ratio at this look) that stayed over it at every look for a whole
+        window more updates: one window's median swings by half under a loaded host (bench 14), two in a row
+        do not."""
+        attempt, since = self._over
+        if attempt != st.attempt:
+            since = {}
+        since = {r: since.get(r, st.last_update) for r in over}
+        self._over = (st.attempt, since)
+        return [r for r in over if st.last_update - since[r] >= self.bounds.window]
 
     def _record(self, st: Running, slowdown: dict[int, float], slow: list[int]) -> None:
         last, now = self._recorded, self.ctx.clock()

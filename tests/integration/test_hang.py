@@ -93,7 +93,7 @@ def test_a_minute_beside_a_cpu_hog_with_checkpoints_every_few_updates_records_no
     assert run.state == "stopped" and run.updates > 0 and run.checkpoints >= 2
     m = run.margins
     assert m.polls > 0 and m.slowest_answer_s < spec.world.hang_after_s and m.silence < 1 and m.stuck < 1, m
-    assert 0 < m.slowdown < spec.world.straggler_ratio, m  # the paces were judged, and none came near a flag
+    assert m.slowdown > 0, m  # the paces were judged all along (a flag needs them over the ratio for two windows)
 
 
 def test_a_rank_alone_on_its_node_has_its_stacks_taken_and_is_killed_by_a_task_pinned_there(tmp_path):
@@ -122,9 +122,9 @@ STRAGGLER = ("world.size=2", "train.updates=48", "checkpoint.every_updates=4", "
 
 def test_a_rank_slowed_in_its_data_path_is_flagged_and_replaced_by_a_spare_at_a_boundary_bitwise(tmp_path):
     """Rank 1's process sleeps before every element of its stream (its own work twice its peers' or more).
-    Once every rank's window (world.straggler_window) is full it is flagged; with world.replace_stragglers the
-    ranks checkpoint at the next boundary, the spare takes its place from memory, nothing is lost, and the run
-    ends bitwise equal to the uninterrupted one (the sleep changes no number)."""
+    Once over world.straggler_ratio for two windows (world.straggler_window) it is flagged; with
+    world.replace_stragglers the ranks checkpoint at the next boundary, the spare takes its place from memory,
+    nothing is lost, and the run ends bitwise equal to the uninterrupted one (the sleep changes no number)."""
     reference = uninterrupted_trace(tmp_path / "ref", *STRAGGLER)
     spec = make_spec(tmp_path, *STRAGGLER, "world.spares=1", "world.replace_stragglers=true",
                      "world.straggler_window=8", f"job.config.marker={tmp_path / 'slow'}", "job.config.sleep_s=0.002",
@@ -136,9 +136,9 @@ def test_a_rank_slowed_in_its_data_path_is_flagged_and_replaced_by_a_spare_at_a_
     assert first_divergence(reference, list(final.values())) is None
     events = Ledger(open_storage(spec.storage), "straggler").read()
     assert not [e for e in events if isinstance(e, WorkerLost)]
-    first = next(e for e in events if isinstance(e, Slowdowns))
-    # flagged at the first look with every window full: rank 1 at least twice as slow as rank 0
-    assert first.attempt == 1 and first.stragglers == [1] and first.slowdown[1] >= 2, first
+    flagged = next(e for e in events if isinstance(e, Slowdowns) and e.stragglers)
+    # flagged once over the ratio for a window more: rank 1 at least twice as slow as rank 0
+    assert flagged.attempt == 1 and flagged.stragglers == [1] and flagged.slowdown[1] >= 2, flagged
     (replacing,) = [e for e in events if isinstance(e, StragglerReplacing)]
     assert (replacing.attempt, replacing.rank) == (1, 1)
     (restored,) = [e for e in events if isinstance(e, Restored)]

@@ -228,31 +228,36 @@ SLOW_RANK_1 = {0: Pace(0.010, 0.030), 1: Pace(0.030, 0.010)}  # rank 1: three ti
 
 @pytest.mark.parametrize("replace", [True, False])
 def test_a_straggler_is_recorded_and_replaced_by_a_ready_spare_after_the_next_bundle(tmp_path, draft, replace):
-    """Flagged once (the same figures at the next look are not recorded again); with world.replace_stragglers
+    """Flagged once it stayed over the ratio for a window more; with world.replace_stragglers
     the ranks checkpoint and stop, then the spare takes rank 1's place from that bundle: a planned restart,
     no loss recorded, no budget used. Without it, the straggler is only flagged."""
     spec = make_spec(tmp_path, "world.size=2", "world.spares=1", f"world.replace_stragglers={str(replace).lower()}",
-                     job_id="s")
+                     "world.straggler_window=3", job_id="s")
     group = StepGroup(2, [], reformed=Reformed("warm-spare", 2, "exact", 0.0, []), spares=1)
     sup = supervisor(spec, group, capacity=2)
     st = _published_running(sup, "s", draft, 2)
     group.pace = SLOW_RANK_1
-    group.polls += [[Report(rank=r, last_update=3) for r in range(2)] for _ in range(2)]
-    st = sup.step(sup.step(st))
-    [flagged] = events(sup, Slowdowns)
-    assert (flagged.attempt, flagged.update, flagged.stragglers, flagged.slowdown) == (1, 3, [1], {0: 0.3333, 1: 3.0})
+    # over the ratio from update 3 on: a straggler once it stayed over for a whole window more (3 updates)
+    group.polls += [[Report(rank=r, last_update=u) for r in range(2)] for u in (3, 5, 5, 6)]
+    for _ in range(3):
+        st = sup.step(st)
+    assert st.replacing is None and group.requests == []  # two updates over: not yet
+    st = sup.step(st)
+    first, flagged = events(sup, Slowdowns)  # the same figures again are not recorded again, a new verdict is
+    assert (first.update, first.stragglers, first.slowdown) == (3, [], {0: 0.3333, 1: 3.0})
+    assert (flagged.attempt, flagged.update, flagged.stragglers) == (1, 6, [1])
     if not replace:
         assert st.replacing is None and group.requests == [] and events(sup, StragglerReplacing) == []
         return
     assert st.replacing == 1 and group.requests == [(True, True)]
     [replacing] = events(sup, StragglerReplacing)
-    assert (replacing.rank, replacing.slowdown, replacing.update) == (1, 3.0, 3)
-    group.polls.append([Report(rank=r, last_update=4, state="stopped", bundles=[drafts.part("s", r, 4, 1, 2, draft)])
+    assert (replacing.rank, replacing.slowdown, replacing.update) == (1, 3.0, 6)
+    group.polls.append([Report(rank=r, last_update=7, state="stopped", bundles=[drafts.part("s", r, 7, 1, 2, draft)])
                         for r in range(2)])
     st = sup.step(st)
-    assert isinstance(st, Running) and (st.attempt, st.last_update, st.replacing) == (2, 4, None)
-    assert group.reforms == [({1}, "s/bundles/u0000000004-a1", [2], 2)] and group.torn_down == 0
+    assert isinstance(st, Running) and (st.attempt, st.last_update, st.replacing) == (2, 7, None)
+    assert group.reforms == [({1}, "s/bundles/u0000000007-a1", [2], 2)] and group.torn_down == 0
     [restored] = events(sup, Restored)
     assert (restored.cause, restored.recovery_path, restored.update, restored.lost_updates) == (
-        "straggler", "warm-spare", 4, 0)
+        "straggler", "warm-spare", 7, 0)
     assert events(sup, WorkerLost) == [] and sup.ctx.budgets.record().failures == 0
