@@ -142,6 +142,8 @@ def test_history_says_where_each_loss_came_from_and_which_ranks_straggled(tmp_pa
                                                  "stopped_phase", "stopped_update", "stacks", "detected_at",
                                                  "restored_from"]
     assert list(as_json)[-4:] == ["stragglers", "slowdowns", "totals", "goodput"]
+    Ledger(storage, "e").append(AttemptStarted(attempt=4, world_size=3, pid=1, lineage_id="L"))
+    assert history(storage, "e").slowdowns == []  # attempt 3's figures were of processes that are gone
 
 
 def test_a_loss_recorded_before_hosts_and_hang_evidence_still_reads(tmp_path):
