@@ -14,7 +14,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 from rich.console import Console
@@ -31,6 +31,9 @@ from spotrun.trainer.bundle.bundles import load_bundle
 from spotrun.trainer.bundle.errors import BundleError
 from spotrun.trainer.bundle.manifest import Manifest, ManifestError
 from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError, open_storage
+
+if TYPE_CHECKING:
+    from spotrun.orchestrator.ledger.history_model import History
 
 # soft_wrap: a sentence piped to a file or a pager stays one line (rich would break it at 80 columns)
 err = Console(stderr=True, soft_wrap=True)
@@ -192,7 +195,8 @@ def _storage_for(a: argparse.Namespace):
 def cmd_history(a: argparse.Namespace) -> int:
     from spotrun.orchestrator.ledger.history import history
 
-    doc = history(_storage_for(a), a.job_id, metrics_local_dir=a.metrics_dir)
+    storage = _storage_for(a)
+    doc = history(storage, a.job_id, metrics_local_dir=a.metrics_dir)
     if a.json:
         _out(doc.model_dump(mode="json"))
         return 0
@@ -206,6 +210,7 @@ def cmd_history(a: argparse.Namespace) -> int:
                ["attempt", "cause", "loss", "detected_at", "restored_from", "recovery_label", "recovery_path",
                 "world_size_before", "world_size_after", "lost_updates", "lost_updates_source", "downtime_seconds",
                 "time_lost_seconds"])
+    _evidence_tables(doc, storage.uri)
     b, run = doc.budgets, doc.budgets.this_run
     _table("restart budgets (losses by class)", [
         {"class": "preemption", "losses": b.preemptions, "this_run": run.preemptions,
@@ -231,6 +236,22 @@ def cmd_history(a: argparse.Namespace) -> int:
            [*_rows(g.attempts), {"attempt": "job", **g.model_dump(mode="json", exclude={"attempts"})}],
            ["attempt", "wall_seconds", *GOODPUT_TERMS, "goodput", "productive_updates", "replayed_updates", *money])
     return 0
+
+
+def _evidence_tables(doc: History, storage_uri: str) -> None:
+    """Beside the restarts table: the ranks found hung or stuck (what found them, where they stopped, their
+    stacks' key) and the ranks flagged as stragglers; neither printed when empty."""
+    from spotrun.orchestrator.ledger.access import redact
+
+    hung = [r for r in _rows(doc.restarts) if r["signal"]]
+    if hung:
+        _table("hung and stuck ranks (by the restart's attempt)", hung,
+               ["attempt", "rank", "node_id", "host", "signal", "stopped_phase", "stopped_update", "stacks"])
+        Console(soft_wrap=True).print(f"stacks: keys under {redact(storage_uri)}", markup=False, highlight=False)
+    if doc.stragglers:
+        _table("stragglers (slowdown: a rank's own work over its peers' median)",
+               [{**r, "replaced": "yes" if r["replaced"] else "no"} for r in _rows(doc.stragglers)],
+               ["attempt", "rank", "node_id", "flagged_at", "flagged_update", "max_slowdown", "replaced"])
 
 
 def _rows(models: Sequence[BaseModel]) -> list[dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 Read-only: every route is a GET, the storage is opened for reading only, and an
 unknown job id, a job id that is not a plain name, or a key that would leave the
-storage root answers 404. FastAPI's interactive docs are off (they load assets
+storage root answers 404. Texts kept in storage (rank logs, a hung rank's stacks)
+are served as plain text. FastAPI's interactive docs are off (they load assets
 from a CDN); ``/api`` lists the endpoints instead.
 """
 
@@ -92,6 +93,12 @@ def create_app(storage: Storage | str, *, token: str | None = None, endpoint_url
     def rank_log(job_id: str, attempt: int, name: str) -> PlainTextResponse:
         # plain text, and the guard's nosniff: a line that looks like HTML is shown, never rendered
         return PlainTextResponse(reader.rank_log(job_id, attempt, name))
+
+    @app.get("/jobs/{job_id}/stacks/{attempt}/{rank}", response_class=PlainTextResponse)
+    def rank_stacks(job_id: str, attempt: str, rank: str) -> PlainTextResponse:
+        # the key is built from the job id and two numbers the reader checks, never from a path sent;
+        # plain text and nosniff, like a rank log: a frame's "<module>" is shown, never rendered
+        return PlainTextResponse(reader.stacks(job_id, attempt, rank))
 
     @app.get("/labs", response_class=HTMLResponse)
     def labs_page() -> HTMLResponse:

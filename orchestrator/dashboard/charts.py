@@ -76,7 +76,7 @@ def timeline(spans: list[dict[str, Any]], width: int = 900) -> str:
                    f'height="{row - 10}"><title>{escape(title)}</title></rect>')
         ended = str(s["ended"])
         mark = ("✓" if ended == "finished" else "…" if ended == "running"
-                else "↗" if ended.startswith("scale-up") else "✕")  # a chosen restart is no failure
+                else "↗" if ended.startswith(("scale-up", "straggler")) else "✕")  # a chosen restart is no failure
         out.append(f'<text class="cause" data-attempt="{s["attempt"]}" x="{max(x1, x0 + 3) + 6:.1f}" '
                    f'y="{y + 17}">{mark} {escape(str(s["ended"]))}</text>')
     out.append("</svg>")

@@ -4,6 +4,9 @@ One sample per job and metric, labelled ``job="<id>"``, built from the same summ
 page shows (so a scrape reads storage like one page view). A metric whose value is unknown (a
 job with no published bundle has no ``spotrun_last_published_update``) has no sample for that
 job rather than a made-up zero.
+
+Per-rank gauges (:data:`RANK_GAUGES`) carry a ``rank`` label besides: one sample per rank the job's
+newest attempt has a figure for, none while it has none.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ GAUGES: dict[str, tuple[str, Callable[[dict[str, Any]], float | None]]] = {
                                 lambda s: int(s["state"] == "running" and not s["quiet"])),
 }
 
+# name -> (help, how to read {rank: value} from a jobs-page summary)
+RANK_GAUGES: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, float]]]] = {
+    "spotrun_rank_slowdown": ("A rank's median own-work time over the median of its peers' (the newest attempt's "
+                              "newest slowdowns event); 1 is the pace of its peers", lambda s: s["rank_slowdown"]),
+}
+
 
 class _Jobs(Collector):
     def __init__(self, summaries: Callable[[], list[dict[str, Any]]]) -> None:
@@ -49,10 +58,17 @@ class _Jobs(Collector):
                 if value is not None:
                     family.add_metric([s["job_id"]], float(value))
             yield family
+        for name, (help_, per_rank) in RANK_GAUGES.items():
+            family = GaugeMetricFamily(name, help_, labels=["job", "rank"])
+            for s in jobs:
+                for rank, value in sorted(per_rank(s).items(), key=lambda kv: int(kv[0])):
+                    family.add_metric([s["job_id"], rank], float(value))
+            yield family
 
 
 def exposition(summaries: Callable[[], list[dict[str, Any]]]) -> bytes:
-    """The text a scrape gets: each gauge in :data:`GAUGES`, one sample per job."""
+    """The text a scrape gets: each gauge in :data:`GAUGES`, one sample per job; each in :data:`RANK_GAUGES`,
+    one per job and rank."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Jobs(summaries))
     return generate_latest(registry)

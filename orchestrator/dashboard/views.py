@@ -9,6 +9,7 @@ document ``spotrun history --json`` prints; the views themselves read the model'
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -29,6 +30,12 @@ from spotrun.trainer.observe.ranklog import list_rank_logs, read_rank_log
 from spotrun.trainer.storage import Storage
 
 QUIET_AFTER_S = 300.0  # a "running" job silent this long is flagged: its driver may be gone
+_NUMBER = re.compile(r"^[0-9]{1,9}$")  # an attempt or a rank in an address: digits only, no sign, no path
+
+
+def stacks_url(job_id: str, attempt: int, rank: int | None) -> str | None:
+    """Where the job page links the stacks of ``rank`` of ``attempt`` (served by :meth:`Reader.stacks`)."""
+    return None if rank is None else f"/jobs/{job_id}/stacks/{attempt}/{rank}"
 
 
 @dataclass
@@ -62,6 +69,8 @@ class Reader:
         hist = self._history(job_id, points)
         attempt_spans = observed.spans(hist, points)
         restarts = observed.restarts(hist, points, attempt_spans)
+        for r in restarts:  # a hung or stuck rank's stacks: the loss was recorded by the attempt before
+            r["stacks_url"] = stacks_url(job_id, r["attempt"] - 1, r["rank"]) if r["stacks"] else None
         rows, total = self._bundles(job_id, hist, verify=False)
         return {
             "summary": _summary(hist, attempt_spans, restarts, rows, points, total),
@@ -118,6 +127,22 @@ class Reader:
             if ref.attempt == attempt and ref.label.replace(" ", "-") == name:
                 return read_rank_log(self.storage, ref)
         raise JobNotFound(f"job {job_id!r} has no log of {name!r} in attempt {attempt}")
+
+    def stacks(self, job_id: str, attempt: str, rank: str) -> str:
+        """The stacks taken from ``rank`` of ``attempt`` before it was killed (hung or stuck), as text.
+
+        The key is built here, from the job id (a job under the root) and two plain decimal numbers,
+        never taken from the request: anything else (``..``, a sign, a path) is :class:`~.access.JobNotFound`,
+        as is a rank whose stacks were never kept."""
+        from spotrun.orchestrator.workers.watch import stacks_key  # the supervisor's own layout (imports Ray)
+
+        require_job(self.storage, job_id)
+        if not (_NUMBER.fullmatch(attempt) and _NUMBER.fullmatch(rank)):
+            raise JobNotFound(f"no stacks of rank {rank!r} in attempt {attempt!r}: both are plain numbers")
+        key = stacks_key(job_id, int(attempt), int(rank))
+        if not self.storage.exists(key):
+            raise JobNotFound(f"job {job_id!r} kept no stacks of rank {int(rank)} in attempt {int(attempt)}")
+        return self.storage.get(key).decode(errors="replace")
 
     def _bundles(self, job_id: str, hist: History, verify: bool) -> tuple[list[dict[str, Any]], int | None]:
         """The bundles table (newest first) and the job's total updates from the newest readable manifest."""
@@ -191,4 +216,6 @@ def _summary(hist: History, attempt_spans: list[dict[str, Any]], restarts: list[
         "last_seen_at": last_seen,
         "corrupt_events": len(hist.corrupt_events),
         "orphaned_bundles": sum(r["status"] == "orphaned" for r in rows),
+        # the newest attempt's newest figures, by rank (empty: none recorded): /metrics' spotrun_rank_slowdown
+        "rank_slowdown": {str(x.rank): x.slowdown for x in hist.slowdowns},
     }

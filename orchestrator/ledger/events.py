@@ -86,6 +86,7 @@ class WorkerLost(LedgerEvent):
     kind: Literal["worker_lost"] = "worker_lost"
     rank: int | None
     node_id: str | None = None
+    host: str | None = None  # the lost rank's machine (its hostname; None: not recorded)
     # node-lost | notice:<source> | process-exit | oom | unresponsive | hang | stuck | collective-timeout
     # | collective-error
     # | error (the job's code raised) | start-failed

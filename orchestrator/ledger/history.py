@@ -25,6 +25,8 @@ from spotrun.orchestrator.ledger.events import (
     Resizing,
     Restored,
     RunRefused,
+    Slowdowns,
+    StragglerReplacing,
     TopologyChanged,
     WorkerLost,
 )
@@ -37,8 +39,10 @@ from spotrun.orchestrator.ledger.history_model import (
     IntervalRow,
     JobState,
     NoticeRow,
+    RankSlowdown,
     RefusalRow,
     RestartRow,
+    StragglerRow,
 )
 from spotrun.orchestrator.ledger.losses import (
     Reach,
@@ -85,7 +89,13 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
 
     ``refusals``: the runs that trained nothing (``run_refused``, oldest first: when, which check, the
     bundle it read, the paragraph printed). They are not attempts and leave ``state`` as it was: a
-    finished job run again stays finished."""
+    finished job run again stays finished.
+
+    Where a loss came from: a restart row names the rank lost, its node and host, and, for a rank found
+    hung or stuck, the signal, the phase and update it stopped in and the key of its stacks; a restart
+    that replaced a straggler (``cause`` ``straggler``, a planned restart: no loss) names the straggler.
+    ``stragglers``: every rank a ``slowdowns`` event flagged, one row per attempt and rank; ``slowdowns``:
+    the newest attempt's newest figures, per rank (empty when it recorded none)."""
     events = (ledger or Ledger(storage, job_id, fold=None)).read()
     if points is None:
         # here, not at the top: the dashboard package imports this module
@@ -96,6 +106,9 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     attempts: dict[int, AttemptRow] = {}
     restarts: list[RestartRow] = []
     losses: dict[int, WorkerLost] = {}
+    replacing: dict[int, StragglerReplacing] = {}  # by attempt: the straggler its restart replaces
+    flagged: dict[tuple[int, int], StragglerRow] = {}  # by (attempt, rank)
+    newest: Slowdowns | None = None
     handled: dict[int, NoticeHandled] = {}
     started: dict[int, AttemptStarted] = {}
     published_at: dict[str, datetime] = {}
@@ -140,10 +153,18 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
             a.ended, a.last_update = f"lost: {e.cause}", e.last_update
         elif isinstance(e, Resizing):
             a.ended = f"scale-up to {e.world_size_target}"
+        elif isinstance(e, Slowdowns):
+            newest = e
+            _flag(flagged, e)
+        elif isinstance(e, StragglerReplacing):
+            replacing[e.attempt] = e
+            a.ended = f"straggler rank {e.rank} replaced"
+            _replaced(flagged, e)
         elif isinstance(e, Restored):
             resumed.add(e.attempt)
             restarts.append(_restart(e.attempt, losses.get(e.attempt - 1), attempts.get(e.attempt - 1),
-                                     started, handled, e, published_at.get(e.bundle), reach.get(e.attempt - 1)))
+                                     started, handled, e, published_at.get(e.bundle), reach.get(e.attempt - 1),
+                                     replacing.get(e.attempt - 1)))
         elif isinstance(e, InitializedFrom):
             resumed.add(e.attempt)
             a.record(initialized_from=e.bundle, recovery_label=e.recovery_label, reset=e.reset)
@@ -168,6 +189,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     return History(job_id=job_id, state=state_of(events), attempts=list(attempts.values()), restarts=restarts,
                    topology_changes=topology, rejected_bundles=rejected, corrupt_events=corrupt, notices=notices,
                    refusals=refusals, budgets=_budgets(classes, budget), checkpoint_intervals=intervals,
+                   stragglers=list(flagged.values()), slowdowns=_newest_slowdowns(newest, max(attempts, default=0)),
                    totals=totals(restarts), goodput=goodput(events, points.final, points.log, _rate(storage, job_id)))
 
 
@@ -187,6 +209,38 @@ def state_of(events: list[LedgerEvent | CorruptEvent]) -> JobState:
         elif isinstance(e, RunRefused) and state == "unknown":
             state = "refused"
     return state
+
+
+def _flag(flagged: dict[tuple[int, int], StragglerRow], e: Slowdowns) -> None:
+    """Add the ranks ``e`` names as stragglers for the first time in its attempt; keep each flagged rank's
+    largest figure."""
+    for rank in e.stragglers:
+        if (e.attempt, rank) not in flagged:
+            flagged[e.attempt, rank] = StragglerRow(
+                attempt=e.attempt, rank=rank, node_id=e.node_ids[rank] if rank < len(e.node_ids) else None,
+                flagged_at=e.at.isoformat(), flagged_update=e.update, max_slowdown=e.slowdown.get(rank, 0.0),
+                replaced=False)
+    for (attempt, rank), row in flagged.items():
+        if attempt == e.attempt and rank in e.slowdown:
+            row.max_slowdown = max(row.max_slowdown, e.slowdown[rank])
+
+
+def _replaced(flagged: dict[tuple[int, int], StragglerRow], e: StragglerReplacing) -> None:
+    """Mark the straggler ``e`` replaces; one no ``slowdowns`` event flagged first is flagged by it."""
+    row = flagged.setdefault((e.attempt, e.rank), StragglerRow(
+        attempt=e.attempt, rank=e.rank, node_id=e.node_id, flagged_at=e.at.isoformat(), flagged_update=e.update,
+        max_slowdown=e.slowdown, replaced=True))
+    row.replaced, row.max_slowdown = True, max(row.max_slowdown, e.slowdown)
+    row.node_id = row.node_id or e.node_id
+
+
+def _newest_slowdowns(e: Slowdowns | None, newest_attempt: int) -> list[RankSlowdown]:
+    """Per rank, the figures of ``e`` (the ledger's newest ``slowdowns``) if the newest attempt recorded it."""
+    if e is None or e.attempt != newest_attempt:
+        return []  # an older attempt's figures describe processes that are gone
+    return [RankSlowdown(attempt=e.attempt, update=e.update, rank=rank,
+                         node_id=e.node_ids[rank] if rank < len(e.node_ids) else None, slowdown=value,
+                         straggler=rank in e.stragglers) for rank, value in sorted(e.slowdown.items())]
 
 
 def _budgets(classes: dict[str, int], budget: Budget | None) -> Budgets:
@@ -213,10 +267,12 @@ def _rate(storage: Storage, job_id: str) -> float | None:
 
 def _restart(attempt: int, loss: WorkerLost | None, previous: AttemptRow | None,
              started: dict[int, AttemptStarted], handled: dict[int, NoticeHandled], restored: Restored | None,
-             bundle_published_at: datetime | None, reach: Reach | None) -> RestartRow:
+             bundle_published_at: datetime | None, reach: Reach | None,
+             straggler: StragglerReplacing | None = None) -> RestartRow:
     """One restart row: attempt ``attempt`` began after ``loss`` ended the attempt before it (None: the
     driver died, or the job was run again), from ``restored`` (None: from nothing); ``reach``: how far
-    the attempt before it got. Its figures are defined in :mod:`spotrun.orchestrator.ledger.losses`."""
+    the attempt before it got; ``straggler``: the straggler the attempt before it was stopped to replace.
+    Its figures are defined in :mod:`spotrun.orchestrator.ledger.losses`."""
     this, before = started.get(attempt), started.get(attempt - 1)
     if restored is not None:
         begun = restored.at
@@ -224,8 +280,8 @@ def _restart(attempt: int, loss: WorkerLost | None, previous: AttemptRow | None,
         begun = this.at
     else:  # history() lists a restart from nothing only for an attempt that started
         raise ValueError(f"attempt {attempt} neither restored a bundle nor started")
-    if restored is not None and restored.cause == "scale-up":
-        cause = "scale-up"
+    if restored is not None and restored.cause in ("scale-up", "straggler"):  # planned: no loss before it
+        cause = restored.cause
     else:
         # no loss recorded: the driver itself died (or an ended job was run again)
         cause = loss.cause if loss else ("resumed" if previous and previous.ended else "driver-exit")
@@ -239,10 +295,18 @@ def _restart(attempt: int, loss: WorkerLost | None, previous: AttemptRow | None,
     lost_seconds = 0.0 if finished else time_lost_seconds(current_since, begun)
     restored_update = restored.update if restored else 0
     lost = lost_updates(reach, restored_update)
+    replaced = straggler if cause == "straggler" else None
     return RestartRow(
         attempt=attempt,
         cause=cause,
         loss=loss.loss if loss else None,  # preemption | failure (None: not recorded, or no loss)
+        rank=loss.rank if loss else (replaced.rank if replaced else None),
+        node_id=loss.node_id if loss else (replaced.node_id if replaced else None),
+        host=loss.host if loss else None,
+        signal=loss.signal if loss else None,
+        stopped_phase=loss.stopped_phase if loss else None,
+        stopped_update=loss.stopped_update if loss else None,
+        stacks=loss.stacks if loss else None,
         detected_at=((loss.detected_at or loss.at) if loss else begun).isoformat(),
         restored_from=restored.bundle if restored else None,
         restored_update=restored_update,

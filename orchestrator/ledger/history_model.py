@@ -38,7 +38,8 @@ class AttemptRow(_Row):
     node_ids: list[str]  # per rank
     published: int  # bundles it published
     last_update: int | None  # its reach (losses.reaches; None: nothing known)
-    ended: str | None  # "finished", "lost: <cause>", "failed: <reason>", "scale-up to <n>"; None: not recorded
+    ended: str | None  # "finished", "lost: <cause>", "failed: <reason>", "scale-up to <n>",
+    # "straggler rank <r> replaced"; None: not recorded
     # set only by the event that carries it: absent from the document otherwise (see _keys)
     lineage_id: str | None = None  # from attempt_started
     initialized_from: str | None = None  # from initialized_from (a new lineage): the bundle it began from
@@ -69,8 +70,19 @@ class RestartRow(_Row):
     """One restart: its cause, what it resumed from and how, and what it cost (figures: ``losses``)."""
 
     attempt: int  # the attempt the restart began
-    cause: str  # the loss's cause, "scale-up", "resumed" (an ended job run again) or "driver-exit"
+    cause: str  # the loss's cause, "scale-up", "straggler", "resumed" (an ended job run again) or "driver-exit"
     loss: Literal["preemption", "failure"] | None  # None: not recorded, or no loss
+    # where it came from: the rank lost (or the straggler replaced), its node and machine (None: not recorded,
+    # or not one rank's loss: a driver's death, a scale-up)
+    rank: int | None
+    node_id: str | None
+    host: str | None
+    # a rank found hung or stuck (None otherwise): which signal found it, the phase and update of its last
+    # answer, and the storage key of the stacks taken before it was killed (None: they could not be kept)
+    signal: Literal["hang", "stuck"] | None
+    stopped_phase: str | None
+    stopped_update: int | None
+    stacks: str | None
     detected_at: str
     restored_from: str | None  # the bundle (None: from nothing)
     restored_update: int
@@ -88,6 +100,30 @@ class RestartRow(_Row):
     downtime_seconds: float | None  # losses.downtime_seconds
     time_lost_seconds: float | None  # losses.time_lost_seconds
     notice_to_publish_seconds: float | None  # the notice before it, when one was handled
+
+
+class StragglerRow(_Row):
+    """A rank flagged as a straggler in one attempt (``slowdowns``): when first, how slow at most, and
+    whether a spare took its place (``straggler_replacing``)."""
+
+    attempt: int
+    rank: int
+    node_id: str | None  # None: not recorded
+    flagged_at: str  # the first slowdowns event that named it
+    flagged_update: int  # the update the attempt had reached then
+    max_slowdown: float  # the largest of its figures in the attempt: its own work over its peers' median
+    replaced: bool
+
+
+class RankSlowdown(_Row):
+    """One rank's figure in the newest attempt's newest ``slowdowns`` event."""
+
+    attempt: int
+    update: int  # the update the attempt had reached when it was recorded
+    rank: int
+    node_id: str | None  # None: not recorded
+    slowdown: float  # its median own-work time over the median of its peers'
+    straggler: bool  # at or over world.straggler_ratio
 
 
 class NoticeRow(_Row):
@@ -164,5 +200,7 @@ class History(_Row):
     refusals: list[RefusalRow]  # oldest first
     budgets: Budgets
     checkpoint_intervals: list[IntervalRow]  # oldest first
+    stragglers: list[StragglerRow]  # one per attempt and rank ever flagged, by attempt then first flagged
+    slowdowns: list[RankSlowdown]  # by rank; empty when the newest attempt has recorded none
     totals: Totals  # losses.totals over the restarts
     goodput: Goodput

@@ -9,9 +9,9 @@ shows one value of each figure wherever it is shown:
   completed). The supervisor learns an attempt's progress by polling, so a loss's ``last_update``
   can trail what the ranks did; the JSONL metric log keeps every write, even those a replay
   overwrote, and is read when it is there. The reach is *known* when the ledger recorded how the
-  attempt ended (a loss, a finish, a resize) or a metric log was kept; otherwise (a driver killed
-  with no log) it is a lower bound, and the figures built on it are unknown (``None``), never a
-  guess.
+  attempt ended (a loss, a finish, a resize, a straggler's replacement) or a metric log was kept;
+  otherwise (a driver killed with no log) it is a lower bound, and the figures built on it are
+  unknown (``None``), never a guess.
 - a restart's **lost updates**: the updates the attempt before it completed after the bundle the
   restart resumed from (all of them after a start from nothing): the work thrown away, which the
   job computes again.
@@ -42,6 +42,7 @@ from spotrun.orchestrator.ledger.events import (
     LedgerEvent,
     Resizing,
     Restored,
+    StragglerReplacing,
     WorkerLost,
 )
 from spotrun.trainer.metrics import MetricPoint
@@ -73,7 +74,7 @@ def reaches(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[Metric
             update = e.last_update if isinstance(e, WorkerLost) else e.counters.attempted_updates
             ledger[e.attempt] = max(ledger.get(e.attempt, 0), update)
             ended.add(e.attempt)
-        elif isinstance(e, Resizing):  # it stops at the boundary its scale-up bundle is taken at
+        elif isinstance(e, Resizing | StragglerReplacing):  # it stops at the boundary its bundle is taken at
             ended.add(e.attempt)
     written: dict[int, int] = {}
     for p in log if log is not None else final:

@@ -2,8 +2,9 @@
 
 A real job is SIGKILLed twice by faults (``spotrun run --no-ray`` kills itself right
 after publishing bundle 8 in attempt 1 and bundle 20 in attempt 2) and finished by the
-same command; the dashboard then has to tell that story. Without ``/usr/bin/chromium`` these tests
-skip with how to install it, except under ``CI=true``, where they fail.
+same command; the dashboard then has to tell that story. A hung rank's restart and its stacks link
+are shown from a ledger written straight into storage (no job is run for them). Without
+``/usr/bin/chromium`` these tests skip with how to install it, except under ``CI=true``, where they fail.
 Screenshots go to ``test-artifacts/``.
 """
 
@@ -176,6 +177,23 @@ def test_running_job_page_refreshes_by_itself(page, tmp_path):
         page.wait_for_selector("#job-state:text-is('finished')")
         assert page.locator("svg.loss circle.point").count() == 6
     sink.close()
+
+
+def test_a_hang_restart_links_the_stacks_of_the_rank(page, tmp_path):
+    """#49: the restart a hung rank caused says where it stopped; its stacks link opens them as text."""
+    from tests.helpers.evidence import STACKS_TEXT, write_evidence_job
+
+    storage = open_storage(f"file://{tmp_path / 'runs'}")
+    write_evidence_job(storage, "hung")
+    with BackgroundServer(create_app(storage.uri)) as url:
+        page.goto(f"{url}/jobs/hung")
+        cause = page.locator('tr.restart[data-attempt="2"] [data-field="cause"]')
+        assert cause.inner_text() == "hang · rank 2, backward u14 · stacks"
+        assert page.locator("tr.straggler").count() == 2
+        cause.get_by_role("link", name="stacks").click()
+        page.wait_for_url(f"{url}/jobs/hung/stacks/1/2")
+        assert page.locator("body").inner_text() == STACKS_TEXT  # shown as text, never as markup
+        assert page.locator("script").count() == 0
 
 
 def test_state_labs_worked_examples(page, tmp_path):

@@ -70,3 +70,21 @@ def test_the_restarts_table_keeps_each_value_whole(tmp_path, capsys):
     assert main(["history", "bumpy", "--storage", spec.storage]) == 0
     out = capsys.readouterr().out
     assert "│ process-exit │" in out, out
+
+
+def test_history_shows_a_hung_ranks_evidence_and_the_stragglers(tmp_path, capsys):
+    """#49: the hang's signal, where it stopped and its stacks' key, beside the restart it caused; a short
+    stragglers table (one row per attempt and rank flagged, replaced or not)."""
+    from spotrun.trainer.storage import LocalStorage
+    from tests.helpers.evidence import stacks_key, write_evidence_job
+
+    write_evidence_job(LocalStorage(tmp_path), "slow")
+    assert main(["history", "slow", "--storage", f"file://{tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    hung = out[out.index("hung and stuck ranks"):out.index("stragglers (")]
+    assert f"stacks: keys under file://{tmp_path}\n" in hung
+    assert "│ 2       │ 2    │ node-c  │ host-c │ hang   │ backward      │ 14             │ " \
+           f"{stacks_key('slow', 1, 2)} │" in hung, hung
+    stragglers = out[out.index("stragglers ("):out.index("restart budgets")]
+    assert "│ 2       │ 1    │ node-b  │ 12:01:00   │ 20             │ 2.4          │ yes      │" in stragglers
+    assert "│ 3       │ 2    │ node-c  │ 12:02:00   │ 40             │ 1.7          │ no       │" in stragglers

@@ -221,3 +221,75 @@ def test_rank_logs_are_listed_linked_from_the_job_page_and_shown_as_plain_text(t
     assert shown.headers["x-content-type-options"] == "nosniff"
     for missing in ("/jobs/w/logs/1/rank-7", "/jobs/w/logs/3/rank-0", "/jobs/w/logs/1/..%2Fevents"):
         assert client.get(missing).status_code == 404, missing
+
+
+@pytest.fixture
+def evidence(tmp_path):
+    """A job with a hung rank (its stacks in storage) and two stragglers: tests/helpers/evidence.py."""
+    from tests.helpers.evidence import write_evidence_job
+
+    write_evidence_job(open_storage(f"file://{tmp_path}"), "e")
+    return tmp_path
+
+
+def test_a_hang_restart_links_its_stacks_served_as_plain_text(evidence):
+    from spotrun.orchestrator.workers.watch import stacks_key
+    from tests.helpers.evidence import STACKS_TEXT
+    from tests.helpers.evidence import stacks_key as expected_key
+
+    assert stacks_key("e", 1, 2) == expected_key("e", 1, 2)  # the helper spells the supervisor's layout
+    client = TestClient(create_app(f"file://{evidence}"), base_url=BASE)
+    hang, straggler = client.get("/api/jobs/e").json()["restarts"]
+    assert (hang["stacks_url"], straggler["stacks_url"]) == ("/jobs/e/stacks/1/2", None)
+    page = client.get("/jobs/e").text
+    assert page.count('class="stacks"') == 1 and '<a class="stacks" href="/jobs/e/stacks/1/2">stacks</a>' in page
+    assert " · rank 2, backward u14</span>" in page and " · rank 1</span>" in page  # the hang, the straggler
+    shown = client.get("/jobs/e/stacks/1/2")
+    assert shown.status_code == 200 and shown.headers["content-type"].startswith("text/plain")
+    assert shown.text == STACKS_TEXT and shown.headers["x-content-type-options"] == "nosniff"
+    for absent in ("/jobs/e/stacks/1/0", "/jobs/e/stacks/2/2", "/jobs/nope/stacks/1/2"):
+        assert client.get(absent).status_code == 404, absent
+    # the key is built from two plain numbers: nothing else in any segment reaches storage
+    (evidence / "e" / "logs" / "attempt-1" / "rank--1.stacks.txt").write_text("a planted file")
+    for bad in ("/jobs/e/stacks/1/-1", "/jobs/e/stacks/..%2F1/2", "/jobs/e/stacks/1/..", "/jobs/e/stacks/%2E%2E/2",
+                "/jobs/..%2Fe/stacks/1/2", "/jobs/e/stacks/1/2%2F..%2F..%2Fevents", "/jobs/e/stacks/1/+2",
+                "/jobs/e/stacks/1/2.0", "/jobs/%2E%2E/stacks/1/2"):
+        response = client.get(bad)
+        assert response.status_code == 404 and "planted" not in response.text, bad
+
+
+def test_the_stacks_need_the_token_like_every_job_page(evidence):
+    token = "0123456789abcdef-test-token"
+    client = TestClient(create_app(f"file://{evidence}", token=token), base_url="http://dashboard.example")
+    assert client.get("/jobs/e/stacks/1/2").status_code == 401
+    assert client.get("/jobs/e/stacks/1/2", headers={"Authorization": "Bearer wrong-token-wrong"}).status_code == 401
+    assert client.get(f"/jobs/e/stacks/1/2?token={token}").status_code == 401  # never in a query string
+    assert client.get("/jobs/e/stacks/1/2", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+
+
+def test_the_job_page_lists_the_stragglers_and_the_newest_figures(evidence):
+    page = TestClient(create_app(f"file://{evidence}"), base_url=BASE).get("/jobs/e").text
+    rows = page[page.index('<table class="stragglers">'):page.index("</table>", page.index('class="stragglers"'))]
+    assert rows.count('<tr class="straggler"') == 2
+    assert ('<tr class="straggler" data-attempt="2" data-rank="1"><td>2</td><td data-field="rank">1</td><td>node-b</td>'
+            '<td data-field="max_slowdown">2.40×</td><td data-field="flagged_update">20</td>') in rows
+    assert '<td data-field="replaced">yes</td></tr><tr class="straggler" data-attempt="3" data-rank="2">' in rows
+    assert rows.endswith('<td data-field="replaced">no</td></tr></tbody>')
+    assert "Attempt 3 at update 50: " in page
+    assert '<span class="slowdown warn" data-rank="2">rank 2 1.70×</span>' in page
+    calm = TestClient(create_app(f"file://{evidence}"), base_url=BASE)  # no straggler, no section
+    Ledger(open_storage(f"file://{evidence}"), "calm").append(AttemptStarted(attempt=1, world_size=1, pid=1,
+                                                                               lineage_id="L"))
+    assert 'id="stragglers"' not in calm.get("/jobs/calm").text
+
+
+def test_prometheus_rank_slowdown_of_the_newest_attempt(evidence):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    Ledger(open_storage(f"file://{evidence}"), "calm").append(AttemptStarted(attempt=1, world_size=2, pid=1,
+                                                                               lineage_id="L"))
+    text = TestClient(create_app(f"file://{evidence}"), base_url=BASE).get("/metrics").text
+    assert "# HELP spotrun_rank_slowdown " in text and "# TYPE spotrun_rank_slowdown gauge" in text
+    [family] = [f for f in text_string_to_metric_families(text) if f.name == "spotrun_rank_slowdown"]
+    assert [(s.labels, s.value) for s in family.samples] == [  # attempt 3's update-50 figures; none for calm
+        ({"job": "e", "rank": "0"}, 1.01), ({"job": "e", "rank": "1"}, 1.02), ({"job": "e", "rank": "2"}, 1.7)]

@@ -107,9 +107,55 @@ def test_history_json_keeps_the_fields_the_ledger_set_in_the_order_it_set_them(t
                            "last_update", "ended", "last_update_source"]
     assert list(second)[8:] == ["initialized_from", "recovery_label", "reset", "lineage_id", "last_update_source"]
     assert list(doc) == ["job_id", "state", "attempts", "restarts", "topology_changes", "rejected_bundles",
-                         "corrupt_events", "notices", "refusals", "budgets", "checkpoint_intervals", "totals",
-                         "goodput"]
+                         "corrupt_events", "notices", "refusals", "budgets", "checkpoint_intervals", "stragglers",
+                         "slowdowns", "totals", "goodput"]
     alone = Ledger(LocalStorage(tmp_path / "one"), "o")
     alone.append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="x"))
     alone.append(JobFinished(attempt=1, counters={"attempted_updates": 3}))
     assert '"time_lost_seconds": 0,' in json.dumps(history(LocalStorage(tmp_path / "one"), "o").model_dump(mode="json"))
+
+
+def test_history_says_where_each_loss_came_from_and_which_ranks_straggled(tmp_path):
+    """#49: a hang's restart names the rank, node, host, signal, where it stopped and its stacks; a straggler's
+    replacement is a planned restart naming the straggler; every flagged rank has a row, and the newest
+    attempt's newest figures are kept per rank."""
+    from tests.helpers.evidence import NODES, stacks_key, write_evidence_job
+
+    storage = LocalStorage(tmp_path)
+    write_evidence_job(storage, "e")
+    doc = history(storage, "e")
+    hang, straggler = doc.restarts
+    assert (hang.cause, hang.loss, hang.rank, hang.node_id, hang.host) == ("hang", "failure", 2, "node-c", "host-c")
+    assert (hang.signal, hang.stopped_phase, hang.stopped_update) == ("hang", "backward", 14)
+    assert hang.stacks == stacks_key("e", 1, 2)
+    assert (straggler.cause, straggler.loss, straggler.rank, straggler.node_id) == ("straggler", None, 1, "node-b")
+    assert (straggler.signal, straggler.stacks, straggler.lost_updates, straggler.lost_updates_source) == (
+        None, None, 0, "ledger")  # it stopped at the boundary of the bundle it resumed from
+    assert [a.ended for a in doc.attempts] == ["lost: hang", "straggler rank 1 replaced", None]
+    assert [(s.attempt, s.rank, s.node_id, s.flagged_update, s.max_slowdown, s.replaced) for s in doc.stragglers] == [
+        (2, 1, "node-b", 20, 2.4, True), (3, 2, "node-c", 40, 1.7, False)]
+    assert doc.stragglers[0].flagged_at == doc.model_dump(mode="json")["stragglers"][0]["flagged_at"]
+    assert [(s.attempt, s.update, s.rank, s.node_id, s.slowdown, s.straggler) for s in doc.slowdowns] == [
+        (3, 50, r, NODES[r], f, r == 2) for r, f in enumerate([1.01, 1.02, 1.7])]
+    as_json = doc.model_dump(mode="json")
+    assert list(as_json["restarts"][0])[:12] == ["attempt", "cause", "loss", "rank", "node_id", "host", "signal",
+                                                 "stopped_phase", "stopped_update", "stacks", "detected_at",
+                                                 "restored_from"]
+    assert list(as_json)[-4:] == ["stragglers", "slowdowns", "totals", "goodput"]
+    Ledger(storage, "e").append(AttemptStarted(attempt=4, world_size=3, pid=1, lineage_id="L"))
+    assert history(storage, "e").slowdowns == []  # attempt 3's figures were of processes that are gone
+
+
+def test_a_loss_recorded_before_hosts_and_hang_evidence_still_reads(tmp_path):
+    """A ledger written before these fields existed (no host, signal, stacks; no slowdowns events)."""
+    storage = LocalStorage(tmp_path)
+    Ledger(storage, "old").append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="x"))
+    storage.put("old/events/000000000001.json", json.dumps(
+        {"kind": "worker_lost", "attempt": 1, "at": "2026-01-01T00:00:00Z", "rank": 0, "node_id": "n",
+         "cause": "node-lost", "last_update": 3}).encode())
+    Ledger(storage, "old").append(AttemptStarted(attempt=2, world_size=1, pid=1, lineage_id="x"))
+    doc = history(storage, "old")
+    [r] = doc.restarts
+    assert (r.cause, r.rank, r.node_id, r.host, r.signal, r.stopped_phase, r.stacks) == (
+        "node-lost", 0, "n", None, None, None, None)
+    assert doc.stragglers == [] and doc.slowdowns == []
