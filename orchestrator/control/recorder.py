@@ -161,4 +161,5 @@ def _evidence(lost: RankLost) -> dict[str, Any]:
     ev = lost.evidence
     if ev is None:
         return {}
-    return {"signal": ev.signal, "stopped_phase": ev.phase, "stopped_update": ev.update, "stacks": ev.stacks_key}
+    return {"signal": ev.signal, "stopped_phase": ev.phase, "stopped_update": ev.update, "stacks": ev.stacks_key,
+            "host": ev.host}

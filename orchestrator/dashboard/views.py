@@ -27,6 +27,7 @@ from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
 from spotrun.trainer.bundle.errors import BundleError
 from spotrun.trainer.bundle.manifest import ManifestError
 from spotrun.trainer.observe.ranklog import list_rank_logs, read_rank_log
+from spotrun.trainer.observe.stacks import stacks_key
 from spotrun.trainer.storage import Storage
 
 QUIET_AFTER_S = 300.0  # a "running" job silent this long is flagged: its driver may be gone
@@ -134,8 +135,6 @@ class Reader:
         The key is built here, from the job id (a job under the root) and two plain decimal numbers,
         never taken from the request: anything else (``..``, a sign, a path) is :class:`~.access.JobNotFound`,
         as is a rank whose stacks were never kept."""
-        from spotrun.orchestrator.workers.watch import stacks_key  # the supervisor's own layout (imports Ray)
-
         require_job(self.storage, job_id)
         if not (_NUMBER.fullmatch(attempt) and _NUMBER.fullmatch(rank)):
             raise JobNotFound(f"no stacks of rank {rank!r} in attempt {attempt!r}: both are plain numbers")

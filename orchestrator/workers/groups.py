@@ -33,13 +33,15 @@ from spotrun.trainer.storage import open_storage
 @dataclass(frozen=True)
 class Evidence:
     """What the ledger keeps of a hung or stuck rank: which signal found it, where it stood (its last
-    reading; None: it never answered), and the storage key of its stacks (how they were taken)."""
+    reading; None: it never answered), the storage key of its stacks (how they were taken), and the host
+    its process ran on."""
 
     signal: str  # hang | stuck
     phase: str | None
     update: int | None
     stacks_key: str | None
     stacks_how: str
+    host: str | None = None
 
 
 class RankLost(RuntimeError):

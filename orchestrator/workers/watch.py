@@ -23,8 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from spotrun.orchestrator.policy.health import Bounds, Nearness, Pace, Seen, Verdict, judge, nearness, paces
 from spotrun.orchestrator.workers.groups import Evidence
 from spotrun.trainer.job.spec import JobSpec
-from spotrun.trainer.observe.ranklog import LOGS
-from spotrun.trainer.observe.stacks import Stacks, stopped, take
+from spotrun.trainer.observe.stacks import Stacks, stacks_key, stopped, take
 from spotrun.trainer.run.beacon import Reading
 from spotrun.trainer.storage import Storage
 
@@ -127,11 +126,6 @@ def stacks_then_kill(pid: int, armed_log: str | None) -> tuple[str, str, str]:
 _stacks_task = ray.remote(num_cpus=0)(stacks_then_kill)
 
 
-def stacks_key(job_id: str, attempt: int, rank: int) -> str:
-    """Where a hung or stuck rank's stacks are kept: beside the attempt's rank logs."""
-    return f"{job_id}/{LOGS}/attempt-{attempt}/rank-{rank}.stacks.txt"
-
-
 def condemn(verdict: Verdict, where: dict[str, Any], storage: Storage, job_id: str, attempt: int,
             helper: Any = None) -> Evidence:
     """Take the stacks of the rank ``verdict`` names on its node (``where``: its node id, pid and armed
@@ -157,4 +151,5 @@ def condemn(verdict: Verdict, where: dict[str, Any], storage: Storage, job_id: s
         log.warning("the stacks of rank %d could not be kept: %s", verdict.rank, e)
         key = None
     return Evidence(signal=verdict.signal, phase=str(reading.phase) if reading else None,
-                    update=reading.update if reading else None, stacks_key=key, stacks_how=how)
+                    update=reading.update if reading else None, stacks_key=key, stacks_how=how,
+                    host=where.get("host"))

@@ -6,6 +6,7 @@ and the run ends bitwise equal to the uninterrupted one."""
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from bench.false_alarms import SETS as LOADED
 from bench.false_alarms import loaded_run
 from spotrun.orchestrator.control.launch import run_on_ray
 from spotrun.orchestrator.ledger.events import Restored, Slowdowns, StragglerReplacing, WorkerLost
+from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.policy.health import Hung
 from spotrun.orchestrator.workers.watch import condemn
@@ -50,7 +52,7 @@ def test_a_stopped_rank_is_found_hung_named_by_its_stacks_and_replaced_warm_bitw
     # that may be a few updates before the fault's (seen: 6 to 10); where it stopped is what its stacks say
     assert 1 <= lost.stopped_update <= 10 and lost.stopped_phase is not None
     assert lost.loss == "failure"
-    assert lost.stacks == "hung/logs/attempt-1/rank-1.stacks.txt"
+    assert lost.stacks == "hung/logs/attempt-1/rank-1.stacks.txt" and lost.host == socket.gethostname()
     stacks = storage.get(lost.stacks).decode()
     # py-spy reads a stopped process's stacks. A process's SIGSTOP to itself takes effect at each thread's next
     # trip into the kernel, so the training thread is found at the fault's line or a little past it (seen: in
@@ -146,3 +148,8 @@ def test_a_rank_slowed_in_its_data_path_is_flagged_and_replaced_by_a_spare_at_a_
     assert restored.lost_updates == 0 and restored.update >= replacing.update
     # the spare runs at its peer's speed: no straggler in the attempt it joined
     assert all(not e.stragglers for e in events if isinstance(e, Slowdowns) and e.attempt == 2)
+    doc = history(open_storage(spec.storage), "straggler")
+    (row,) = doc.restarts
+    assert (row.cause, row.rank, row.loss, row.lost_updates) == ("straggler", 1, None, 0)
+    (flag,) = doc.stragglers
+    assert (flag.attempt, flag.rank, flag.replaced) == (1, 1, True) and flag.max_slowdown >= 2

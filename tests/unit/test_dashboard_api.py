@@ -233,7 +233,7 @@ def evidence(tmp_path):
 
 
 def test_a_hang_restart_links_its_stacks_served_as_plain_text(evidence):
-    from spotrun.orchestrator.workers.watch import stacks_key
+    from spotrun.trainer.observe.stacks import stacks_key
     from tests.helpers.evidence import STACKS_TEXT
     from tests.helpers.evidence import stacks_key as expected_key
 

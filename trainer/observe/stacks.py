@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal
 
+from spotrun.trainer.observe.ranklog import LOGS
+
 DUMP_SIGNAL = signal.SIGUSR2
 _armed: list[IO[str]] = []  # the open log faulthandler writes to: kept open for the process's life
 
@@ -35,6 +37,11 @@ class Stacks:
     how: Literal["py-spy", "faulthandler", "none"]
     text: str
     why: str = ""
+
+
+def stacks_key(job_id: str, attempt: int, rank: int) -> str:
+    """Where a hung or stuck rank's stacks are kept in the job's storage: beside the attempt's rank logs."""
+    return f"{job_id}/{LOGS}/attempt-{attempt}/rank-{rank}.stacks.txt"
 
 
 def arm(log: Path) -> None:
