@@ -243,6 +243,35 @@ class StragglerReplacing(LedgerEvent):
     update: int  # the update the attempt had reached when the replacement was asked for
 
 
+class StorageOutage(LedgerEvent):
+    """Storage refused the job's requests for a while (throttling, 5xx, resets, a full disk): recorded by
+    the driver once storage answers again (the ledger lives in storage too). ``attempt``: the attempt
+    running when it began."""
+
+    kind: Literal["storage_outage"] = "storage_outage"
+    began_at: datetime
+    ended_at: datetime
+    first_error: str  # the first refusal, as the path that met it said it (names a full disk as such)
+    paths: list[str]  # the storage paths that met it: "ledger", "publisher", "rank R bundle writes", ...
+    requests_refused: int  # refusals counted over those paths
+    bundles_skipped: int  # checkpoint boundaries whose bundle was not taken or whose write was abandoned
+    newest_bundle: str | None  # the newest published bundle while it lasted (None: none yet)
+    newest_update: int | None  # that bundle's update
+    update_at_end: int  # the update the attempt had reached when storage answered: the updates at risk are
+    # update_at_end - newest_update (what a loss during the outage would have cost)
+    full_disk: bool = False  # ENOSPC or EDQUOT was among the refusals
+
+
+class SpacePruned(LedgerEvent):
+    """A full disk (file storage): older bundles retention would keep were removed to make room for the
+    next checkpoint, the newest published bundle never among them."""
+
+    kind: Literal["space_pruned"] = "space_pruned"
+    bundles: list[str]  # the keys removed, oldest first
+    freed_bytes: int
+    reason: str  # what refused the write (ENOSPC, EDQUOT) and where
+
+
 class JobFailed(LedgerEvent):
     kind: Literal["job_failed"] = "job_failed"
     reason: str
@@ -272,7 +301,7 @@ class RunRefused(LedgerEvent):
 Event = Annotated[
     AttemptStarted | Restored | InitializedFrom | BundleRejected | BundlePublished | WorkerLost | CapacityWait
     | TopologyChanged | Resizing | OffsetsCommitted | NoticeSeen | NoticeHandled | JobFinished | JobFailed
-    | IntervalChosen | SparesReady | RunRefused | Slowdowns | StragglerReplacing,
+    | IntervalChosen | SparesReady | RunRefused | Slowdowns | StragglerReplacing | StorageOutage | SpacePruned,
     Field(discriminator="kind"),
 ]
 EVENT = TypeAdapter(Event)
