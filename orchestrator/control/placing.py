@@ -23,6 +23,8 @@ from spotrun.trainer.bundle.bundles import first_that_loads, list_bundles, read_
 from spotrun.trainer.bundle.errors import BundleCorrupt, BundleIncompatible
 from spotrun.trainer.bundle.manifest import Manifest, UnknownSchemaError, runtime_differences
 from spotrun.trainer.observe.faults import FaultInjector, FaultLog
+from spotrun.trainer.storage import StoragePermanentError, StorageUnavailableError
+from spotrun.trainer.storage.outage import Outage
 
 log = logging.getLogger("spotrun.supervisor")
 CAPACITY_POLL_S = 0.25
@@ -43,13 +45,37 @@ def with_budget(error: RankFailed, verdict: str) -> RankFailed:
     return out
 
 
+REFUSED = (StorageUnavailableError, StoragePermanentError)  # a request refused: an outage until proven otherwise
+
+
 class Placer:
     """Carries out ``Placing``: a new attempt, placed and restored, or a wait, or the end of the job."""
 
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
+        self.outage = Outage("placing an attempt", ctx.spec.storage_outage_s, clock=ctx.clock)
 
     def place(self, st: Placing) -> State:
+        """Place and restore the next attempt (or wait for room, or fail). A restart during a storage outage
+        (a listing, the visibility probe or a rank's read refused) waits for storage with capped backoff and
+        places again: it never fails for it, unless a permanent-looking refusal lasts ``storage_outage_s``."""
+        try:
+            nxt = self._place(st)
+        except REFUSED as e:
+            return self._storage_down(st, e)
+        self.outage.recovered()
+        return nxt
+
+    def _storage_down(self, st: Placing, e: StorageUnavailableError | StoragePermanentError) -> Placing:
+        """Storage refused a request while placing: wait the outage's backoff, then place again."""
+        self.outage.failed(e)  # a permanent refusal that has persisted past storage_outage_s is raised here
+        wait = self.outage.until_due_s()
+        log.warning("storage unavailable while placing attempt %d (%s): trying again in %.1f s (down %.0f s)",
+                    self.ctx.attempts, e, wait, self.outage.down_s())
+        self.ctx.sleep(wait)
+        return st
+
+    def _place(self, st: Placing) -> State:
         ctx, spec = self.ctx, self.ctx.spec
         ctx.platform.request_capacity(spec.max_world)
         available = ctx.platform.capacity() if st.below is None else min(ctx.platform.capacity(), st.below)
@@ -92,6 +118,9 @@ class Placer:
         ctx.noticed = set()
         try:
             restored = self._restore(group, candidates, st, size, label)
+        except REFUSED:
+            group.teardown()  # placed again once storage answers (place)
+            raise
         except (BundleIncompatible, UnknownSchemaError, BundleCorrupt, ValueError) as e:
             group.teardown()
             return Failed(str(e), e, refused=True)
@@ -104,10 +133,13 @@ class Placer:
         return Running(group, ctx.attempts, size, restored)
 
     def _start_failed(self, st: Placing, e: RankFailed) -> State:
-        """A rank raised before the attempt trained: bad input fails the job now, anything else is a
-        failure placed again within the budgets (:meth:`_start_lost`)."""
+        """A rank raised before the attempt trained: bad input fails the job now, storage refusing it waits
+        for storage (:meth:`_storage_down`), anything else is a failure placed again within the budgets
+        (:meth:`_start_lost`)."""
         if e.refusal:
             return Failed(str(e), e, refused=True)
+        if isinstance(e.raised, REFUSED):  # the rank met an outage (its probe or restore read): wait for it
+            return self._storage_down(st, e.raised)
         return self._start_lost(st, RankLost(e.rank, LossCause.START_FAILED, str(e)), e)
 
     def _start_lost(self, st: Placing, lost: RankLost, error: RankFailed | None = None) -> State:

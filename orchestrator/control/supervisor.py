@@ -95,7 +95,9 @@ class Supervisor:
         publisher = Publisher(storage, ledger, spec.job_id, spec.checkpoint.keep_last,
                               after_publish=self._after_publish, source_offsets=source, points=points,
                               outage_s=spec.storage_outage_s)
-        progress.watch_storage(lambda: max(ledger.outage.down_s(), publisher.outage.down_s()))
+        # (the placer's: a restart waiting for storage; it is made below, and read only once the run goes)
+        progress.watch_storage(lambda: max(ledger.outage.down_s(), publisher.outage.down_s(),
+                                           self.placer.outage.down_s()))
         self.ctx = RunContext(spec, platform, options, storage, ledger, Recorder(ledger, spec), publisher,
                               RestartBudgets(spec.world), progress)
         self.placer = Placer(self.ctx)

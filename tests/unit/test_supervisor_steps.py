@@ -35,8 +35,9 @@ from spotrun.orchestrator.ledger.events import (
 )
 from spotrun.orchestrator.notices.notice import Notice
 from spotrun.orchestrator.policy.health import Pace
-from spotrun.orchestrator.workers.groups import RankLost, Reformed
+from spotrun.orchestrator.workers.groups import RankFailed, RankLost, Reformed
 from spotrun.trainer.run.rank import Report
+from spotrun.trainer.storage import StoragePermanentError, StorageUnavailableError
 from tests.conftest import make_spec
 from tests.helpers import drafts
 from tests.helpers.groups import ScriptedGroup
@@ -261,3 +262,62 @@ def test_a_straggler_is_recorded_and_replaced_by_a_ready_spare_after_the_next_bu
     assert (restored.cause, restored.recovery_path, restored.update, restored.lost_updates) == (
         "straggler", "warm-spare", 7, 0)
     assert events(sup, WorkerLost) == [] and sup.ctx.budgets.record().failures == 0
+
+
+class Refusing:
+    """The job's storage, refusing ``list`` (a restart's look for bundles) ``times`` times with ``error``."""
+
+    def __init__(self, storage, times: int, error: Exception) -> None:
+        self._storage, self.times, self.error = storage, times, error
+
+    def list(self, prefix: str) -> list[str]:
+        if self.times:
+            self.times -= 1
+            raise self.error
+        return self._storage.list(prefix)
+
+    def __getattr__(self, name: str):
+        return getattr(self._storage, name)
+
+
+def test_a_restart_during_a_storage_outage_waits_for_storage_and_places_again(tmp_path):
+    """Storage refuses the restart's listing, then a rank's probe: each time the placer waits the outage's
+    backoff and places again. No budget is used, nothing is recorded as lost, the wait is said."""
+    spec = make_spec(tmp_path, job_id="o")
+    group = StepGroup(1, [])
+    refused_probe = RankFailed("rank 0 raised StorageUnavailableError: SlowDown (HTTP 503)", 0,
+                               raised=StorageUnavailableError("SlowDown (HTTP 503)"))
+    made = iter([refused_probe, group])
+
+    def make_group(*args):
+        nxt = next(made)
+        if isinstance(nxt, Exception):
+            raise nxt
+        return nxt
+
+    sleeps: list[float] = []
+    sup = Supervisor(spec, Platform(make_group, capacity=lambda: 1), Options(sleep=sleeps.append))
+    sup.ctx.storage = Refusing(sup.ctx.storage, 1, StorageUnavailableError("connection reset"))
+    placing = sup.step(Pending())
+    assert sup.step(placing) == placing and sup.placer.outage.down  # the listing refused
+    assert sup.step(placing) == placing  # the rank's probe refused
+    st = sup.step(placing)
+    assert isinstance(st, Running) and st.group is group and not sup.placer.outage.down
+    assert len(sleeps) == 2 and all(0 <= s <= 5 for s in sleeps)  # the outage's capped backoff
+    assert sup.ctx.budgets.record().failures == 0 and events(sup, WorkerLost) == []
+
+
+def test_a_refusal_that_looks_permanent_ends_the_restart_only_once_it_outlasts_storage_outage_s(tmp_path):
+    spec = make_spec(tmp_path, "storage_outage_s=60", job_id="p")
+    now = [0.0]
+    sup = Supervisor(spec, Platform(lambda *a: StepGroup(1, []), capacity=lambda: 1),
+                     Options(sleep=lambda s: None, clock=lambda: now[0]))
+    denied = StoragePermanentError("AccessDenied (HTTP 403)")
+    sup.ctx.storage = Refusing(sup.ctx.storage, 3, denied)
+    placing = sup.step(Pending())
+    assert sup.step(placing) == placing  # a denial is not believed at once (a credential being refreshed)
+    now[0] = 30.0
+    assert sup.step(placing) == placing
+    now[0] = 61.0
+    with pytest.raises(StoragePermanentError):
+        sup.step(placing)

@@ -20,7 +20,7 @@ from spotrun.trainer.run.visibility import (
     remove_probes,
     resolved,
 )
-from spotrun.trainer.storage import LocalStorage
+from spotrun.trainer.storage import LocalStorage, StorageUnavailableError
 
 HEAD = Node(node_id="a" * 56, ip="10.0.0.1", host="head-host")
 WORKER = Node(node_id="b" * 56, ip="10.0.0.2", host="worker-host")
@@ -107,3 +107,17 @@ def test_s3_storage_is_named_with_the_endpoint_this_process_resolved(monkeypatch
     assert resolved(S3Storage("s3://bucket/prefix")) == "s3://bucket/prefix (endpoint http://127.0.0.1:9)"
     assert resolved(S3Storage("s3://bucket/prefix", "http://u:secret@10.0.0.5:9000")) == \
         "s3://bucket/prefix (endpoint http://10.0.0.5:9000)"
+
+
+class Throttled(LocalStorage):
+    def get(self, key: str) -> bytes:
+        raise StorageUnavailableError("SlowDown (HTTP 503)")
+
+
+def test_a_rank_whose_read_of_the_probe_meets_an_outage_is_not_called_unshared(tmp_path):
+    """Storage that refuses for a while is the same storage: the outage is raised as itself (the attempt is
+    placed again once storage answers), never as a refusal of the job."""
+    storage = LocalStorage(tmp_path / "shared")
+    driver = post_driver_probe(storage, "job", 1, HEAD)
+    with pytest.raises(StorageUnavailableError):
+        answer_probe(Throttled(tmp_path / "shared"), RankProbe(driver=driver, rank=1, node=WORKER))

@@ -32,7 +32,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from spotrun.trainer.job.contract import JobError
-from spotrun.trainer.storage import Storage, StorageError
+from spotrun.trainer.storage import Storage, StorageError, StorageUnavailableError
 
 log = logging.getLogger("spotrun.visibility")
 
@@ -152,6 +152,8 @@ def _unseen(storage: Storage, probe: Probe) -> str | None:
         found = Probe.model_validate_json(storage.get(probe.key))
     except FileNotFoundError:
         return "it is not there"
+    except StorageUnavailableError:
+        raise  # an outage, not another storage: the attempt is placed again once storage answers
     except (OSError, StorageError) as e:
         return f"reading it failed: {e}"
     except ValidationError:

@@ -64,6 +64,10 @@ class Outage:
         since = self.since
         return 0.0 if since is None else self.clock() - since
 
+    def until_due_s(self) -> float:
+        """Seconds until :meth:`due` (0: now)."""
+        return 0.0 if self.since is None else max(0.0, self._next_try - self.clock())
+
     def due(self) -> bool:
         """Whether to try again now: storage answers, or the backoff after the last refusal has passed."""
         return self.since is None or self.clock() >= self._next_try
@@ -107,7 +111,7 @@ class Outage:
             return True
 
         def wait(state: RetryCallState) -> float:
-            return max(0.0, self._next_try - self.clock())
+            return self.until_due_s()
 
         result = Retrying(retry=retry_if_exception(passing), wait=wait, reraise=True)(fn)
         self.recovered()
