@@ -154,16 +154,19 @@ def assert_exact_coverage(records: dict[int, UpdateRecord], token_counts) -> Non
 class Background:
     """Runs a job on Ray on a thread, while the test acts on it (removes nodes, kills ranks) meanwhile."""
 
-    def __init__(self, spec, trace) -> None:
-        self.spec, self.trace = spec, trace
-        self.ledger = Ledger(open_storage(spec.storage), spec.job_id)  # polled: it parses each event once
+    def __init__(self, spec, trace, endpoint: str | None = None, record_ids: bool = False) -> None:
+        """``endpoint``: where the test reads the job's S3 storage (the server itself, where the job's own
+        endpoint is a fault proxy); ``record_ids``: the trace names each update's records."""
+        self.spec, self.trace, self.record_ids = spec, trace, record_ids
+        self.storage = open_storage(spec.storage, endpoint)
+        self.ledger = Ledger(self.storage, spec.job_id)  # polled: it parses each event once
         self.outcome, self.error = None, None
         # registered: the shared Ray's cleanup stops a job a failed test left running
         self.thread = job_thread(self._run, spec.job_id)
 
     def _run(self) -> None:
         try:
-            self.outcome = run_on_ray(self.spec, trace_path=str(self.trace))
+            self.outcome = run_on_ray(self.spec, trace_path=str(self.trace), record_ids=self.record_ids)
         except BaseException as e:
             self.error = e
 
@@ -188,8 +191,7 @@ class Background:
         """Until the attempt's HOLD fault fired (the job trains no further until the supervisor asks) and,
         with ``published``, that update's bundle is published."""
         try:
-            wait_until_held(open_storage(self.spec.storage), self.spec.job_id, self.thread.is_alive, attempt,
-                            published)
+            wait_until_held(self.storage, self.spec.job_id, self.thread.is_alive, attempt, published)
         except AssertionError as e:
             raise type(e)(f"{e}\n{self.story()}") from None
 

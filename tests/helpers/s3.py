@@ -334,6 +334,11 @@ class FaultProxy:
                 srv.outage_trigger = after
         return srv.outage_began
 
+    def end_outage(self) -> None:
+        """End the outage under way now (one started for longer than the test needs it)."""
+        with self._server.lock:
+            self._server.outage_until = None
+
     def start(self) -> FaultProxy:
         self._thread.start()
         return self

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 
 import pytest
 
@@ -21,11 +22,12 @@ from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.publish.offsets import OffsetsStore
 from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
 from spotrun.trainer.metrics import S3Sink
+from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from spotrun.trainer.storage import StoragePermanentError, open_storage
 from tests.conftest import ROOT, make_spec
 from tests.helpers.ray_local import local_ray
-from tests.helpers.runs import assert_exact_coverage
+from tests.helpers.runs import Background, assert_exact_coverage
 from tests.helpers.s3 import DUMMY_CREDENTIALS, FaultProxy, MotoServer
 
 pytestmark = pytest.mark.slow
@@ -156,3 +158,44 @@ def test_a_denial_that_persists_past_storage_outage_s_ends_the_job_loudly(moto, 
         with pytest.raises(StoragePermanentError, match="AccessDenied"):
             run_on_ray(spec, trace_path=str(tmp_path / "t.jsonl"), record_ids=True)
     assert began.is_set()
+
+
+def test_a_cold_restart_during_an_outage_waits_for_storage_and_a_kill_after_it_returns_is_ridden_too(
+        moto, reference, tmp_path):
+    """Every rank held at update 12 (bundle 8 published); storage then answers 503 to every request and rank 1
+    is killed. The restart is cold (world.warm_recovery off): its ranks are gone, and the next attempt waits
+    for storage (its ledger read, its listing, the ranks' storage check). Once storage answers it restores
+    bundle 8 and goes on; once bundle 16 is published rank 0 is killed too. The run ends exactly like the
+    uninterrupted one."""
+    with FaultProxy(moto.url, rate=0.0) as proxy:
+        spec = s3_spec(tmp_path, moto, proxy.url, "downrestart", "world.warm_recovery=false",
+                       "faults=[{site: before_update, signal: HOLD, update: 12, attempt: 1}, "
+                       "{site: microstep, update: 18, microstep: 1, rank: 0, attempt: 2, after_bundle: 16}]")
+        job = Background(spec, tmp_path / "t.jsonl", endpoint=moto.url, record_ids=True)
+        job.wait_until_held(attempt=1, published=8)
+        pids = {f.rank: f.pid for f in FaultLog(job.storage, "downrestart").read() if f.signal == "HOLD"}
+        proxy.outage(600.0, "503")
+        os.kill(pids[1], signal.SIGKILL)
+        # the attempt's ranks are gone (torn down for the cold restart), then the driver, restarting, keeps
+        # asking the refusing storage for a while
+        job.wait_for(lambda: not alive(pids[0]))
+        torn_down = proxy.injected["503"]
+        job.wait_for(lambda: proxy.injected["503"] >= torn_down + 10)
+        proxy.end_outage()
+        job.join()
+    assert job.error is None and job.outcome.state == "finished" and job.outcome.restarts == 2, job.story()
+    storage = check_like_reference(spec, tmp_path / "t.jsonl", reference, moto.url)
+    events = Ledger(storage, "downrestart").read()
+    lost = [(e.attempt, e.rank, e.cause) for e in events if isinstance(e, WorkerLost)]
+    assert lost == [(1, 1, "process-exit"), (2, 0, "process-exit")], job.story()
+    restored = {e.attempt: (e.update, e.recovery_path) for e in events if isinstance(e, Restored)}
+    assert restored[2] == (8, "cold") and restored[3][0] >= 16, job.story()
+    assert isinstance(events[-1], JobFinished)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
