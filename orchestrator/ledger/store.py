@@ -5,22 +5,23 @@ create-only semantics, so two writers never overwrite each other: a writer that
 loses the race for a sequence number takes the next one. A later process (the
 ``history`` command, the dashboard) rebuilds the whole story from these files.
 
-While the storage is unavailable, appended events wait in order in the writer's memory and are written,
-sequence numbers contiguous, once it answers (each later append tries again when the outage's backoff
-allows; a job's last event waits for it): an outage delays the ledger, it never ends the job.
+While the storage is unavailable, appended events wait in order in the writer's memory (spilled to a
+local file past a bound: :mod:`~spotrun.orchestrator.ledger.backlog`) and are written, sequence numbers
+contiguous, once it answers (each later append tries again when the outage's backoff allows; a job's
+last event waits for it): an outage delays the ledger, it never ends the job.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
+from spotrun.orchestrator.ledger.backlog import Backlog
 from spotrun.orchestrator.ledger.events import (
     EVENT,
     AttemptStarted,
@@ -91,7 +92,7 @@ class Ledger:
         ``storage_outage_s``)."""
         self.storage = storage
         self.outage = Outage(f"the ledger of {job_id}", outage_s)
-        self._pending: deque[tuple[LedgerEvent, bytes]] = deque()  # appended, not yet written: in order
+        self._pending = Backlog()  # appended, not yet written: in order (spilled to a local file past a bound)
         self._uncertain: tuple[int, bytes] | None = None  # a write that failed after it may have landed
         self.on_append = on_append
         self.fold = fold
@@ -122,7 +123,7 @@ class Ledger:
         append, at each block boundary, and after a fold that found work (one fold per append, so an
         append never waits for a long catch-up)."""
         with self._lock:
-            self._pending.append((event, event.model_dump_json().encode()))
+            self._pending.append(event, event.model_dump_json().encode())
             written = self.flush(wait=isinstance(event, LAST))
             return written[-1] if written and not self._pending else None
 
@@ -140,14 +141,14 @@ class Ledger:
             while self._pending:
                 if not wait and not self.outage.due():
                     break
-                event, blob = self._pending[0]
+                event, blob = self._pending.first()
                 try:
                     seq = self.outage.call(partial(self._write, blob)) if wait else self._write(blob)
                 except StorageError as e:
                     self.outage.failed(e)  # raises a permanent refusal past the bound
                     break
                 self.outage.recovered()
-                self._pending.popleft()
+                self._pending.pop()
                 written.append(single_key(self.prefix, seq))
                 if self.on_append is not None:
                     self.on_append(event)
@@ -263,7 +264,7 @@ class Ledger:
             for _ in range(READ_LISTINGS):
                 listing = self._list()
                 try:
-                    return self._assemble(listing) + [event for event, _ in self._pending]
+                    return self._assemble(listing) + self._pending.events()
                 except FileNotFoundError:
                     continue  # folded away since the listing: the next one names the segment that holds it
             raise self._unsettled()

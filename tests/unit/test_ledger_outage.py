@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from spotrun.orchestrator.ledger.backlog import Backlog
 from spotrun.orchestrator.ledger.events import JobFinished
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.storage import StoragePermanentError
@@ -83,3 +84,47 @@ def test_a_permanent_refusal_is_raised_only_once_it_has_persisted(tmp_path):
     now[0] = 30
     with pytest.raises(StoragePermanentError):
         led.append(event(2))
+
+
+def test_a_long_outage_spills_the_waiting_events_to_disk_past_the_memory_bound_and_loses_none(tmp_path):
+    """A bound of ~3 events: the rest of a long outage's events wait in a local file, in order; the driver's
+    memory holds no more than the bound meanwhile, and once storage answers every event is written once, in
+    order, and the file is gone."""
+    storage = Flaky(tmp_path / "store")
+    led = ledger(storage)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    size = len(event(0).model_dump_json())
+    led._pending = Backlog(memory_bytes=3 * size, spill_dir=str(spill))
+    written = [event(i) for i in range(40)]
+    storage.down = True
+    for e in written:
+        led.append(e)
+    assert led.pending == 40 and led._pending.spilled == 37 and led._pending.held_bytes <= 3 * size
+    assert len(list(spill.iterdir())) == 1
+    storage.down = False
+    assert led.read() == written  # the waiting events, the spilled ones too, in order (a read writes nothing)
+    led.outage.recovered()
+    assert len(led.flush(wait=True)) == 40 and led.pending == 0
+    assert Ledger(Flaky(tmp_path / "store"), "j", fold=None).read() == written
+    assert list(spill.iterdir()) == []  # drained: the file is removed
+
+
+def test_the_backlog_keeps_order_across_memory_and_spill_however_they_interleave(tmp_path):
+    size = len(event(0).model_dump_json())
+    backlog = Backlog(memory_bytes=2 * size, spill_dir=str(tmp_path))
+    out, n = [], 0
+    for burst in (5, 1, 3, 7, 2):  # appends and writes interleaved: memory refilled from the file in between
+        for _ in range(burst):
+            backlog.append(event(n), event(n).model_dump_json().encode())
+            n += 1
+        for _ in range(burst // 2 + 1):
+            e, blob = backlog.first()
+            assert blob == e.model_dump_json().encode()
+            out.append(e)
+            backlog.pop()
+            assert backlog.held_bytes <= 2 * size
+    while len(backlog):
+        out.append(backlog.first()[0])
+        backlog.pop()
+    assert out == [event(i) for i in range(n)]
