@@ -25,7 +25,8 @@ MODULES = {"1-checkpoint-stall": "bench.checkpoint_stall", "2-training-overhead"
            "8-steady-speed": "bench.steady_speed", "9-sharded-bundles": "bench.sharded_bundles",
            "10-ledger-week": "bench.ledger_week", "11-auto-interval": "bench.auto_interval",
            "12-data-identity": "bench.data_identity", "13-health-poll": "bench.health_poll",
-           "14-false-alarms": "bench.false_alarms", "15-hang-recovery": "bench.hang_recovery"}
+           "14-false-alarms": "bench.false_alarms", "15-hang-recovery": "bench.hang_recovery",
+           "16-storage-outage": "bench.storage_outage"}
 
 
 def main() -> int:

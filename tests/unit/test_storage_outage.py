@@ -166,3 +166,28 @@ def test_a_rank_skips_checkpoints_while_storage_is_down_abandons_refused_writes_
     assert gate.opens(12, final=False)  # the backoff passed: try again
     assert gate.finished(lambda: "result") == "result" and not gate.outage.down
     assert gate.skipped == 3
+
+
+def test_a_long_outage_says_its_skipped_checkpoints_once_a_minute_not_at_every_boundary(caplog):
+    from spotrun.trainer.run.write_gate import SAY_EVERY_S, WriteGate
+
+    clock = Clock()
+    gate = WriteGate(rank=1, outage_s=900, clock=clock)
+    gate.outage = Outage("rank 1", 900, Backoff(initial_s=1000, max_s=1000), clock)
+
+    def refused() -> None:
+        raise StorageUnavailableError("503 SlowDown")
+
+    with caplog.at_level("WARNING", logger="spotrun.trainer.run.write_gate"):
+        assert not gate.attempt(4, refused, final=False)  # the outage's first skip: said
+        for update in range(8, 200, 4):  # a boundary every second: counted, not said
+            clock.now += 1
+            assert not gate.opens(update, final=False)
+        clock.now += SAY_EVERY_S
+        assert not gate.opens(200, final=False)  # a minute on: said, with the count since
+        gate.outage.recovered()
+        assert not gate.attempt(204, refused, final=False)  # a new outage: said at once
+    said = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(said) == 3 and gate.skipped == 51, said
+    assert "update 4 skipped" in said[0] and "(49 skipped since the last line)" in said[1], said
+    assert "update 204 skipped" in said[2] and "since" not in said[2], said

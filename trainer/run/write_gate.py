@@ -12,6 +12,7 @@ is the exception: it waits the outage out (``storage_outage_s`` bounds only a pe
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -19,14 +20,17 @@ from spotrun.trainer.storage import Outage, StorageError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+SAY_EVERY_S = 60.0  # during an outage, a skipped checkpoint is said at most this often
 
 
 class WriteGate:
     """One rank's view of the storage for its checkpoints (see the module docstring)."""
 
-    def __init__(self, rank: int, outage_s: float) -> None:
-        self.outage = Outage(f"rank {rank}'s checkpoints", outage_s)
+    def __init__(self, rank: int, outage_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.outage = Outage(f"rank {rank}'s checkpoints", outage_s, clock=clock)
+        self.clock = clock
         self.skipped = 0  # checkpoint boundaries skipped or writes abandoned for an outage
+        self._said: tuple[int, int, float] | None = None  # (outage, skips, clock) at the last line said: _skip
 
     def opens(self, update: int, final: bool) -> bool:
         """Whether to checkpoint at ``update``: always the job's last; otherwise not while the storage is
@@ -65,5 +69,14 @@ class WriteGate:
         return done
 
     def _skip(self, update: int, why: str) -> None:
+        """Count a skipped boundary. Said at the first of an outage, then at most every :data:`SAY_EVERY_S`
+        with the count since: a long outage skips a boundary every few seconds, and its log must stay readable."""
         self.skipped += 1
-        log.warning("checkpoint at update %d skipped: %s; training goes on", update, why)
+        now, outage = self.clock(), self.outage.outages
+        same = self._said is not None and self._said[0] == outage
+        if same and self._said is not None and now - self._said[2] < SAY_EVERY_S:
+            return
+        since = self.skipped - self._said[1] if same and self._said is not None else 1
+        self._said = (outage, self.skipped, now)
+        more = f" ({since} skipped since the last line)" if since > 1 else ""
+        log.warning("checkpoint at update %d skipped: %s; training goes on%s", update, why, more)
