@@ -11,6 +11,8 @@ secured cluster (Ray 2.60's default) wants from a Jobs client, so spotrun uses:
   processes block SIGTERM without the futile graceful SIGTERM (:func:`shutdown_without_grace`);
 - the control lines a Ray worker prints for its log monitor (``:actor_name:RankActor``, ...),
   which a rank's own output leaves out (:func:`is_ray_control_line`);
+- ``ray._private.worker._global_node.get_logs_dir_path``: where this node's Ray worker logs are, to
+  quote a dead rank's last words (:func:`logs_dir`);
 - ``ray._private.worker.print_to_stdstream``, through which a driver prints the errors Ray
   publishes: spotrun leaves out the raylet's notice of a worker that died (it reports each
   lost rank itself, with its cause) (:func:`quiet_worker_deaths`).
@@ -184,3 +186,17 @@ def shutdown_without_grace() -> None:
         _warn_once(str(_changed("ray._private.worker._global_node.kill_all_processes", e,
                                 "Shutting down the ordinary way (a few seconds slower).")))
     ray.shutdown()
+
+
+def logs_dir() -> str | None:
+    """This node's Ray log folder (its workers' ``worker-*-<pid>.err``), or None where this process is not
+    connected to Ray or the API changed (said once: a lost rank is then reported without its log's end)."""
+    import ray
+
+    try:
+        node = ray._private.worker._global_node  # type: ignore[attr-defined]
+        return None if node is None else str(node.get_logs_dir_path())
+    except AttributeError as e:
+        _warn_once(str(_changed("ray._private.worker._global_node.get_logs_dir_path", e,
+                                "A lost rank's detail will not quote its Ray worker log.")))
+        return None

@@ -33,6 +33,7 @@ from spotrun.orchestrator.workers.groups import (
     Reformed,
     WarmUnavailable,
 )
+from spotrun.orchestrator.workers.lastwords import last_words
 from spotrun.orchestrator.workers.placement import placed as _placed
 from spotrun.orchestrator.workers.placement import rank_bundle
 from spotrun.orchestrator.workers.rankactor import RankActor, this_node
@@ -328,7 +329,23 @@ class RayGroup:
 
     def _get(self, rank: int, ref: Any, timeout: float | None = POLL_TIMEOUT_S) -> Any:
         node_ids = getattr(self, "node_ids", [])  # none before the ranks said where they are
-        return answer_of(rank, ref, timeout, node_ids[rank] if rank < len(node_ids) else None)
+        try:
+            return answer_of(rank, ref, timeout, node_ids[rank] if rank < len(node_ids) else None)
+        except RankLost as e:
+            raise self._with_last_words(e) from e.__cause__
+
+    def _with_last_words(self, lost: RankLost) -> RankLost:
+        """A rank whose process died on this (the driver's) node: its detail quotes the end of its Ray worker
+        log, where a native crash (SIGABRT, a segfault) says what it was."""
+        where = getattr(self, "where", [])
+        if (lost.cause not in (LossCause.PROCESS_EXIT, LossCause.OOM) or lost.rank is None
+                or lost.rank >= len(where) or where[lost.rank].get("node_id") != this_node().node_id):
+            return lost
+        words = last_words(where[lost.rank]["pid"])
+        if not words:
+            return lost
+        return RankLost(lost.rank, lost.cause, f"{lost.detail}; its Ray worker log ends:\n{words}", lost.node_id,
+                        lost.evidence)
 
     def restore(self, bundle_key: str, storage_uri: str | None = None,
                 reset: tuple[str, ...] = ()) -> tuple[float, list[str]]:
@@ -349,7 +366,8 @@ class RayGroup:
                 except RankFailed as e:
                     failure = failure or e  # a later rank's death may be the reason: look at all first
         if failure is not None:
-            raise blame(failure, self.actors, self.node_ids)
+            culprit = blame(failure, self.actors, self.node_ids)
+            raise self._with_last_words(culprit) if isinstance(culprit, RankLost) else culprit
         asked_at = time.monotonic()
         refs = [a.poll.remote() for a in self.actors]
         # a live rank answers in about a second at worst under load: waiting world.hang_after_s, not a minute

@@ -457,3 +457,21 @@ def slowed_rank(ctx: spotrun.BuildContext) -> spotrun.Job:
             else NoiseStream(ctx.seed))
     return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.StreamData(data), step=regression,
                        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01))
+
+
+def aborts_once(ctx: spotrun.BuildContext) -> spotrun.Job:
+    """A regression whose step, on rank 1 at its tenth call (update 5), aborts the process (SIGABRT, as glibc
+    does on heap corruption: no Python traceback). Once per job: the first process to abort marks
+    ``ctx.config["marker"]`` (a file), so the restarted attempt runs through."""
+    calls = Calls()
+    marker = Path(ctx.config["marker"])
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        calls.n += 1
+        if calls.n == 10 and torch.distributed.get_rank() == 1 and not marker.exists():
+            marker.touch()
+            os.abort()
+        return regression(model, batch)
+
+    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.StreamData(NoiseStream(ctx.seed)), step=step,
+                       optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01))

@@ -15,6 +15,7 @@ from pathlib import Path
 from spotrun.orchestrator.control.launch import run_on_ray
 from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, WorkerLost
 from spotrun.orchestrator.ledger.store import Ledger
+from spotrun.orchestrator.workers.lastwords import last_words
 from spotrun.trainer.bundle.bundles import list_bundles
 from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.observe.ranklog import list_rank_logs, read_rank_log
@@ -52,12 +53,12 @@ class UnplannedLoss(AssertionError):
     Ray's worker log; tests/conftest.py reruns a test once on this error, and only on this one."""
 
 
-def worker_last_words(pid: int, lines: int = 12) -> str:
-    """The end of what the Ray worker process ``pid`` wrote to its stderr log (the newest session's
-    that has one): where a native crash says what it was; empty when there is none."""
+def worker_last_words(pid: int) -> str:
+    """The end of what the Ray worker process ``pid`` wrote to its stderr log, in the newest Ray session
+    that has one (the driver may have left its session already): the product's own reading of it."""
     logs = sorted(Path(tempfile.gettempdir(), "ray").glob(f"session_*/logs/worker-*-{pid}.err"),
                   key=lambda p: p.stat().st_mtime)
-    return "\n".join(logs[-1].read_text(errors="replace").splitlines()[-lines:]) if logs else ""
+    return last_words(pid, folder=str(logs[-1].parent)) if logs else ""
 
 
 def unplanned_loss(events: list, fired: list, attempt: int) -> str | None:

@@ -84,6 +84,20 @@ def test_a_step_blocked_forever_on_one_rank_is_found_stuck_named_by_its_line_and
     assert restored.recovery_path == "warm-spare"
 
 
+def test_a_rank_that_aborts_in_native_code_is_reported_with_its_ray_worker_log_s_last_words(tmp_path):
+    """Rank 1 aborts (SIGABRT, no Python traceback: what glibc does on heap corruption). Ray says only that the
+    actor died; the loss's detail quotes the end of its Ray worker log, where the abort is named."""
+    spec = make_spec(tmp_path, "world.size=2", "train.updates=8", "checkpoint.every_updates=2", "data.workers=0",
+                     "job.entrypoint=tests.helpers.jobs:aborts_once", f"job.config.marker={tmp_path / 'aborted'}",
+                     job_id="abort")
+    outcome = run_on_ray(spec)
+    assert outcome.state == "finished" and outcome.restarts == 1
+    (lost,) = [e for e in Ledger(open_storage(spec.storage), "abort").read() if isinstance(e, WorkerLost)]
+    assert (lost.rank, lost.cause) == (1, "process-exit")
+    assert "its Ray worker log ends:" in lost.detail and "SIGABRT" in lost.detail, lost.detail
+    assert "tests/helpers/jobs.py" in lost.detail and " in step" in lost.detail, lost.detail  # the aborting line
+
+
 def test_a_minute_beside_a_cpu_hog_with_checkpoints_every_few_updates_records_no_hung_or_stuck_rank(tmp_path):
     """The CI version of bench 14 (bench/false_alarms.py: ten minutes): a 2-rank job trains for a minute while
     one busy process per core takes every core, checkpointing every 4 updates, and is stopped by a notice.
