@@ -4,8 +4,8 @@
     python -m bench --only NAME...     # those benches; the other sections of RESULTS.md stay as they were
     python -m bench --quick            # tiny runs, results under bench/.work/quick/
 
-A full run (not ``--quick``) also rewrites the figures in the README's Performance section from the
-new bench/RESULTS.md (bench/readme.py).
+A run that is not ``--quick`` (``--only`` included: bench/RESULTS.md keeps the other sections) also
+rewrites the figures in the README's Performance section from the new bench/RESULTS.md (bench/readme.py).
 """
 
 from __future__ import annotations
