@@ -9,23 +9,65 @@ which the report prints) draws every choice, never the job's streams.
 
 from __future__ import annotations
 
+import difflib
 import random
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from spotrun.orchestrator.control.specfile import SpecError
-from spotrun.orchestrator.verify.comparison import NODE_SITE, WARM_SITE, site_name
+from spotrun.orchestrator.ledger.events import WorkerLost
+from spotrun.orchestrator.verify.comparison import HANG_SITE, NODE_SITE, WARM_SITE, site_name
 from spotrun.trainer.job.sections import FaultSpec
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.faults import FaultFired
 from spotrun.trainer.run.warm import ineligible
 
-SITES = ("mid-accumulation", "mid-microstep", "bundle-write", "publish-to-offsets", "notice")
+SITES = ("mid-accumulation", "mid-microstep", "bundle-write", "publish-to-offsets", "notice", HANG_SITE)
 BOUNDARY_SITES = ("bundle-write", "publish-to-offsets")  # faults at a checkpoint boundary
-MID_UPDATE = ("mid-accumulation", "mid-microstep")  # kills inside an update: they restore the newest bundle before it
+# faults inside an update whose rank is then killed (at once, or once the health watch finds it hung):
+# their restart restores the newest bundle before it
+MID_UPDATE = ("mid-accumulation", "mid-microstep", HANG_SITE)
 CANDIDATES = 256  # epoch-crossing placements tried at most (each is one cheap greedy plan)
+
+
+def unavailable_sites(spec: JobSpec, nodes: bool, ray: bool) -> dict[str, str]:
+    """The sites verify cannot plan for this job, each with why and what to change. ``ray``: the runs
+    are on Ray (verify without ``--no-ray``). A hang is found by the Ray group's health watch
+    (``world.hang_after_s``), which verify plans only with 2 or more ranks: one of them stopped, its
+    peers wait for it at the next collective."""
+    out = {} if nodes else {NODE_SITE: "the job runs on a single node; run verify --nodes N to exercise it"}
+    if not ray:
+        out[WARM_SITE] = "without Ray every restart starts new processes; run verify without --no-ray"
+        out[HANG_SITE] = ("without Ray no health watch looks for a stopped rank; run verify without --no-ray, "
+                          "with world.size=2 or more")
+    else:
+        why = ineligible(spec) or ("one rank: no process survives its loss" if spec.world.size < 2 else None)
+        if why is not None:
+            out[WARM_SITE] = why
+        if spec.world.size < 2:
+            out[HANG_SITE] = (f"verify plans a hang only with 2 or more ranks (world.size={spec.world.size}); "
+                              "set world.size=2 or more to exercise it")
+    return out
+
+
+def check_sites(only: Collection[str], unavailable: Mapping[str, str]) -> None:
+    """Refuse a choice of sites (verify --sites) that verify could not carry out: a name it does not know,
+    a site this job cannot have (``unavailable``: :func:`unavailable_sites`), or a warm-rejoin kill with
+    no kill inside an update before it (the restart it fires at is that kill's warm one)."""
+    known = (*SITES[:2], WARM_SITE, *SITES[2:], NODE_SITE)
+    for name in only:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise SpecError(f"verify --sites: no fault site {name!r}{hint}; the sites are {', '.join(known)}")
+        if name in unavailable:
+            raise SpecError(f"verify --sites {name}: this verify cannot plan it: {unavailable[name]} (or leave "
+                            f"{name} out of --sites)")
+    if WARM_SITE in only and not set(MID_UPDATE[:2]) & set(only):
+        raise SpecError(f"verify --sites {WARM_SITE} kills a rank as the warm restart after a kill inside an "
+                        f"update re-forms the group: add mid-accumulation or mid-microstep to --sites")
 
 
 def restarts_warm(spec: JobSpec) -> bool:
@@ -59,10 +101,13 @@ def fixed_interval(spec: JobSpec) -> int:
 
 
 def plan_faults(spec: JobSpec, kills: int, seed: int, nodes: bool = False, warm: bool = False,
-                epochs: Mapping[int, int] | None = None) -> tuple[list[FaultSpec], list[NodeRemoval]]:
+                epochs: Mapping[int, int] | None = None,
+                only: Collection[str] = ()) -> tuple[list[FaultSpec], list[NodeRemoval]]:
     """``kills`` faults at increasing updates, one per attempt, cycling through the fault sites
-    (with node removals among them when the job runs on several nodes, and a kill as a warm restart
-    re-forms the group when ``warm``: on Ray, where :func:`restarts_warm`), as many as fit before
+    (with node removals among them when the job runs on several nodes; a kill as a warm restart
+    re-forms the group, and a rank stopped mid-update until the health watch finds it hung, when
+    ``warm``: on Ray, where :func:`restarts_warm` and with 2 or more ranks; ``only``: just the sites
+    it names, in the cycle's order, when it names any), as many as fit before
     ``train.updates``, spread over the run: the first after the second checkpoint boundary, the
     last late in the run (in its last third, where the sites leave room), the others evenly between,
     each at a random offset. ``epochs`` (update -> the epoch its data reached, from the reference
@@ -79,24 +124,26 @@ def plan_faults(spec: JobSpec, kills: int, seed: int, nodes: bool = False, warm:
     which the next attempt is sure to restore. With ``checkpoint.every_updates >= train.updates``
     no bundle comes before the end and nothing is planned
     (:func:`~spotrun.orchestrator.verify.verdict.proof_failures` says so)."""
-    sites = _sites(spec, nodes, warm)
+    sites = _sites(spec, nodes, warm, only)
     every, last = fixed_interval(spec), spec.train.updates
     # From one interval after the first bundle on: it is written in the background and published by
     # the supervisor's next poll, and a fault an update after its boundary often came first (under
     # load, every fault of a short plan did), so that no restart restored a bundle at all.
     faults, removals = _spread(spec, kills, seed, sites, 2 * every, epochs or {})
-    if faults or removals or every >= last:
+    if faults or removals or every >= last or "publish-to-offsets" not in sites:
         return faults, removals
     first = ("publish-to-offsets", *(s for s in sites if s != "publish-to-offsets"))
     return _spread(spec, kills, seed, first, 0, epochs or {})
 
 
-def _sites(spec: JobSpec, nodes: bool, warm: bool) -> tuple[str, ...]:
-    """The cycle of fault sites :func:`plan_faults` goes through."""
+def _sites(spec: JobSpec, nodes: bool, warm: bool, only: Collection[str] = ()) -> tuple[str, ...]:
+    """The cycle of fault sites :func:`plan_faults` goes through: :data:`SITES` less those this job cannot
+    have (:func:`unavailable_sites`), and ``only`` those in ``only`` when it names any (verify --sites)."""
     sites = (*SITES, NODE_SITE) if nodes else SITES
     if warm and restarts_warm(spec):  # after the second kill: its restart is from a bundle this driver published
         sites = (*sites[:2], WARM_SITE, *sites[2:])
-    return sites
+    unavailable = unavailable_sites(spec, nodes, warm)
+    return tuple(s for s in sites if s not in unavailable and (not only or s in only))
 
 
 def _spread(spec: JobSpec, kills: int, seed: int, sites: Sequence[str], start: int,
@@ -199,11 +246,12 @@ def restore_crosses_epoch(fault: FaultSpec, plan: Sequence[FaultSpec], every: in
                           epochs: Mapping[int, int]) -> bool | None:
     """Whether the restore ``fault`` causes is sure to cross an epoch boundary, if it restores a bundle:
     the fault fires in a later epoch than that of the newest bundle that can be published before it
-    (the restart may restore an older one, of the same epoch or an earlier one). Only kills inside an
-    update and during a bundle write can: the other sites restore the bundle of their own boundary.
+    (the restart may restore an older one, of the same epoch or an earlier one). Only kills (and hangs)
+    inside an update and kills during a bundle write can: the other sites restore the bundle of their own
+    boundary.
     ``plan``: the faults planned with it (a notice before it may have left an emergency bundle up to
     an interval past its update). None: the epochs of those updates are not known."""
-    if fault.site in ("microstep", "backward") and fault.signal == "SIGKILL":
+    if fault.site in ("microstep", "backward") and fault.signal in ("SIGKILL", "SIGSTOP"):  # a hung rank: killed
         newest = (fault.update - 1) // every * every  # the last boundary before it
     elif fault.site == "bundle_write":
         newest = fault.update - every  # the rank dies writing its own bundle: it is never published
@@ -264,7 +312,10 @@ def _plan(spec: JobSpec, kills: int, rng: random.Random, sites: Sequence[str], s
             "publish-to-offsets": dict(site="after_publish", rank=0),
             "notice": dict(site="microstep", microstep=rng.randrange(accum), signal="SIGTERM"),
         }
-        fault = by_site[site]
+        # a hang: the rank stopped after its forward pass, alive and silent (its peers wait for it at the
+        # gradients' sync). Its draw is taken only for it, so the other sites' plans stayed as they were
+        fault = (dict(site="backward", microstep=rng.randrange(accum), signal="SIGSTOP") if site == HANG_SITE
+                 else by_site[site])
         # a kill that restores the bundle before it fires once that bundle is published: the supervisor's
         # publish would otherwise race the kill, and a restart that finds nothing newer starts earlier
         restores = (u - 1) // every * every if site in MID_UPDATE else u - every if site == "bundle-write" else 0
@@ -278,13 +329,17 @@ def _plan(spec: JobSpec, kills: int, rng: random.Random, sites: Sequence[str], s
 
 
 def sure_restore(spec: JobSpec, kills: int, seed: int, nodes: bool, warm: bool,
-                 epochs: Mapping[int, int] | None = None) -> str:
+                 epochs: Mapping[int, int] | None = None, only: Collection[str] = ()) -> str:
     """How to plan a fault whose restart restores a bundle whatever the timing: the publish-to-offsets
     site kills right after a publish (a kill inside an update or during a write waits for the bundle
     before it, but finds none before the job's first boundary).
     Names the plan :func:`plan_faults` gives for these inputs (the same ``epochs`` and seed), or, where
-    this run is too short to reach that site, the ``train.updates`` from which on every plan does."""
-    sites, every = _sites(spec, nodes, warm), fixed_interval(spec)
+    this run is too short to reach that site, the ``train.updates`` from which on every plan does;
+    ``only``: the sites verify --sites chose (the advice adds publish-to-offsets where they lack it)."""
+    sites, every = _sites(spec, nodes, warm, only), fixed_interval(spec)
+    if "publish-to-offsets" not in sites:
+        return ("add publish-to-offsets to verify --sites: it kills right after a bundle is published, and its "
+                "restart always restores it")
     # where the site comes in the cycle, and the room it needs: the compact plan's positions do not
     # depend on train.updates, which only cuts it short, and a spread plan holds as many faults
     unbounded = spec.model_copy(update={"train": spec.train.model_copy(update={"updates": 2**62})})
@@ -294,7 +349,7 @@ def sure_restore(spec: JobSpec, kills: int, seed: int, nodes: bool, warm: bool,
     # which take no attempt of their own
     at = sure.attempt + sum(f.site == "rejoin" for f in compact[:compact.index(sure)])
     k = max(kills, at)
-    faults, _ = plan_faults(spec, k, seed, nodes, warm, epochs)
+    faults, _ = plan_faults(spec, k, seed, nodes, warm, epochs, only)
     planned = next((f for f in faults if f.site == "after_publish" and f.attempt == sure.attempt), None)
     if planned is not None:
         return (f"run verify with --kills {k}: fault {at} of that plan kills right after the bundle of update "
@@ -310,12 +365,14 @@ def draw_seed() -> int:
 
 
 def fault_rows(faults: Sequence[FaultSpec], removals: Sequence[NodeRemoval], fired: Sequence[FaultFired],
-               removals_done: int, every: int, epochs: Mapping[int, int]) -> list[dict[str, Any]]:
+               removals_done: int, every: int, epochs: Mapping[int, int],
+               losses: Sequence[WorkerLost] = ()) -> list[dict[str, Any]]:
     """The report's planned faults, in the order they were planned: each fault's site as the report
     names it, its planned update, attempt and rank, the epoch its update's data reached (None: not
     known), whether it was delivered (recorded as it fired; a node removal, once verify carried it
-    out, in plan order) and whether its restore is sure to cross an epoch boundary
-    (:func:`restore_crosses_epoch`)."""
+    out, in plan order), whether its restore is sure to cross an epoch boundary
+    (:func:`restore_crosses_epoch`), and ``found_as``: how the chaos job's driver found the loss it
+    caused (:func:`found_as`, from ``losses``, the ledger's ``WorkerLost`` events)."""
     rows: list[dict[str, Any]] = [
         {"name": site_name(f.site, f.signal, f.microstep), **f.model_dump(), "epoch": epochs.get(f.update),
          "delivered": any(r.matches(f) for r in fired),
@@ -324,4 +381,20 @@ def fault_rows(faults: Sequence[FaultSpec], removals: Sequence[NodeRemoval], fir
               "epoch": epochs.get(r.update), "delivered": i < removals_done, "restore_crosses_epoch": None}
              for i, r in enumerate(removals)]
     # a warm-rejoin kill shares the attempt of the fault after it, at the update of the one before
-    return sorted(rows, key=lambda row: (row["attempt"], row["update"]))
+    rows = sorted(rows, key=lambda row: (row["attempt"], row["update"]))
+    return found_as(rows, losses)
+
+
+def found_as(rows: list[dict[str, Any]], losses: Sequence[WorkerLost]) -> list[dict[str, Any]]:
+    """``rows`` (in plan order) with ``found_as`` set on each delivered one: how the driver found the loss
+    it caused, the ``signal`` of a rank found alive but unresponsive (``hang``, ``stuck``) or else the
+    ``cause`` of the first ``WorkerLost`` of the fault's attempt on its rank (or on no one rank) not
+    already given to an earlier row; None where the ledger recorded no such loss."""
+    left = list(losses)
+    for row in rows:
+        lost = next((e for e in left if row["delivered"] and e.attempt == row["attempt"]
+                     and e.rank in (row["rank"], None)), None)
+        if lost is not None:
+            left.remove(lost)
+        row["found_as"] = None if lost is None else lost.signal or lost.cause
+    return rows
