@@ -9,7 +9,6 @@ which the report prints) draws every choice, never the job's streams.
 
 from __future__ import annotations
 
-import difflib
 import random
 import secrets
 from collections.abc import Collection, Mapping, Sequence
@@ -19,55 +18,13 @@ from typing import Any
 from spotrun.orchestrator.control.specfile import SpecError
 from spotrun.orchestrator.ledger.events import WorkerLost
 from spotrun.orchestrator.verify.comparison import HANG_SITE, NODE_SITE, WARM_SITE, site_name
+from spotrun.orchestrator.verify.sites import BOUNDARY_SITES, MID_UPDATE, SITES, unavailable_sites
 from spotrun.trainer.job.sections import FaultSpec
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.faults import FaultFired
 from spotrun.trainer.run.warm import ineligible
 
-SITES = ("mid-accumulation", "mid-microstep", "bundle-write", "publish-to-offsets", "notice", HANG_SITE)
-BOUNDARY_SITES = ("bundle-write", "publish-to-offsets")  # faults at a checkpoint boundary
-# faults inside an update whose rank is then killed (at once, or once the health watch finds it hung):
-# their restart restores the newest bundle before it
-MID_UPDATE = ("mid-accumulation", "mid-microstep", HANG_SITE)
 CANDIDATES = 256  # epoch-crossing placements tried at most (each is one cheap greedy plan)
-
-
-def unavailable_sites(spec: JobSpec, nodes: bool, ray: bool) -> dict[str, str]:
-    """The sites verify cannot plan for this job, each with why and what to change. ``ray``: the runs
-    are on Ray (verify without ``--no-ray``). A hang is found by the Ray group's health watch
-    (``world.hang_after_s``), which verify plans only with 2 or more ranks: one of them stopped, its
-    peers wait for it at the next collective."""
-    out = {} if nodes else {NODE_SITE: "the job runs on a single node; run verify --nodes N to exercise it"}
-    if not ray:
-        out[WARM_SITE] = "without Ray every restart starts new processes; run verify without --no-ray"
-        out[HANG_SITE] = ("without Ray no health watch looks for a stopped rank; run verify without --no-ray, "
-                          "with world.size=2 or more")
-    else:
-        why = ineligible(spec) or ("one rank: no process survives its loss" if spec.world.size < 2 else None)
-        if why is not None:
-            out[WARM_SITE] = why
-        if spec.world.size < 2:
-            out[HANG_SITE] = (f"verify plans a hang only with 2 or more ranks (world.size={spec.world.size}); "
-                              "set world.size=2 or more to exercise it")
-    return out
-
-
-def check_sites(only: Collection[str], unavailable: Mapping[str, str]) -> None:
-    """Refuse a choice of sites (verify --sites) that verify could not carry out: a name it does not know,
-    a site this job cannot have (``unavailable``: :func:`unavailable_sites`), or a warm-rejoin kill with
-    no kill inside an update before it (the restart it fires at is that kill's warm one)."""
-    known = (*SITES[:2], WARM_SITE, *SITES[2:], NODE_SITE)
-    for name in only:
-        if name not in known:
-            near = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {near[0]}?)" if near else ""
-            raise SpecError(f"verify --sites: no fault site {name!r}{hint}; the sites are {', '.join(known)}")
-        if name in unavailable:
-            raise SpecError(f"verify --sites {name}: this verify cannot plan it: {unavailable[name]} (or leave "
-                            f"{name} out of --sites)")
-    if WARM_SITE in only and not set(MID_UPDATE[:2]) & set(only):
-        raise SpecError(f"verify --sites {WARM_SITE} kills a rank as the warm restart after a kill inside an "
-                        f"update re-forms the group: add mid-accumulation or mid-microstep to --sites")
 
 
 def restarts_warm(spec: JobSpec) -> bool:
@@ -138,12 +95,16 @@ def plan_faults(spec: JobSpec, kills: int, seed: int, nodes: bool = False, warm:
 
 def _sites(spec: JobSpec, nodes: bool, warm: bool, only: Collection[str] = ()) -> tuple[str, ...]:
     """The cycle of fault sites :func:`plan_faults` goes through: :data:`SITES` less those this job cannot
-    have (:func:`unavailable_sites`), and ``only`` those in ``only`` when it names any (verify --sites)."""
-    sites = (*SITES, NODE_SITE) if nodes else SITES
+    have (:func:`unavailable_sites`) and, when ``only`` names any, just those (verify --sites)."""
+    sites: tuple[str, ...] = (*SITES, NODE_SITE) if nodes else SITES
     if warm and restarts_warm(spec):  # after the second kill: its restart is from a bundle this driver published
         sites = (*sites[:2], WARM_SITE, *sites[2:])
     unavailable = unavailable_sites(spec, nodes, warm)
-    return tuple(s for s in sites if s not in unavailable and (not only or s in only))
+    sites = tuple(s for s in sites if s not in unavailable and (not only or s in only))
+    if not sites:  # check_sites refuses such a choice first: this names it for any other caller
+        raise SpecError(f"verify --sites {','.join(only)}: none of them can be planned for this job "
+                        f"({'; '.join(f'{s}: {unavailable[s]}' for s in only if s in unavailable)})")
+    return sites
 
 
 def _spread(spec: JobSpec, kills: int, seed: int, sites: Sequence[str], start: int,

@@ -78,15 +78,9 @@ from spotrun.orchestrator.verify.divergence import (
     first_stage,
     restore_before,
 )
-from spotrun.orchestrator.verify.faultplan import (
-    NodeRemoval,
-    check_sites,
-    fault_rows,
-    fixed_interval,
-    plan_faults,
-    unavailable_sites,
-)
+from spotrun.orchestrator.verify.faultplan import NodeRemoval, fault_rows, fixed_interval, plan_faults
 from spotrun.orchestrator.verify.report import Report
+from spotrun.orchestrator.verify.sites import check_sites, unavailable_sites
 from spotrun.orchestrator.verify.verdict import (
     DECLARED,
     METRIC_TOLERANCE,

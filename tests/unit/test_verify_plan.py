@@ -203,7 +203,7 @@ def test_on_ray_with_two_ranks_a_hang_is_planned_mid_update_waiting_for_the_bund
     """The hang site: a rank SIGSTOPped after its forward pass, once the bundle before it is published
     (like a kill inside an update), on Ray with 2 or more ranks only: not without Ray, nor with one rank."""
     from spotrun.orchestrator.verify.comparison import site_name
-    from spotrun.orchestrator.verify.faultplan import SITES, unavailable_sites
+    from spotrun.orchestrator.verify.sites import SITES, unavailable_sites
 
     every = 3
     two = make_spec(tmp_path, "train.updates=60", f"checkpoint.every_updates={every}", "world.size=2")
@@ -227,7 +227,8 @@ def test_sites_keeps_only_the_chosen_sites_and_refuses_one_this_verify_cannot_pl
     """verify --sites: only the named sites, in the cycle's order; a site the job or this verify cannot
     have is refused before anything runs, naming what to change."""
     from spotrun.orchestrator.control.specfile import SpecError
-    from spotrun.orchestrator.verify.faultplan import check_sites, sure_restore, unavailable_sites
+    from spotrun.orchestrator.verify.faultplan import sure_restore
+    from spotrun.orchestrator.verify.sites import check_sites, unavailable_sites
 
     two = make_spec(tmp_path, "train.updates=30", "checkpoint.every_updates=3", "world.size=2")
     faults, _ = plan_faults(two, 3, seed=0, warm=True, only=("hang",))
@@ -248,3 +249,21 @@ def test_sites_keeps_only_the_chosen_sites_and_refuses_one_this_verify_cannot_pl
         check_sites(("warm-rejoin", "hang"), {})
     # a choice without the publish-to-offsets site: the advice for a sure restore names it
     assert "add publish-to-offsets to verify --sites" in sure_restore(two, 3, 0, False, True, None, ("hang",))
+
+
+@pytest.mark.parametrize("where,fix", [(["--no-ray"], "run verify without --no-ray, with world.size=2 or more"),
+                                       (["--set", "world.size=1"], "set world.size=2 or more")])
+def test_verify_sites_hang_where_no_hang_can_be_found_is_refused_before_anything_runs(tmp_path, capsys, where, fix):
+    """The command line: verify --sites hang without Ray, or with one rank, exits 2 with one paragraph naming
+    the fix, and starts no run (no trace, no storage written)."""
+    from spotrun.orchestrator.cli import main as cli
+    from tests.conftest import ROOT
+
+    runs = tmp_path / "runs"
+    argv = ["verify", str(ROOT / "configs/tiny.yaml"), "--sites", "hang", "--kills", "1", "--json",
+            "--set", f"storage=file://{runs}", *where]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "verify --sites hang: this verify cannot plan it" in captured.err
+    assert fix in " ".join(captured.err.split()), captured.err
+    assert not runs.exists()
