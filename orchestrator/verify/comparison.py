@@ -26,7 +26,7 @@ from spotrun.trainer.observe.trace import UpdateRecord
 
 NODE_SITE = "node-removed"  # only on a multi-node cluster (verify --nodes N)
 WARM_SITE = "warm-rejoin"  # only where a restart can be warm (verify.restarts_warm)
-HANG_SITE = "hang"  # a rank SIGSTOPped mid-update: only on Ray with 2 or more ranks (faultplan.unavailable_sites)
+HANG_SITE = "hang"  # a rank SIGSTOPped mid-update: only on Ray with 2 or more ranks (sites.unavailable_sites)
 SHOWN = 5  # problems named in a report; the counts cover all of them
 
 

@@ -88,8 +88,9 @@ def test_a_stopped_rank_is_found_hung_and_the_run_stays_bitwise(tmp_path, ray_ad
     """verify --sites hang on two ranks (on the shared local Ray): one rank SIGSTOPs itself mid-update once
     the bundle before it is published; the health watch finds it silent (world.hang_after_s), it is killed,
     and the job restores that bundle. The report names the loss as the driver found it, hang, and the
-    run is bitwise the uninterrupted one. Without the watch the job waits minutes for Ray to give up on
-    the stopped process (seen: 8 1/2, found as node-lost): 4 minutes end it, failing the test."""
+    run is bitwise the uninterrupted one. Without the watch the job waits for Ray to give up on the
+    stopped process (seen: a verify of 8 1/2 minutes, the loss found as node-lost): 4 minutes end it,
+    failing the test."""
     code, report, err = verify(tmp_path, "train.updates=12", "checkpoint.every_updates=3", "world.size=2",
                                "world.restart_backoff_s=0.1", kills=1, timeout=240,
                                where=("--address", ray_address, "--sites", "hang"))
