@@ -287,7 +287,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
     seed = draw_seed() if a.seed is None else a.seed  # reported either way: --seed replays the plan
     verifier = Verifier(a.config, a.set, kills=a.kills, seed=seed, no_ray=a.no_ray, workdir=workdir,
                         load=lambda path, overrides: load_spec(path, overrides, a.job_id), nodes=a.nodes,
-                        mutate=tuple(c for c in (a.mutate or "").split(",") if c), address=a.address)
+                        mutate=tuple(c for c in (a.mutate or "").split(",") if c), address=a.address,
+                        sites=tuple(c.strip() for c in (a.sites or "").split(",") if c.strip()))
     report = verifier.run()
     if a.json:
         _out(dataclasses.asdict(report))
@@ -411,6 +412,10 @@ def parser() -> argparse.ArgumentParser:
                         "categories (`spotrun inventory` lists them; state:NAME for a registered object), or "
                         "mlflow:send-at-write, whose mlflow sink sends each point as it is written instead of at "
                         "publish; its verdict must FAIL: exit 0 when verify caught it, 1 when not")
+    f.add_argument("--sites", metavar="SITES",
+                   help="plan faults only at these sites, comma-separated (default: every site this job can have: "
+                        "mid-accumulation, mid-microstep, warm-rejoin, bundle-write, publish-to-offsets, notice, "
+                        "hang, node-removed); e.g. --sites hang --kills 1 on Ray with 2 or more ranks")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_verify)
 

@@ -26,13 +26,17 @@ from spotrun.trainer.observe.trace import UpdateRecord
 
 NODE_SITE = "node-removed"  # only on a multi-node cluster (verify --nodes N)
 WARM_SITE = "warm-rejoin"  # only where a restart can be warm (verify.restarts_warm)
+HANG_SITE = "hang"  # a rank SIGSTOPped mid-update: only on Ray with 2 or more ranks (sites.unavailable_sites)
 SHOWN = 5  # problems named in a report; the counts cover all of them
 
 
 def site_name(site: str, signal: str, microstep: int) -> str:
-    """The fault site as verify's report names it (a SIGTERM anywhere is a preemption notice)."""
+    """The fault site as verify's report names it (a SIGTERM anywhere is a preemption notice, a SIGSTOP
+    anywhere a hang)."""
     if signal == "SIGTERM":
         return "notice"
+    if signal == "SIGSTOP":
+        return HANG_SITE
     return {"microstep": "mid-accumulation" if microstep else "microstep-start", "backward": "mid-microstep",
             "bundle_write": "bundle-write", "after_publish": "publish-to-offsets",
             "before_update": "before-update", "rejoin": WARM_SITE}[site]
@@ -152,6 +156,7 @@ class FaultDelivery:
     delivered: int
     kills: int  # SIGKILLs and node removals delivered
     notices: int  # SIGTERMs delivered
+    hangs: int  # SIGSTOPs delivered (the health watch then finds the rank hung and kills it)
     sites_planned: list[str]
     sites_hit: list[str]
     not_delivered: list[dict] = field(default_factory=list)
@@ -176,9 +181,10 @@ def fault_delivery(planned: Sequence[FaultSpec], fired: Sequence[FaultFired], re
     if removals_done < removals_planned:
         not_delivered.append({"name": NODE_SITE, "count": removals_planned - removals_done})
     notices = sum(f.signal == "SIGTERM" for f in hit)
+    hangs = sum(f.signal == "SIGSTOP" for f in hit)
     return FaultDelivery(
         planned=len(planned) + removals_planned, delivered=len(hit) + removals_done,
-        kills=len(hit) - notices + removals_done, notices=notices,
+        kills=len(hit) - notices - hangs + removals_done, notices=notices, hangs=hangs,
         sites_planned=sorted(sites_planned), sites_hit=sorted(sites_hit), not_delivered=not_delivered)
 
 

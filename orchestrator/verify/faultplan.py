@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import random
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from spotrun.orchestrator.control.specfile import SpecError
-from spotrun.orchestrator.verify.comparison import NODE_SITE, WARM_SITE, site_name
+from spotrun.orchestrator.ledger.events import WorkerLost
+from spotrun.orchestrator.verify.comparison import HANG_SITE, NODE_SITE, WARM_SITE, site_name
+from spotrun.orchestrator.verify.sites import BOUNDARY_SITES, MID_UPDATE, SITES, unavailable_sites
 from spotrun.trainer.job.sections import FaultSpec
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.faults import FaultFired
 from spotrun.trainer.run.warm import ineligible
 
-SITES = ("mid-accumulation", "mid-microstep", "bundle-write", "publish-to-offsets", "notice")
-BOUNDARY_SITES = ("bundle-write", "publish-to-offsets")  # faults at a checkpoint boundary
-MID_UPDATE = ("mid-accumulation", "mid-microstep")  # kills inside an update: they restore the newest bundle before it
 CANDIDATES = 256  # epoch-crossing placements tried at most (each is one cheap greedy plan)
 
 
@@ -59,10 +58,13 @@ def fixed_interval(spec: JobSpec) -> int:
 
 
 def plan_faults(spec: JobSpec, kills: int, seed: int, nodes: bool = False, warm: bool = False,
-                epochs: Mapping[int, int] | None = None) -> tuple[list[FaultSpec], list[NodeRemoval]]:
+                epochs: Mapping[int, int] | None = None,
+                only: Collection[str] = ()) -> tuple[list[FaultSpec], list[NodeRemoval]]:
     """``kills`` faults at increasing updates, one per attempt, cycling through the fault sites
-    (with node removals among them when the job runs on several nodes, and a kill as a warm restart
-    re-forms the group when ``warm``: on Ray, where :func:`restarts_warm`), as many as fit before
+    (with node removals among them when the job runs on several nodes; a kill as a warm restart
+    re-forms the group, and a rank stopped mid-update until the health watch finds it hung, when
+    ``warm``: on Ray, where :func:`restarts_warm` and with 2 or more ranks; ``only``: just the sites
+    it names, in the cycle's order, when it names any), as many as fit before
     ``train.updates``, spread over the run: the first after the second checkpoint boundary, the
     last late in the run (in its last third, where the sites leave room), the others evenly between,
     each at a random offset. ``epochs`` (update -> the epoch its data reached, from the reference
@@ -79,23 +81,29 @@ def plan_faults(spec: JobSpec, kills: int, seed: int, nodes: bool = False, warm:
     which the next attempt is sure to restore. With ``checkpoint.every_updates >= train.updates``
     no bundle comes before the end and nothing is planned
     (:func:`~spotrun.orchestrator.verify.verdict.proof_failures` says so)."""
-    sites = _sites(spec, nodes, warm)
+    sites = _sites(spec, nodes, warm, only)
     every, last = fixed_interval(spec), spec.train.updates
     # From one interval after the first bundle on: it is written in the background and published by
     # the supervisor's next poll, and a fault an update after its boundary often came first (under
     # load, every fault of a short plan did), so that no restart restored a bundle at all.
     faults, removals = _spread(spec, kills, seed, sites, 2 * every, epochs or {})
-    if faults or removals or every >= last:
+    if faults or removals or every >= last or "publish-to-offsets" not in sites:
         return faults, removals
     first = ("publish-to-offsets", *(s for s in sites if s != "publish-to-offsets"))
     return _spread(spec, kills, seed, first, 0, epochs or {})
 
 
-def _sites(spec: JobSpec, nodes: bool, warm: bool) -> tuple[str, ...]:
-    """The cycle of fault sites :func:`plan_faults` goes through."""
-    sites = (*SITES, NODE_SITE) if nodes else SITES
+def _sites(spec: JobSpec, nodes: bool, warm: bool, only: Collection[str] = ()) -> tuple[str, ...]:
+    """The cycle of fault sites :func:`plan_faults` goes through: :data:`SITES` less those this job cannot
+    have (:func:`unavailable_sites`) and, when ``only`` names any, just those (verify --sites)."""
+    sites: tuple[str, ...] = (*SITES, NODE_SITE) if nodes else SITES
     if warm and restarts_warm(spec):  # after the second kill: its restart is from a bundle this driver published
         sites = (*sites[:2], WARM_SITE, *sites[2:])
+    unavailable = unavailable_sites(spec, nodes, warm)
+    sites = tuple(s for s in sites if s not in unavailable and (not only or s in only))
+    if not sites:  # check_sites refuses such a choice first: this names it for any other caller
+        raise SpecError(f"verify --sites {','.join(only)}: none of them can be planned for this job "
+                        f"({'; '.join(f'{s}: {unavailable[s]}' for s in only if s in unavailable)})")
     return sites
 
 
@@ -199,11 +207,12 @@ def restore_crosses_epoch(fault: FaultSpec, plan: Sequence[FaultSpec], every: in
                           epochs: Mapping[int, int]) -> bool | None:
     """Whether the restore ``fault`` causes is sure to cross an epoch boundary, if it restores a bundle:
     the fault fires in a later epoch than that of the newest bundle that can be published before it
-    (the restart may restore an older one, of the same epoch or an earlier one). Only kills inside an
-    update and during a bundle write can: the other sites restore the bundle of their own boundary.
+    (the restart may restore an older one, of the same epoch or an earlier one). Only kills (and hangs)
+    inside an update and kills during a bundle write can: the other sites restore the bundle of their own
+    boundary.
     ``plan``: the faults planned with it (a notice before it may have left an emergency bundle up to
     an interval past its update). None: the epochs of those updates are not known."""
-    if fault.site in ("microstep", "backward") and fault.signal == "SIGKILL":
+    if fault.site in ("microstep", "backward") and fault.signal in ("SIGKILL", "SIGSTOP"):  # a hung rank: killed
         newest = (fault.update - 1) // every * every  # the last boundary before it
     elif fault.site == "bundle_write":
         newest = fault.update - every  # the rank dies writing its own bundle: it is never published
@@ -264,7 +273,10 @@ def _plan(spec: JobSpec, kills: int, rng: random.Random, sites: Sequence[str], s
             "publish-to-offsets": dict(site="after_publish", rank=0),
             "notice": dict(site="microstep", microstep=rng.randrange(accum), signal="SIGTERM"),
         }
-        fault = by_site[site]
+        # a hang: the rank stopped after its forward pass, alive and silent (its peers wait for it at the
+        # gradients' sync). Its draw is taken only for it, so the other sites' plans stayed as they were
+        fault = (dict(site="backward", microstep=rng.randrange(accum), signal="SIGSTOP") if site == HANG_SITE
+                 else by_site[site])
         # a kill that restores the bundle before it fires once that bundle is published: the supervisor's
         # publish would otherwise race the kill, and a restart that finds nothing newer starts earlier
         restores = (u - 1) // every * every if site in MID_UPDATE else u - every if site == "bundle-write" else 0
@@ -278,13 +290,17 @@ def _plan(spec: JobSpec, kills: int, rng: random.Random, sites: Sequence[str], s
 
 
 def sure_restore(spec: JobSpec, kills: int, seed: int, nodes: bool, warm: bool,
-                 epochs: Mapping[int, int] | None = None) -> str:
+                 epochs: Mapping[int, int] | None = None, only: Collection[str] = ()) -> str:
     """How to plan a fault whose restart restores a bundle whatever the timing: the publish-to-offsets
     site kills right after a publish (a kill inside an update or during a write waits for the bundle
     before it, but finds none before the job's first boundary).
     Names the plan :func:`plan_faults` gives for these inputs (the same ``epochs`` and seed), or, where
-    this run is too short to reach that site, the ``train.updates`` from which on every plan does."""
-    sites, every = _sites(spec, nodes, warm), fixed_interval(spec)
+    this run is too short to reach that site, the ``train.updates`` from which on every plan does;
+    ``only``: the sites verify --sites chose (the advice adds publish-to-offsets where they lack it)."""
+    sites, every = _sites(spec, nodes, warm, only), fixed_interval(spec)
+    if "publish-to-offsets" not in sites:
+        return ("add publish-to-offsets to verify --sites: it kills right after a bundle is published, and its "
+                "restart always restores it")
     # where the site comes in the cycle, and the room it needs: the compact plan's positions do not
     # depend on train.updates, which only cuts it short, and a spread plan holds as many faults
     unbounded = spec.model_copy(update={"train": spec.train.model_copy(update={"updates": 2**62})})
@@ -294,7 +310,7 @@ def sure_restore(spec: JobSpec, kills: int, seed: int, nodes: bool, warm: bool,
     # which take no attempt of their own
     at = sure.attempt + sum(f.site == "rejoin" for f in compact[:compact.index(sure)])
     k = max(kills, at)
-    faults, _ = plan_faults(spec, k, seed, nodes, warm, epochs)
+    faults, _ = plan_faults(spec, k, seed, nodes, warm, epochs, only)
     planned = next((f for f in faults if f.site == "after_publish" and f.attempt == sure.attempt), None)
     if planned is not None:
         return (f"run verify with --kills {k}: fault {at} of that plan kills right after the bundle of update "
@@ -310,12 +326,14 @@ def draw_seed() -> int:
 
 
 def fault_rows(faults: Sequence[FaultSpec], removals: Sequence[NodeRemoval], fired: Sequence[FaultFired],
-               removals_done: int, every: int, epochs: Mapping[int, int]) -> list[dict[str, Any]]:
+               removals_done: int, every: int, epochs: Mapping[int, int],
+               losses: Sequence[WorkerLost] = ()) -> list[dict[str, Any]]:
     """The report's planned faults, in the order they were planned: each fault's site as the report
     names it, its planned update, attempt and rank, the epoch its update's data reached (None: not
     known), whether it was delivered (recorded as it fired; a node removal, once verify carried it
-    out, in plan order) and whether its restore is sure to cross an epoch boundary
-    (:func:`restore_crosses_epoch`)."""
+    out, in plan order), whether its restore is sure to cross an epoch boundary
+    (:func:`restore_crosses_epoch`), and ``found_as``: how the chaos job's driver found the loss it
+    caused (:func:`found_as`, from ``losses``, the ledger's ``WorkerLost`` events)."""
     rows: list[dict[str, Any]] = [
         {"name": site_name(f.site, f.signal, f.microstep), **f.model_dump(), "epoch": epochs.get(f.update),
          "delivered": any(r.matches(f) for r in fired),
@@ -324,4 +342,20 @@ def fault_rows(faults: Sequence[FaultSpec], removals: Sequence[NodeRemoval], fir
               "epoch": epochs.get(r.update), "delivered": i < removals_done, "restore_crosses_epoch": None}
              for i, r in enumerate(removals)]
     # a warm-rejoin kill shares the attempt of the fault after it, at the update of the one before
-    return sorted(rows, key=lambda row: (row["attempt"], row["update"]))
+    rows = sorted(rows, key=lambda row: (row["attempt"], row["update"]))
+    return found_as(rows, losses)
+
+
+def found_as(rows: list[dict[str, Any]], losses: Sequence[WorkerLost]) -> list[dict[str, Any]]:
+    """``rows`` (in plan order) with ``found_as`` set on each delivered one: how the driver found the loss
+    it caused, the ``signal`` of a rank found alive but unresponsive (``hang``, ``stuck``) or else the
+    ``cause`` of the first ``WorkerLost`` of the fault's attempt on its rank (or on no one rank) not
+    already given to an earlier row; None where the ledger recorded no such loss."""
+    left = list(losses)
+    for row in rows:
+        lost = next((e for e in left if row["delivered"] and e.attempt == row["attempt"]
+                     and e.rank in (row["rank"], None)), None)
+        if lost is not None:
+            left.remove(lost)
+        row["found_as"] = None if lost is None else lost.signal or lost.cause
+    return rows

@@ -9,7 +9,9 @@
    the seed is reported, ``--seed`` plans the same faults again), cycling through every
    fault site: a rank's process SIGKILLed mid-accumulation, mid-microstep (after
    the forward pass) and during a background bundle write; a kill between
-   manifest publish and offsets commit; a preemption notice (SIGTERM). A killed
+   manifest publish and offsets commit; a preemption notice (SIGTERM); and, on Ray with
+   2 or more ranks, a rank stopped mid-update (SIGSTOP) until the health watch finds it
+   hung and kills it. ``--sites`` keeps only the sites it names. A killed
    driver is started again with the same command, as a user would. Each fault
    records itself in the job's storage before its signal is sent; only those
    records count as delivered. All runs of a verify on Ray share one local Ray instance.
@@ -54,12 +56,11 @@ from typing import TYPE_CHECKING, Any
 from spotrun.orchestrator.control.launch import embedded_cpus
 from spotrun.orchestrator.control.specfile import SpecError
 from spotrun.orchestrator.control.supervisor import JobFailedError
-from spotrun.orchestrator.ledger.events import AttemptStarted, Restored
+from spotrun.orchestrator.ledger.events import AttemptStarted, Restored, WorkerLost
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.verify.comparison import (
     NODE_SITE,
-    WARM_SITE,
     MetricComparison,
     compare_metrics,
     fault_delivery,
@@ -67,6 +68,7 @@ from spotrun.orchestrator.verify.comparison import (
     first_differing_tensor,
     locate,
     reach,
+    site_name,
     span_balance,
 )
 from spotrun.orchestrator.verify.divergence import (
@@ -78,6 +80,7 @@ from spotrun.orchestrator.verify.divergence import (
 )
 from spotrun.orchestrator.verify.faultplan import NodeRemoval, fault_rows, fixed_interval, plan_faults
 from spotrun.orchestrator.verify.report import Report
+from spotrun.orchestrator.verify.sites import check_sites, unavailable_sites
 from spotrun.orchestrator.verify.verdict import (
     DECLARED,
     METRIC_TOLERANCE,
@@ -95,7 +98,6 @@ from spotrun.trainer.metrics import JsonlSink, MetricPoint, metrics_dir, open_si
 from spotrun.trainer.metrics.mlflow_sink import Tracker
 from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.observe.trace import UpdateRecord, last_update, latest_per_update, read_trace, update_epochs
-from spotrun.trainer.run.warm import ineligible
 from spotrun.trainer.storage import Storage, open_storage
 
 if TYPE_CHECKING:
@@ -139,7 +141,8 @@ def head_node_args(spec: JobSpec, nodes: int, gpus_here: int) -> dict[str, Any]:
 
 class Verifier:
     def __init__(self, config: str, overrides: list[str], *, kills: int, seed: int, no_ray: bool,
-                 workdir: Path, load, nodes: int = 0, mutate: tuple[str, ...] = (), address: str | None = None) -> None:
+                 workdir: Path, load, nodes: int = 0, mutate: tuple[str, ...] = (), address: str | None = None,
+                 sites: tuple[str, ...] = ()) -> None:
         if address and (nodes or no_ray):
             raise SpecError("verify --address runs on an existing Ray cluster: it cannot also start a local "
                             "multi-node one (--nodes) or run without Ray (--no-ray); drop one of them")
@@ -161,6 +164,8 @@ class Verifier:
         self.spec = spec
         # refused here, before any run, where the job's GPU ranks cannot be placed on this machine
         self.head_args: dict[str, Any] = {} if no_ray else head_node_args(spec, nodes, local_gpus())
+        self.sites = sites  # verify --sites: plan only these (none: every site this job can have)
+        check_sites(sites, unavailable_sites(spec, nodes > 0, not no_ray))
 
     def _cmd(self, job: str, trace: Path, extra: list[str], drop: tuple[str, ...] = ()) -> list[str]:
         build = ["spotrun.orchestrator.cli.mutant", "--drop", ",".join(drop)] if drop else ["spotrun"]
@@ -233,7 +238,8 @@ class Verifier:
             self._run(ref_job, ref_trace, [], max_runs=1)
             if faults is None:  # planned once the reference has shown where its epochs begin
                 faults, removals = plan_faults(self.spec, self.kills, self.seed, nodes=self.nodes > 0,
-                                               warm=not self.no_ray, epochs=update_epochs(_final_trace(ref_trace)))
+                                               warm=not self.no_ray, epochs=update_epochs(_final_trace(ref_trace)),
+                                               only=self.sites)
             fault_set = "faults=[" + ", ".join(f.model_dump_json() for f in faults) + "]"
             # Every planned fault may end an attempt as a failure, several before one bundle is published:
             # the chaos run's budgets leave room for all of them (they are verify's doing, not the job's)
@@ -295,15 +301,15 @@ class Verifier:
         figures = restart_figures(history(storage, chaos_job))
         restores = figures["restores_from_bundle"]
         unproven = proof_failures(spec, self.kills, self.seed, self.nodes > 0, delivery.planned, delivery.delivered,
-                                  restores, warm=not self.no_ray, epochs=epochs)
+                                  restores, warm=not self.no_ray, epochs=epochs, only=self.sites)
         failures = unproven + verdict_failures(declared, observed, short, metrics, counters_equal,
                                                delivery.sites_missed)
         return Report(
             verdict="fail" if failures else "pass", failures=failures,
             declared_contract=declared, observed_contract=observed,
             seed=self.seed, faults_planned=delivery.planned, faults_delivered=delivery.delivered,
-            kills_injected=delivery.kills,
-            notices_injected=delivery.notices, fault_sites_planned=delivery.sites_planned,
+            kills_injected=delivery.kills, notices_injected=delivery.notices, hangs_injected=delivery.hangs,
+            fault_sites_planned=delivery.sites_planned,
             fault_sites_hit=delivery.sites_hit,
             fault_sites_not_applicable=self._not_applicable(faults, removals),
             faults_not_delivered=delivery.not_delivered,
@@ -319,20 +325,19 @@ class Verifier:
             restore_oracle=oracle,
             first_divergence=None if divergence is None else divergence.as_dict(),
             reference_job=ref_job, chaos_job=chaos_job,
-            faults=fault_rows(faults, removals, fired, self.removed, fixed_interval(spec), epochs),
+            faults=fault_rows(faults, removals, fired, self.removed, fixed_interval(spec), epochs,
+                              [e for e in events if isinstance(e, WorkerLost)]),
             mutated=list(self.mutate),
             # caught: it failed, and not only because nothing was exercised (that proves nothing either way)
             mutation_caught=bool(failures) and not unproven if self.mutate else None,
         )
 
     def _not_applicable(self, faults: Sequence[FaultSpec], removals: Sequence[NodeRemoval]) -> dict[str, str]:
-        """The sites the plan left out, each with why and how to exercise it."""
-        out = {} if removals else {NODE_SITE: "the job runs on a single node; run verify --nodes N to exercise it"}
-        if not any(f.site == "rejoin" for f in faults):
-            why = ("without Ray every restart starts new processes" if self.no_ray
-                   else ineligible(self.spec) or "one rank: no process survives its loss")
-            out[WARM_SITE] = why
-        return out
+        """The sites the plan left out because this job or this verify cannot have them, each with why and
+        how to exercise it."""
+        planned = {site_name(f.site, f.signal, f.microstep) for f in faults} | ({NODE_SITE} if removals else set())
+        return {s: why for s, why in unavailable_sites(self.spec, self.nodes > 0, not self.no_ray).items()
+                if s not in planned}
 
     def _first_divergence(self, ref: dict[int, UpdateRecord], chaos: dict[int, UpdateRecord], storage,
                           ref_job: str, chaos_job: str, declared: str, events: list,

@@ -28,6 +28,7 @@ class Report:
     faults_delivered: int  # recorded by the fault as it fired (or a node removal verify carried out)
     kills_injected: int  # delivered SIGKILLs and node removals
     notices_injected: int  # delivered SIGTERMs
+    hangs_injected: int  # delivered SIGSTOPs (the rank then found hung by the health watch and killed)
     fault_sites_planned: list[str]
     fault_sites_hit: list[str]
     fault_sites_not_applicable: dict[str, str]
@@ -60,7 +61,8 @@ class Report:
     reference_job: str
     chaos_job: str
     # every planned fault in plan order: site, planned update, attempt, rank, the epoch its update's data
-    # reached, whether it was delivered and whether its restore is sure to cross an epoch boundary
+    # reached, whether it was delivered, whether its restore is sure to cross an epoch boundary, and how the
+    # driver found the loss it caused (found_as: a WorkerLost's signal, hang or stuck, else its cause)
     faults: list[dict[str, Any]] = field(default_factory=list)
     mutated: list[str] = field(default_factory=list)  # a deliberately broken build lost these at every restore
     # with ``mutated``: whether verify failed the broken build after faults and restores that exercised it
@@ -103,7 +105,8 @@ def render(report: Report, console) -> None:
     for name, value in (
         ("fault sites planned", ", ".join(report.fault_sites_planned)),
         ("fault sites hit (recorded as they fired)", ", ".join(report.fault_sites_hit) or "none"),
-        ("kills / notices delivered", f"{report.kills_injected} / {report.notices_injected}"),
+        ("kills / notices / hangs delivered",
+         f"{report.kills_injected} / {report.notices_injected} / {report.hangs_injected}"),
         ("restarts / of which from a bundle", f"{report.restarts} / {report.restores_from_bundle}"),
         ("restores by path (warm: the survivors' memory)",
          ", ".join(f"{p} {n}" for p, n in sorted(report.recovery_paths.items())) or "none"),
@@ -144,14 +147,17 @@ def render(report: Report, console) -> None:
 
 def fault_table(report: Report):
     """The planned faults, one row each: where, when (update and the epoch its data reached), whether
-    it was delivered and whether its restore crosses an epoch boundary."""
+    it was delivered, how the driver found the loss it caused (a stopped rank: ``hang``) and whether its
+    restore crosses an epoch boundary."""
     from rich.table import Table
 
     t = Table(title=f"faults planned with seed {report.seed} (verify --seed {report.seed} plans the same ones)")
-    for name in ("site", "update", "epoch", "attempt", "rank", "delivered", "restore crosses epoch"):
-        t.add_column(name, no_wrap=name != "restore crosses epoch")  # 80 columns: only that header wraps
+    wraps = ("delivered (found as)", "restore crosses epoch")  # 80 columns: only these wrap (folded, never cut)
+    for name in ("site", "update", "epoch", "attempt", "rank", *wraps):
+        t.add_column(name, no_wrap=name not in wraps, overflow="fold")
     for f in report.faults:
         crosses = {True: "yes", False: "no", None: "-"}[f.get("restore_crosses_epoch")]
+        found = f" ({f['found_as']})" if f.get("found_as") else ""
         t.add_row(f["name"], str(f["update"]), "-" if f.get("epoch") is None else str(f["epoch"]),
-                  str(f["attempt"]), str(f["rank"]), "yes" if f["delivered"] else "no", crosses)
+                  str(f["attempt"]), str(f["rank"]), f"yes{found}" if f["delivered"] else "no", crosses)
     return t

@@ -8,7 +8,7 @@ that ran ``spotrun verify``, once both jobs ended; none touches Ray or storage.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from spotrun.orchestrator.ledger.history_model import History
@@ -35,12 +35,14 @@ def restart_figures(hist: History) -> dict[str, Any]:
 
 
 def proof_failures(spec: JobSpec, kills: int, seed: int, nodes: bool, planned: int, delivered: int,
-                   restores: int, warm: bool = False, epochs: Mapping[int, int] | None = None) -> list[str]:
+                   restores: int, warm: bool = False, epochs: Mapping[int, int] | None = None,
+                   only: Collection[str] = ()) -> list[str]:
     """Why the interrupted run proved nothing, if it did not (empty: it did). A pass needs at least
     one fault that fired and one restart that restored a published bundle: without them no restore
     was compared with anything, and a run that nothing interrupted passes every other check. Each
     line names the numbers to change (``--kills``, ``checkpoint.every_updates``, ``train.updates``).
-    ``epochs``: the reference's, which the plan it names is planned with (:func:`plan_faults`)."""
+    ``epochs``: the reference's, and ``only``: the sites verify --sites chose, which the plan it names is
+    planned with (:func:`plan_faults`)."""
     every, last = fixed_interval(spec), spec.train.updates
     if kills < 1:
         return ["no fault was planned (--kills 0), so no restore was tested: run verify with --kills 1 or more"]
@@ -55,7 +57,7 @@ def proof_failures(spec: JobSpec, kills: int, seed: int, nodes: bool, planned: i
     if restores == 0:
         return [f"no restart restored a published bundle: the {delivered} fault(s) that fired all came before the "
                 f"first bundle (update {every}) was published, so every restart began from nothing and no restore "
-                f"was tested; {sure_restore(spec, kills, seed, nodes, warm, epochs)}"]
+                f"was tested; {sure_restore(spec, kills, seed, nodes, warm, epochs, only)}"]
     return []
 
 

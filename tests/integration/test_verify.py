@@ -5,6 +5,8 @@ that went uncaught, exits 1."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -16,19 +18,29 @@ from tests.helpers.ray_local import ray_address  # noqa: F401 - the shared local
 pytestmark = pytest.mark.slow
 
 
-def verify(tmp_path, *sets: str, kills: int, where: tuple[str, ...] = ("--no-ray",)) -> tuple[int, dict, str]:
+def verify(tmp_path, *sets: str, kills: int, where: tuple[str, ...] = ("--no-ray",),
+           timeout: float = 900) -> tuple[int, dict, str]:
+    """Run ``spotrun verify --json`` on tiny; past ``timeout`` seconds it and the job drivers it started
+    (its process group: their ranks go with their driver) are killed and the test fails."""
     cmd = [sys.executable, "-m", "spotrun", "verify", str(ROOT / "configs/tiny.yaml"), *where,
            "--kills", str(kills), "--seed", "3", "--json", "--set", f"storage=file://{tmp_path / 'runs'}",
            "--set", f"data.shards={ROOT / 'configs/data/tiny'}", *[a for s in sets for a in ("--set", s)]]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    return done.returncode, json.loads(done.stdout) if done.stdout.strip() else {}, done.stderr
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # verify and the drivers it started: nothing left on the shared Ray
+            proc.communicate()
+            pytest.fail(f"spotrun verify did not finish in {timeout:.0f} s")
+    return proc.returncode, json.loads(out) if out.strip() else {}, err
 
 
 # Two ranks and a spare on a local three-node cluster: every fault site, node removal and a kill as a
 # warm restart re-forms the group included, restarted warm (the spare steps in) and cold.
 CHAOS = ("checkpoint.every_updates=3", "world.size=2", "world.spares=1", "world.restart_backoff_s=0.1")
 EVERY_SITE = {"mid-accumulation", "mid-microstep", "warm-rejoin", "bundle-write", "publish-to-offsets", "notice",
-              "node-removed"}
+              "hang", "node-removed"}
 
 
 def assert_chaos_passed(code: int, report: dict, err: str, updates: int) -> None:
@@ -50,12 +62,12 @@ def assert_chaos_passed(code: int, report: dict, err: str, updates: int) -> None
 
 
 def test_chaos_suite_every_site_once_strict_exact(tmp_path):
-    """One cycle through the 7 sites (the plan's first 7 faults: what the 24-fault soak below repeats),
+    """One cycle through the 8 sites (the plan's first 8 faults: what the 24-fault soak below repeats),
     the node removal last, so no fault waits behind it (the ranks may train past the next planned
     fault while a node is removed): every fault is injected."""
-    code, report, err = verify(tmp_path, "train.updates=24", *CHAOS, kills=7, where=("--nodes", "3"))
+    code, report, err = verify(tmp_path, "train.updates=24", *CHAOS, kills=8, where=("--nodes", "3"))
     assert_chaos_passed(code, report, err, updates=24)
-    assert report["faults_delivered"] == report["faults_planned"] == 7
+    assert report["faults_delivered"] == report["faults_planned"] == 8
 
 
 @pytest.mark.soak
@@ -70,6 +82,26 @@ def test_chaos_soak_twenty_faults_every_site_strict_exact(tmp_path):
     # restore goes back across such a boundary
     faults = report["faults"]
     assert max(f["epoch"] for f in faults) >= 1 and any(f["restore_crosses_epoch"] for f in faults), faults
+
+
+def test_a_stopped_rank_is_found_hung_and_the_run_stays_bitwise(tmp_path, ray_address):
+    """verify --sites hang on two ranks (on the shared local Ray): one rank SIGSTOPs itself mid-update once
+    the bundle before it is published; the health watch finds it silent (world.hang_after_s), it is killed,
+    and the job restores that bundle. The report names the loss as the driver found it, hang, and the
+    run is bitwise the uninterrupted one. Without the watch the job waits for Ray to give up on the
+    stopped process (seen: a verify of 8 1/2 minutes, the loss found as node-lost): 4 minutes end it,
+    failing the test."""
+    code, report, err = verify(tmp_path, "train.updates=12", "checkpoint.every_updates=3", "world.size=2",
+                               "world.restart_backoff_s=0.1", kills=1, timeout=240,
+                               where=("--address", ray_address, "--sites", "hang"))
+    assert report, err  # verify reported (the job did not fail)
+    [fault] = report["faults"]
+    assert (fault["name"], fault["delivered"], fault["found_as"]) == ("hang", True, "hang"), report["faults"]
+    assert report["params_bitwise_equal"] is True and report["updates_compared"] == 12, report["failures"]
+    assert code == 0 and report["verdict"] == "pass" and report["observed_contract"] == "exact", err
+    assert report["fault_sites_planned"] == report["fault_sites_hit"] == ["hang"]
+    assert (report["hangs_injected"], report["kills_injected"], report["notices_injected"]) == (1, 0, 0)
+    assert report["restarts"] == report["restores_from_bundle"] == 1
 
 
 def test_single_process_chaos(tmp_path):

@@ -109,6 +109,27 @@ def test_the_report_lists_each_fault_with_its_epoch_and_whether_it_was_delivered
     assert [r["epoch"] for r in unknown] == [None] * 4 and unknown[1]["restore_crosses_epoch"] is None
 
 
+def test_each_delivered_fault_row_says_how_the_driver_found_its_loss(tmp_path):
+    """found_as: a stopped rank's loss reads hang (the WorkerLost's signal), a killed one its cause; a loss
+    of another rank or attempt, or one already given to an earlier row, is not the fault's."""
+    from spotrun.orchestrator.ledger.events import WorkerLost
+
+    faults = [FaultSpec(site="backward", update=12, attempt=1, rank=1),
+              FaultSpec(site="backward", update=20, attempt=2, rank=1, signal="SIGSTOP"),
+              FaultSpec(site="microstep", update=30, attempt=3, rank=0),
+              FaultSpec(site="microstep", update=40, attempt=4, rank=0)]
+    fired = [FaultFired(site=f.site, signal=f.signal, update=f.update, microstep=f.microstep, attempt=f.attempt,
+                        rank=f.rank, pid=1) for f in faults[:3]]
+    losses = [WorkerLost(attempt=1, rank=1, cause="process-exit", last_update=11),
+              WorkerLost(attempt=2, rank=0, cause="collective-error", last_update=19),  # the peer: not the fault's
+              WorkerLost(attempt=2, rank=1, cause="hang", signal="hang", last_update=19),
+              WorkerLost(attempt=4, rank=0, cause="process-exit", last_update=39)]
+    rows = fault_rows(faults, [], fired, 0, EVERY, {}, losses)
+    assert [(r["name"], r["found_as"]) for r in rows] == [
+        ("mid-microstep", "process-exit"), ("hang", "hang"), ("microstep-start", None),
+        ("microstep-start", None)]  # the last was never delivered: attempt 4's loss is not its
+
+
 def blank_report(**values):
     from spotrun.orchestrator.verify.report import Report
 
@@ -155,7 +176,9 @@ def test_the_console_report_names_the_seed_and_each_fault():
         faults=[{"name": "mid-accumulation", "update": 12, "attempt": 1, "rank": 0, "epoch": 0, "delivered": True,
                  "restore_crosses_epoch": False},
                 {"name": "mid-microstep", "update": 41, "attempt": 2, "rank": 1, "epoch": 1, "delivered": False,
-                 "restore_crosses_epoch": True}])
+                 "restore_crosses_epoch": True},
+                {"name": "hang", "update": 50, "attempt": 3, "rank": 1, "epoch": 1, "delivered": True,
+                 "restore_crosses_epoch": False, "found_as": "hang"}])
     console = Console(record=True, width=80, soft_wrap=True)  # as the CLI prints it: every cell still whole
     render(report, console)
     text = console.export_text()
@@ -163,4 +186,7 @@ def test_the_console_report_names_the_seed_and_each_fault():
     rows = [line.split("│")[1:-1] for line in text.splitlines() if "│ mid-" in line]
     assert [[c.strip() for c in row] for row in rows] == [["mid-accumulation", "12", "0", "1", "0", "yes", "no"],
                                                          ["mid-microstep", "41", "1", "2", "1", "no", "yes"]]
-    assert "delivered" in text
+    assert "delivered" in text and "found as" in text
+    # the stopped rank's row says how the driver found its loss: hung
+    [hang] = [line.split("│")[1:-1] for line in text.splitlines() if "│ hang " in line]
+    assert [c.strip() for c in hang] == ["hang", "50", "1", "3", "1", "yes (hang)", "no"]

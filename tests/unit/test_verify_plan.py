@@ -197,3 +197,73 @@ def test_verify_plans_its_kills_to_wait_for_the_bundle_they_restore(tmp_path):
     with pytest.raises(ValueError, match="after_bundle=8 waits for a bundle before the fault's own update"):
         type(faults[0])(site="microstep", update=8, after_bundle=8)
 
+
+
+def test_on_ray_with_two_ranks_a_hang_is_planned_mid_update_waiting_for_the_bundle_it_restores(tmp_path):
+    """The hang site: a rank SIGSTOPped after its forward pass, once the bundle before it is published
+    (like a kill inside an update), on Ray with 2 or more ranks only: not without Ray, nor with one rank."""
+    from spotrun.orchestrator.verify.comparison import site_name
+    from spotrun.orchestrator.verify.sites import SITES, unavailable_sites
+
+    every = 3
+    two = make_spec(tmp_path, "train.updates=60", f"checkpoint.every_updates={every}", "world.size=2")
+    faults, _ = plan_faults(two, 12, seed=3, warm=True)
+    hangs = [f for f in faults if f.signal == "SIGSTOP"]
+    assert len(hangs) == 12 // (len(SITES) + 1)  # once a cycle (the warm-rejoin kill is the cycle's other site)
+    for h in hangs:
+        assert (h.site, site_name(h.site, h.signal, h.microstep)) == ("backward", "hang")
+        assert h.after_bundle == (h.update - 1) // every * every and h.microstep < two.train.accum_steps
+    assert [f.attempt for f in faults if f.site != "rejoin"] == list(range(1, 11))  # one attempt each
+    # not on a single process, nor with one rank on Ray
+    one = make_spec(tmp_path, "train.updates=60", f"checkpoint.every_updates={every}", "world.size=1")
+    for spec, warm in ((two, False), (one, True)):
+        plan, _ = plan_faults(spec, 12, seed=3, warm=warm)
+        assert not any(f.signal == "SIGSTOP" for f in plan)
+        assert "hang" in unavailable_sites(spec, nodes=False, ray=warm)
+    assert "hang" not in unavailable_sites(two, nodes=False, ray=True)
+
+
+def test_sites_keeps_only_the_chosen_sites_and_refuses_one_this_verify_cannot_plan(tmp_path):
+    """verify --sites: only the named sites, in the cycle's order; a site the job or this verify cannot
+    have is refused before anything runs, naming what to change."""
+    from spotrun.orchestrator.control.specfile import SpecError
+    from spotrun.orchestrator.verify.faultplan import sure_restore
+    from spotrun.orchestrator.verify.sites import check_sites, unavailable_sites
+
+    two = make_spec(tmp_path, "train.updates=30", "checkpoint.every_updates=3", "world.size=2")
+    faults, _ = plan_faults(two, 3, seed=0, warm=True, only=("hang",))
+    assert len(faults) == 3 and all(f.signal == "SIGSTOP" and f.site == "backward" for f in faults)
+    assert [f.attempt for f in faults] == [1, 2, 3] and all(f.after_bundle for f in faults)
+    check_sites(("hang", "notice"), unavailable_sites(two, nodes=False, ray=True))  # both plannable: no error
+    with pytest.raises(SpecError, match=r"--sites hang: .*without Ray no health watch.*run verify without "
+                                        r"--no-ray, with world.size=2 or more"):
+        check_sites(("hang",), unavailable_sites(two, nodes=False, ray=False))
+    one = make_spec(tmp_path, "train.updates=30", "checkpoint.every_updates=3", "world.size=1")
+    with pytest.raises(SpecError, match=r"--sites hang: .*\(world.size=1\); set world.size=2 or more"):
+        check_sites(("hang",), unavailable_sites(one, nodes=False, ray=True))
+    with pytest.raises(SpecError, match=r"no fault site 'hnag' \(did you mean hang\?\)"):
+        check_sites(("hnag",), {})
+    with pytest.raises(SpecError, match="--sites node-removed: .*run verify --nodes N"):
+        check_sites(("node-removed",), unavailable_sites(two, nodes=False, ray=True))
+    with pytest.raises(SpecError, match="add mid-accumulation or mid-microstep to --sites"):
+        check_sites(("warm-rejoin", "hang"), {})
+    # a choice without the publish-to-offsets site: the advice for a sure restore names it
+    assert "add publish-to-offsets to verify --sites" in sure_restore(two, 3, 0, False, True, None, ("hang",))
+
+
+@pytest.mark.parametrize("where,fix", [(["--no-ray"], "run verify without --no-ray, with world.size=2 or more"),
+                                       (["--set", "world.size=1"], "set world.size=2 or more")])
+def test_verify_sites_hang_where_no_hang_can_be_found_is_refused_before_anything_runs(tmp_path, capsys, where, fix):
+    """The command line: verify --sites hang without Ray, or with one rank, exits 2 with one paragraph naming
+    the fix, and starts no run (no trace, no storage written)."""
+    from spotrun.orchestrator.cli import main as cli
+    from tests.conftest import ROOT
+
+    runs = tmp_path / "runs"
+    argv = ["verify", str(ROOT / "configs/tiny.yaml"), "--sites", "hang", "--kills", "1", "--json",
+            "--set", f"storage=file://{runs}", *where]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "verify --sites hang: this verify cannot plan it" in captured.err
+    assert fix in " ".join(captured.err.split()), captured.err
+    assert not runs.exists()

@@ -394,8 +394,8 @@ class FaultSpec(Strict):
     after_bundle: int | None = Field(
         None, ge=1, description="fire only once a bundle of this earlier update is published (by any attempt), "
                                 "so that the restart is sure to restore it; waits at most 120 s, "
-                                "then fires anyway. `spotrun verify` sets it on its kills inside an update and "
-                                "during a bundle write", json_schema_extra={"unit": "updates"})
+                                "then fires anyway. `spotrun verify` sets it on its kills and hangs inside an "
+                                "update and its kills during a bundle write", json_schema_extra={"unit": "updates"})
 
     @model_validator(mode="after")
     def _check(self) -> FaultSpec:
