@@ -30,9 +30,10 @@ def path(name: str, down_s: float | None, refused: int, error: str = "503 SlowDo
 
 def test_an_outage_is_recorded_once_every_path_answers_and_never_before():
     t = OutageTracker()
-    assert t.look(at(0), 1, 4, ("j/bundles/u0000000004-a1", 4), [path("ledger", None, 0), path("rank 0", None, 0, attempt=1)]) is None
+    b4 = ("j/bundles/u0000000004-a1", 4)
+    assert t.look(at(0), 1, 4, b4, [path("ledger", None, 0), path("rank 0", None, 0, attempt=1)]) is None
     # the ledger went down 2 s before this look; rank 0 meets it later
-    assert t.look(at(10), 1, 6, ("j/bundles/u0000000004-a1", 4), [path("ledger", 2.0, 3), path("rank 0", None, 0, attempt=1)]) is None
+    assert t.look(at(10), 1, 6, b4, [path("ledger", 2.0, 3), path("rank 0", None, 0, attempt=1)]) is None
     assert t.look(at(20), 1, 9, ("j/bundles/u0000000008-a1", 8),
                   [path("ledger", 12.0, 5), path("rank 0", 7.0, 4, "reset", attempt=1, skipped=1)]) is None
     assert t.open
