@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 
 from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.orchestrator.dashboard.charts import timeline
@@ -14,6 +15,7 @@ from spotrun.orchestrator.ledger.events import (
     JobFinished,
     Resizing,
     Restored,
+    StorageOutage,
     WorkerLost,
 )
 from spotrun.orchestrator.ledger.history import history
@@ -107,8 +109,8 @@ def test_history_json_keeps_the_fields_the_ledger_set_in_the_order_it_set_them(t
                            "last_update", "ended", "last_update_source"]
     assert list(second)[8:] == ["initialized_from", "recovery_label", "reset", "lineage_id", "last_update_source"]
     assert list(doc) == ["job_id", "state", "attempts", "restarts", "topology_changes", "rejected_bundles",
-                         "corrupt_events", "notices", "refusals", "budgets", "checkpoint_intervals", "stragglers",
-                         "slowdowns", "totals", "goodput"]
+                         "corrupt_events", "notices", "refusals", "budgets", "checkpoint_intervals", "outages",
+                         "newest_published_at", "stragglers", "slowdowns", "totals", "goodput"]
     alone = Ledger(LocalStorage(tmp_path / "one"), "o")
     alone.append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="x"))
     alone.append(JobFinished(attempt=1, counters={"attempted_updates": 3}))
@@ -159,3 +161,38 @@ def test_a_loss_recorded_before_hosts_and_hang_evidence_still_reads(tmp_path):
     assert (r.cause, r.rank, r.node_id, r.host, r.signal, r.stopped_phase, r.stacks) == (
         "node-lost", 0, "n", None, None, None, None)
     assert doc.stragglers == [] and doc.slowdowns == []
+
+
+def write_outage_job(storage: LocalStorage, job: str) -> datetime:
+    """A job whose storage was out twice: once after bundle 8 (rank 1 skipped a checkpoint), once before
+    any bundle. Returns when bundle 8 was published."""
+    t0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
+    ledger = Ledger(storage, job)
+    ledger.append(AttemptStarted(attempt=1, world_size=2, pid=1, lineage_id="L", at=t0))
+    ledger.append(StorageOutage(attempt=1, at=t0 + timedelta(seconds=5), began_at=t0 + timedelta(seconds=1),
+                                ended_at=t0 + timedelta(seconds=4.5), first_error="reset", paths=["ledger"],
+                                requests_refused=2, bundles_skipped=0, newest_bundle=None, newest_update=None,
+                                update_at_end=3))
+    published = t0 + timedelta(seconds=10)
+    ledger.append(BundlePublished(attempt=1, bundle=f"{job}/bundles/u0000000008-a1", update=8, bytes=1,
+                                  stall_seconds=0, write_seconds=0, at=published))
+    ledger.append(StorageOutage(attempt=1, at=t0 + timedelta(seconds=40), began_at=t0 + timedelta(seconds=11),
+                                ended_at=t0 + timedelta(seconds=39), first_error="PutObject: 503 SlowDown",
+                                paths=["ledger", "publisher", "rank 1 checkpoints"], requests_refused=9,
+                                bundles_skipped=1, newest_bundle=f"{job}/bundles/u0000000008-a1", newest_update=8,
+                                update_at_end=14, full_disk=False))
+    return published
+
+
+def test_history_shows_each_storage_outage_and_when_the_newest_bundle_was_published(tmp_path):
+    storage = LocalStorage(tmp_path)
+    published = write_outage_job(storage, "s")
+    doc = history(storage, "s")
+    assert [(o.began_at, o.seconds, o.paths, o.requests_refused, o.bundles_skipped, o.newest_bundle,
+             o.newest_update, o.updates_at_risk) for o in doc.outages] == [
+        ("2026-03-01T12:00:01+00:00", 3.5, ["ledger"], 2, 0, None, None, 3),  # none published: all at risk
+        ("2026-03-01T12:00:11+00:00", 28.0, ["ledger", "publisher", "rank 1 checkpoints"], 9, 1,
+         "s/bundles/u0000000008-a1", 8, 6)]
+    assert doc.outages[1].first_error == "PutObject: 503 SlowDown"
+    assert doc.newest_published_at == published.isoformat()
+    assert history(LocalStorage(tmp_path / "none"), "none").newest_published_at is None
