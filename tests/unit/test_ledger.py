@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime, timedelta
 
 from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.orchestrator.dashboard.charts import timeline
@@ -15,12 +14,12 @@ from spotrun.orchestrator.ledger.events import (
     JobFinished,
     Resizing,
     Restored,
-    StorageOutage,
     WorkerLost,
 )
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.storage import LocalStorage
+from tests.helpers.outage import write_outage_job
 
 
 def test_append_never_overwrites_and_reads_back(tmp_path):
@@ -161,27 +160,6 @@ def test_a_loss_recorded_before_hosts_and_hang_evidence_still_reads(tmp_path):
     assert (r.cause, r.rank, r.node_id, r.host, r.signal, r.stopped_phase, r.stacks) == (
         "node-lost", 0, "n", None, None, None, None)
     assert doc.stragglers == [] and doc.slowdowns == []
-
-
-def write_outage_job(storage: LocalStorage, job: str) -> datetime:
-    """A job whose storage was out twice: once after bundle 8 (rank 1 skipped a checkpoint), once before
-    any bundle. Returns when bundle 8 was published."""
-    t0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
-    ledger = Ledger(storage, job)
-    ledger.append(AttemptStarted(attempt=1, world_size=2, pid=1, lineage_id="L", at=t0))
-    ledger.append(StorageOutage(attempt=1, at=t0 + timedelta(seconds=5), began_at=t0 + timedelta(seconds=1),
-                                ended_at=t0 + timedelta(seconds=4.5), first_error="reset", paths=["ledger"],
-                                requests_refused=2, bundles_skipped=0, newest_bundle=None, newest_update=None,
-                                update_at_end=3))
-    published = t0 + timedelta(seconds=10)
-    ledger.append(BundlePublished(attempt=1, bundle=f"{job}/bundles/u0000000008-a1", update=8, bytes=1,
-                                  stall_seconds=0, write_seconds=0, at=published))
-    ledger.append(StorageOutage(attempt=1, at=t0 + timedelta(seconds=40), began_at=t0 + timedelta(seconds=11),
-                                ended_at=t0 + timedelta(seconds=39), first_error="PutObject: 503 SlowDown",
-                                paths=["ledger", "publisher", "rank 1 checkpoints"], requests_refused=9,
-                                bundles_skipped=1, newest_bundle=f"{job}/bundles/u0000000008-a1", newest_update=8,
-                                update_at_end=14, full_disk=False))
-    return published
 
 
 def test_history_shows_each_storage_outage_and_when_the_newest_bundle_was_published(tmp_path):
