@@ -240,5 +240,4 @@ def _summary(hist: History, attempt_spans: list[dict[str, Any]], restarts: list[
         # the newest attempt's newest figures, by rank (empty: none recorded): /metrics' spotrun_rank_slowdown
         "rank_slowdown": {str(x.rank): x.slowdown for x in hist.slowdowns},
         "newest_published_at": hist.newest_published_at,  # /metrics' spotrun_seconds_since_last_bundle
-        "outages": len(hist.outages),
     }
