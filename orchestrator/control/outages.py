@@ -1,17 +1,17 @@
 """Storage outages as the driver saw them: one ``storage_outage`` event per outage (runs in the driver).
 
 Every storage path rides an outage out on its own (:mod:`spotrun.trainer.storage.outage`): the driver's
-ledger and publisher, and each rank's checkpoint writes, which every rank's poll report carries. At each
+ledger, publisher and placer (a cold restart waiting for storage), and each rank's checkpoint writes,
+which every rank's poll report carries. At each
 look at the running attempt the supervisor hands :class:`Outages` the reports; :class:`OutageTracker`
 folds what the paths say into one outage: open from the first look at which a path is down or refused
 since the look before, over at the first look at which every path answers. Only then is it recorded:
 the ledger lives in the same storage, and what it could not write would wait in memory anyway.
 
-Its span is as the paths saw it: it began when the path down longest went down (each path says for how
-long it has been; a path that refused and answered again between two looks, at the look before), and
-ended at the look that found every path answering. A path answers again only once it tries (the
-publisher tries when a bundle is complete, the ledger when an event is appended), so the end is the
-first try that succeeded, to within one look. An outage that ends the job (a permanent refusal that
+Its span is as the paths saw it: it began when the first of them went down and ended when the last
+answered again (each path says how long ago; one that cannot, at the look before and at the look). A
+path answers again only once it tries (the publisher tries when a bundle is complete, the ledger when
+an event is appended), so the end is its first try that succeeded. An outage that ends the job (a permanent refusal that
 persisted ``storage_outage_s``) raises before any look sees it end: it is never recorded as ended.
 """
 
@@ -26,7 +26,7 @@ from spotrun.orchestrator.control.context import RunContext
 from spotrun.orchestrator.control.states import Running
 from spotrun.trainer.bundle.bundles import BUNDLE_DIR
 from spotrun.trainer.run.rank import Report
-from spotrun.trainer.storage.outage import OutageView
+from spotrun.trainer.storage.outage import Outage, OutageView
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class OutageTracker:
             refused, skipped = p.view.refused_total - refused0, p.skipped - skipped0
             if p.view.down_s is None and refused <= 0:
                 continue
-            began = now - timedelta(seconds=p.view.down_s) if p.view.down_s is not None else (before or now)
+            began = _began(p.view, now, before)
             o = self._open
             if o is None:
                 o = self._open = _Open(began, attempt, p.view.first_error or "", newest)
@@ -118,11 +118,24 @@ class OutageTracker:
             o.newest = newest  # the newest published while it lasts
             return None
         self._open = None
-        return OutageSeen(attempt=o.attempt, began_at=o.began, ended_at=now, first_error=o.first_error,
+        # when the last of its paths answered (each says how long ago; this look where one cannot say)
+        ended = max((now if p.view.ended_s is None else now - timedelta(seconds=p.view.ended_s)
+                     for p in paths if p.name in o.paths), default=now)
+        return OutageSeen(attempt=o.attempt, began_at=o.began, ended_at=max(ended, o.began), first_error=o.first_error,
                              paths=o.paths, requests_refused=o.refused, bundles_skipped=_skipped(o.skipped),
                              newest_bundle=o.newest[0] if o.newest else None,
                              newest_update=o.newest[1] if o.newest else None, update_at_end=update,
                              full_disk=o.full_disk)
+
+
+def _began(view: OutageView, now: datetime, before: datetime | None) -> datetime:
+    """When a path's outage began: it says so while down, and of its last outage once it answers again;
+    else (a path that cannot say) at the look before, the latest moment it was not yet known."""
+    if view.down_s is not None:
+        return now - timedelta(seconds=view.down_s)
+    if view.ended_s is not None and view.lasted_s is not None:
+        return now - timedelta(seconds=view.ended_s + view.lasted_s)
+    return before or now
 
 
 def _skipped(per_rank: dict[tuple[int, str], int]) -> int:
@@ -137,8 +150,11 @@ def _skipped(per_rank: dict[tuple[int, str], int]) -> int:
 class Outages:
     """The supervisor's part that records storage outages: called at every look at the running attempt."""
 
-    def __init__(self, ctx: RunContext, now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+    def __init__(self, ctx: RunContext, placing: Outage | None = None,
+                 now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+        """``placing``: the placer's path (a cold restart waiting for storage): seen at the next look."""
         self.ctx = ctx
+        self.placing = placing
         self.now = now
         self.tracker = OutageTracker()
 
@@ -147,6 +163,8 @@ class Outages:
         ctx = self.ctx
         paths = [PathSeen("ledger", "ledger", ctx.ledger.outage.view()),
                  PathSeen("publisher", "publisher", ctx.publisher.outage.view())]
+        if self.placing is not None:
+            paths.append(PathSeen("placing", "placing", self.placing.view()))
         paths += [PathSeen(f"rank {r.rank} checkpoints", f"a{st.attempt}/rank {r.rank}", r.storage, st.attempt,
                            r.checkpoints_skipped) for r in reports if r.storage is not None]
         ended = self.tracker.look(self.now(), st.attempt, st.last_update, self._newest(), paths)

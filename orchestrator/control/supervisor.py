@@ -106,7 +106,7 @@ class Supervisor:
         self.cadence = Cadence(self.ctx)
         self.recovery = Recovery(self.ctx, self.placer)
         self.stragglers = Stragglers(self.ctx, self.recovery)
-        self.outages = Outages(self.ctx)
+        self.outages = Outages(self.ctx, self.placer.outage)
 
     @property
     def storage(self) -> Storage:

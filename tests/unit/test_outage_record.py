@@ -24,8 +24,8 @@ def at(s: float) -> datetime:
 
 
 def path(name: str, down_s: float | None, refused: int, error: str = "503 SlowDown", attempt: int = 0,
-         skipped: int = 0, full: bool = False) -> PathSeen:
-    return PathSeen(name, name, OutageView(down_s, refused, error, full), attempt, skipped)
+         skipped: int = 0, full: bool = False, ended: float | None = None, lasted: float | None = None) -> PathSeen:
+    return PathSeen(name, name, OutageView(down_s, refused, error, full, ended, lasted), attempt, skipped)
 
 
 def test_an_outage_is_recorded_once_every_path_answers_and_never_before():
@@ -41,9 +41,10 @@ def test_an_outage_is_recorded_once_every_path_answers_and_never_before():
     assert t.look(at(30), 1, 12, ("j/bundles/u0000000008-a1", 8),
                   [path("ledger", None, 5), path("rank 0", 17.0, 6, "reset", attempt=1, skipped=2)]) is None
     seen = t.look(at(40), 1, 14, ("j/bundles/u0000000012-a1", 12),
-                  [path("ledger", None, 5), path("rank 0", None, 6, "reset", attempt=1, skipped=2)])
+                  [path("ledger", None, 5, ended=15.0),
+                   path("rank 0", None, 6, "reset", attempt=1, skipped=2, ended=4.0)])
     assert seen is not None and not t.open
-    assert (seen.began_at, seen.ended_at) == (at(8), at(40))
+    assert (seen.began_at, seen.ended_at) == (at(8), at(36))  # the last path answered 4 s before the look
     assert seen.paths == ["ledger", "rank 0"] and seen.first_error == "503 SlowDown"
     assert seen.requests_refused == 5 + 6  # each refusal once, however many looks reported it
     assert seen.bundles_skipped == 2
@@ -60,6 +61,9 @@ def test_a_refusal_answered_between_two_looks_is_an_outage_since_the_look_before
     assert seen is not None
     assert (seen.began_at, seen.ended_at, seen.requests_refused, seen.full_disk) == (at(5), at(10), 2, True)
     assert (seen.newest_bundle, seen.newest_update) == (None, None)
+    # a path that says when its outage ended and how long it lasted gives its own span
+    seen = t.look(at(20), 1, 4, None, [path("publisher", None, 5, ended=3.0, lasted=4.0)])
+    assert seen is not None and (seen.began_at, seen.ended_at, seen.requests_refused) == (at(13), at(17), 1)
 
 
 def test_ranks_skip_on_their_own_a_new_attempt_counts_afresh():
@@ -97,3 +101,16 @@ def test_the_running_look_records_the_outage_the_ranks_report_once_it_ends(tmp_p
     assert (e.requests_refused, e.bundles_skipped, e.update_at_end) == (7, 2, 6)
     assert (e.newest_bundle, e.newest_update) == (None, None)  # nothing published yet
     assert e.began_at < e.ended_at
+
+
+def test_a_restart_that_waited_for_storage_is_recorded_at_the_next_look(tmp_path):
+    from spotrun.trainer.storage import StorageUnavailableError
+
+    sup = supervisor(make_spec(tmp_path, job_id="p"), StepGroup(1, []))
+    st = running(sup)
+    sup.placer.outage.failed(StorageUnavailableError("ListObjectsV2: 503 SlowDown"))  # as a cold restart meets it
+    sup.placer.outage.recovered()
+    st.group.polls.append([rank(0, 1, UP)])
+    sup.step(st)
+    [e] = events(sup, StorageOutage)
+    assert (e.paths, e.requests_refused, e.first_error) == (["placing"], 1, "ListObjectsV2: 503 SlowDown")

@@ -207,6 +207,8 @@ def test_a_path_keeps_its_outage_s_first_refusal_and_whether_a_full_disk_was_amo
     o.failed(full)
     assert o.view() == OutageView(3.0, 2, "503 SlowDown", True)
     o.recovered()
-    assert o.view() == OutageView(None, 2, "503 SlowDown", True)  # the last outage's, until the next begins
+    clock.now += 2
+    # the last outage's, until the next begins: its first refusal, and when it ended and how long it lasted
+    assert o.view() == OutageView(None, 2, "503 SlowDown", True, ended_s=2.0, lasted_s=3.0)
     o.failed(StorageUnavailableError("reset"))
     assert o.view() == OutageView(0.0, 3, "reset", False)

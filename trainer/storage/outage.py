@@ -50,6 +50,8 @@ class OutageView:
     refused_total: int  # refusals over the life of the path
     first_error: str | None  # the first refusal of the current or last outage (None: never refused)
     full_disk: bool  # ENOSPC or EDQUOT was among that outage's refusals
+    ended_s: float | None = None  # while it answers: seconds since its last outage ended (None: none ended)
+    lasted_s: float | None = None  # how long that last outage lasted
 
 
 def full_disk(exc: BaseException) -> bool:
@@ -79,6 +81,7 @@ class Outage:
         self.outages = 0  # outages seen (ended or not)
         self.first_error: str | None = None  # the current (else the last) outage's first refusal
         self.full_disk = False  # ENOSPC/EDQUOT among the current (else the last) outage's refusals
+        self._ended: tuple[float, float] | None = None  # the last ended outage: (when it ended, how long it lasted)
         self._next_try = 0.0
 
     @property
@@ -97,8 +100,11 @@ class Outage:
     def view(self) -> OutageView:
         """This path's state now, as plain values (see :class:`OutageView`)."""
         with self._lock:
-            down = None if self.since is None else self.clock() - self.since
-            return OutageView(down, self.refused_total, self.first_error, self.full_disk)
+            now = self.clock()
+            if self.since is not None:
+                return OutageView(now - self.since, self.refused_total, self.first_error, self.full_disk)
+            ended, lasted = (now - self._ended[0], self._ended[1]) if self._ended else (None, None)
+            return OutageView(None, self.refused_total, self.first_error, self.full_disk, ended, lasted)
 
     def due(self) -> bool:
         """Whether to try again now: storage answers, or the backoff after the last refusal has passed."""
@@ -129,8 +135,9 @@ class Outage:
         with self._lock:
             if self.since is None:
                 return None
-            lasted = self.clock() - self.since
-            self.since, self.refused, self._next_try = None, 0, 0.0
+            now = self.clock()
+            lasted = now - self.since
+            self.since, self.refused, self._next_try, self._ended = None, 0, 0.0, (now, lasted)
         log.warning("storage answers again for %s after %.1f s", self.what, lasted)
         return lasted
 
