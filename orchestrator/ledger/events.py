@@ -252,7 +252,7 @@ class StorageOutage(LedgerEvent):
     began_at: datetime
     ended_at: datetime
     first_error: str  # the first refusal, as the path that met it said it (names a full disk as such)
-    paths: list[str]  # the storage paths that met it: "ledger", "publisher", "rank R checkpoints"
+    paths: list[str]  # the storage paths that met it: "ledger", "publisher", "placing", "rank R checkpoints"
     requests_refused: int  # refusals counted over those paths
     # checkpoint boundaries whose bundle was not taken or whose write was abandoned: per attempt, the most any
     # one rank skipped (each rank skips on its own view of the storage, so this is a lower bound)

@@ -174,7 +174,7 @@ class OutageRow(_Row):
     ended_at: str
     seconds: float
     first_error: str  # the first refusal, as the path that met it said it
-    paths: list[str]  # the storage paths that met it ("ledger", "publisher", "rank R checkpoints")
+    paths: list[str]  # the storage paths that met it ("ledger", "publisher", "placing", "rank R checkpoints")
     requests_refused: int
     bundles_skipped: int  # checkpoints not taken or abandoned (per attempt, the most any one rank skipped)
     newest_bundle: str | None  # the newest published bundle while it lasted (None: none yet)
