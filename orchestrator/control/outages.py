@@ -121,11 +121,11 @@ class OutageTracker:
         # when the last of its paths answered (each says how long ago; this look where one cannot say)
         ended = max((now if p.view.ended_s is None else now - timedelta(seconds=p.view.ended_s)
                      for p in paths if p.name in o.paths), default=now)
-        return OutageSeen(attempt=o.attempt, began_at=o.began, ended_at=max(ended, o.began), first_error=o.first_error,
-                             paths=o.paths, requests_refused=o.refused, bundles_skipped=_skipped(o.skipped),
-                             newest_bundle=o.newest[0] if o.newest else None,
-                             newest_update=o.newest[1] if o.newest else None, update_at_end=update,
-                             full_disk=o.full_disk)
+        return OutageSeen(attempt=o.attempt, began_at=o.began, ended_at=max(ended, o.began),
+                          first_error=o.first_error, paths=o.paths, requests_refused=o.refused,
+                          bundles_skipped=_skipped(o.skipped), newest_bundle=o.newest[0] if o.newest else None,
+                          newest_update=o.newest[1] if o.newest else None, update_at_end=update,
+                          full_disk=o.full_disk)
 
 
 def _began(view: OutageView, now: datetime, before: datetime | None) -> datetime:
