@@ -225,6 +225,11 @@ def cmd_history(a: argparse.Namespace) -> int:
     if doc.refusals:
         _table("refused runs (none trained; the state above stands)", _rows(doc.refusals),
                ["at", "check", "bundle", "reason"])
+    if doc.outages:
+        _table("storage outages (training went on; at risk: updates done past the newest bundle when storage answered)",
+               [{**r, "paths": ", ".join(r["paths"])} for r in _rows(doc.outages)],
+               ["attempt", "began_at", "ended_at", "seconds", "paths", "requests_refused", "bundles_skipped",
+                "newest_bundle", "updates_at_risk", "first_error"])
     if doc.checkpoint_intervals:
         _table(f"checkpoint interval (auto; {len(doc.checkpoint_intervals)} decisions in --json)",
                _rows(doc.checkpoint_intervals[-1:]), ["at", "reason", "interval_s", "interval_updates", "bound",

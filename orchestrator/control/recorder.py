@@ -11,7 +11,8 @@ so the ledger's order is the order of the facts. Bundles and offsets are the pub
 from __future__ import annotations
 
 import os
-from typing import Any
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 from spotrun.orchestrator.control.states import End, Failed, Finished, Placing, Recovering, Running, State
 from spotrun.orchestrator.ledger.events import (
@@ -29,6 +30,7 @@ from spotrun.orchestrator.ledger.events import (
     RunRefused,
     Slowdowns,
     SparesReady,
+    StorageOutage,
     StragglerReplacing,
     TopologyChanged,
     WorkerLost,
@@ -42,6 +44,9 @@ from spotrun.orchestrator.policy.recovery import LossClass, RecoveryPath
 from spotrun.orchestrator.workers.groups import RankLost, WorkerGroup
 from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.job.spec import JobSpec
+
+if TYPE_CHECKING:  # outages.py reads the run's context, which holds this recorder
+    from spotrun.orchestrator.control.outages import OutageSeen
 
 
 class Recorder:
@@ -143,6 +148,10 @@ class Recorder:
                                          update=bundle.counters.attempted_updates,
                                          notice_to_publish_seconds=round(seconds, 3), early=early,
                                          acknowledged=acknowledged))
+
+    def storage_outage(self, seen: OutageSeen) -> None:
+        """An outage the driver saw end (orchestrator/control/outages.py): recorded once storage answers."""
+        self.ledger.append(StorageOutage(**asdict(seen)))
 
     # -- recovering ---------------------------------------------------------------------------
 

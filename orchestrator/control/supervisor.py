@@ -29,6 +29,7 @@ from dataclasses import replace
 from spotrun.orchestrator.control.cadence import Cadence
 from spotrun.orchestrator.control.context import RunContext
 from spotrun.orchestrator.control.noticing import NoticeDesk
+from spotrun.orchestrator.control.outages import Outages
 from spotrun.orchestrator.control.placing import UNVERIFIED, OracleMismatch, Placer
 from spotrun.orchestrator.control.platform import GroupFactory, Options, Platform, Scaler
 from spotrun.orchestrator.control.progress import NullProgress
@@ -105,6 +106,7 @@ class Supervisor:
         self.cadence = Cadence(self.ctx)
         self.recovery = Recovery(self.ctx, self.placer)
         self.stragglers = Stragglers(self.ctx, self.recovery)
+        self.outages = Outages(self.ctx, self.placer.outage)
 
     @property
     def storage(self) -> Storage:
@@ -221,6 +223,7 @@ class Supervisor:
         reports = st.group.poll()
         st = self._absorb(st, reports)
         seen.append(st)
+        self.outages.look(st, reports)  # after the publishes: an outage ends once storage answers them
         if all(r.state == RankState.FINISHED for r in reports):
             st.group.teardown()
             return Finished(self.ctx.published[-1].counters if self.ctx.published else Counters())

@@ -106,7 +106,7 @@ def create_app(storage: Storage | str, *, token: str | None = None, endpoint_url
 
     @app.get("/metrics")
     def metrics() -> Response:
-        return Response(prometheus.exposition(reader.jobs), media_type=prometheus.CONTENT_TYPE)
+        return Response(prometheus.exposition(reader.scrape), media_type=prometheus.CONTENT_TYPE)
 
     @app.get("/api")
     def api_index() -> dict[str, str]:

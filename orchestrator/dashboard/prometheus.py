@@ -5,6 +5,10 @@ page shows (so a scrape reads storage like one page view). A metric whose value 
 job with no published bundle has no ``spotrun_last_published_update``) has no sample for that
 job rather than a made-up zero.
 
+``spotrun_storage_up`` is the dashboard's own word, not the job's: whether its last read of the job's
+storage succeeded. When it did not, the job's other samples are those of its last successful read (none
+before there was one): the job's own paths ride the same outage out and record it once it is over.
+
 Per-rank gauges (:data:`RANK_GAUGES`) carry a ``rank`` label besides: one sample per rank the job's
 newest attempt has a figure for, none while it has none.
 """
@@ -12,6 +16,7 @@ newest attempt has a figure for, none while it has none.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -34,6 +39,12 @@ GAUGES: dict[str, tuple[str, Callable[[dict[str, Any]], float | None]]] = {
     "spotrun_replayed_updates": ("Updates computed again after a restart so far", lambda s: s["replayed_updates"]),
     "spotrun_last_published_update": ("Update of the newest published bundle",
                                       lambda s: s["last_published"]["update"] if s["last_published"] else None),
+    "spotrun_seconds_since_last_bundle": ("Seconds since the newest bundle was published (its bundle_published "
+                                          "event); no sample before the first",
+                                          lambda s: _since(s["newest_published_at"])),
+    "spotrun_storage_up": ("1 when the dashboard's last read of the job's storage succeeded, 0 when storage refused "
+                           "it (an outage as the dashboard sees it: the job rides it out and records it once over)",
+                           lambda s: s["storage_up"]),
     "spotrun_attempt_running": ("1 while an attempt of the job is running and has shown signs of life",
                                 lambda s: int(s["state"] == "running" and not s["quiet"])),
 }
@@ -45,6 +56,18 @@ RANK_GAUGES: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, float]]]]
 }
 
 
+def _since(iso: str | None) -> float | None:
+    return None if iso is None else round((datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds(), 3)
+
+
+def _read(read: Callable[[dict[str, Any]], Any], summary: dict[str, Any]) -> Any:
+    """``read(summary)``; None for a job the dashboard could never read (only its ``storage_up`` is known)."""
+    try:
+        return read(summary)
+    except KeyError:
+        return None
+
+
 class _Jobs(Collector):
     def __init__(self, summaries: Callable[[], list[dict[str, Any]]]) -> None:
         self.summaries = summaries
@@ -54,14 +77,14 @@ class _Jobs(Collector):
         for name, (help_, read) in GAUGES.items():
             family = GaugeMetricFamily(name, help_, labels=["job"])
             for s in jobs:
-                value = read(s)
+                value = _read(read, s)
                 if value is not None:
                     family.add_metric([s["job_id"]], float(value))
             yield family
         for name, (help_, per_rank) in RANK_GAUGES.items():
             family = GaugeMetricFamily(name, help_, labels=["job", "rank"])
             for s in jobs:
-                for rank, value in sorted(per_rank(s).items(), key=lambda kv: int(kv[0])):
+                for rank, value in sorted((_read(per_rank, s) or {}).items(), key=lambda kv: int(kv[0])):
                     family.add_metric([s["job_id"], rank], float(value))
             yield family
 

@@ -28,7 +28,7 @@ from spotrun.trainer.bundle.errors import BundleError
 from spotrun.trainer.bundle.manifest import ManifestError
 from spotrun.trainer.observe.ranklog import list_rank_logs, read_rank_log
 from spotrun.trainer.observe.stacks import stacks_key
-from spotrun.trainer.storage import Storage
+from spotrun.trainer.storage import Storage, StorageError
 
 QUIET_AFTER_S = 300.0  # a "running" job silent this long is flagged: its driver may be gone
 _NUMBER = re.compile(r"^[0-9]{1,9}$")  # an attempt or a rank in an address: digits only, no sign, no path
@@ -47,10 +47,32 @@ class Reader:
     logs: LogCache = field(default_factory=LogCache)
     objects: ObjectCache = field(default_factory=ObjectCache)
     ledgers: dict[str, Ledger] = field(default_factory=dict)  # per job: a refresh fetches only new events
+    scraped: dict[str, dict[str, Any]] = field(default_factory=dict)  # per job: what /metrics last read of it
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def jobs(self) -> list[dict[str, Any]]:
         return [self.job(j)["summary"] for j in job_ids(self.storage)]
+
+    def scrape(self) -> list[dict[str, Any]]:
+        """What ``/metrics`` exports: each job's summary, read now, with ``storage_up`` 1. A job whose storage
+        refused this read keeps the summary last read of it (none when there is none) with ``storage_up``
+        0; when the list of jobs itself is refused, so does every job read before."""
+        try:
+            ids = job_ids(self.storage)
+        except StorageError:
+            ids = list(self.scraped)
+        out = []
+        for job_id in ids:
+            try:
+                summary = {**self.job(job_id)["summary"], "storage_up": 1}
+            except JobNotFound:  # listed, then deleted
+                self.scraped.pop(job_id, None)
+                continue
+            except StorageError:
+                summary = {**self.scraped.get(job_id, {"job_id": job_id}), "storage_up": 0}
+            self.scraped[job_id] = summary
+            out.append(summary)
+        return out
 
     def points(self, job_id: str) -> Points:
         return read_points(self.storage, job_id, self.metrics_local_dir, self.logs, self.objects)
@@ -217,4 +239,5 @@ def _summary(hist: History, attempt_spans: list[dict[str, Any]], restarts: list[
         "orphaned_bundles": sum(r["status"] == "orphaned" for r in rows),
         # the newest attempt's newest figures, by rank (empty: none recorded): /metrics' spotrun_rank_slowdown
         "rank_slowdown": {str(x.rank): x.slowdown for x in hist.slowdowns},
+        "newest_published_at": hist.newest_published_at,  # /metrics' spotrun_seconds_since_last_bundle
     }

@@ -252,9 +252,11 @@ class StorageOutage(LedgerEvent):
     began_at: datetime
     ended_at: datetime
     first_error: str  # the first refusal, as the path that met it said it (names a full disk as such)
-    paths: list[str]  # the storage paths that met it: "ledger", "publisher", "rank R bundle writes", ...
+    paths: list[str]  # the storage paths that met it: "ledger", "publisher", "placing", "rank R checkpoints"
     requests_refused: int  # refusals counted over those paths
-    bundles_skipped: int  # checkpoint boundaries whose bundle was not taken or whose write was abandoned
+    # checkpoint boundaries whose bundle was not taken or whose write was abandoned: per attempt, the most any
+    # one rank skipped (each rank skips on its own view of the storage, so this is a lower bound)
+    bundles_skipped: int
     newest_bundle: str | None  # the newest published bundle while it lasted (None: none yet)
     newest_update: int | None  # that bundle's update
     update_at_end: int  # the update the attempt had reached when storage answered: the updates at risk are

@@ -26,6 +26,7 @@ from spotrun.orchestrator.ledger.events import (
     Restored,
     RunRefused,
     Slowdowns,
+    StorageOutage,
     StragglerReplacing,
     TopologyChanged,
     WorkerLost,
@@ -39,6 +40,7 @@ from spotrun.orchestrator.ledger.history_model import (
     IntervalRow,
     JobState,
     NoticeRow,
+    OutageRow,
     RankSlowdown,
     RefusalRow,
     RestartRow,
@@ -52,6 +54,7 @@ from spotrun.orchestrator.ledger.losses import (
     reaches,
     time_lost_seconds,
     totals,
+    updates_at_risk,
 )
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.policy.budgets import Budget
@@ -95,7 +98,12 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     hung or stuck, the signal, the phase and update it stopped in and the key of its stacks; a restart
     that replaced a straggler (``cause`` ``straggler``, a planned restart: no loss) names the straggler.
     ``stragglers``: every rank a ``slowdowns`` event flagged, one row per attempt and rank; ``slowdowns``:
-    the newest attempt's newest figures, per rank (empty when it recorded none)."""
+    the newest attempt's newest figures, per rank (empty when it recorded none).
+
+    ``outages``: the storage outages the driver recorded (``storage_outage``, oldest first: from, to, how
+    long, the first refusal, the paths that met it, the requests refused, the checkpoints skipped, the
+    newest bundle while it lasted and the updates at risk, :func:`~.losses.updates_at_risk`);
+    ``newest_published_at``: when the newest bundle was published (the ledger's word)."""
     events = (ledger or Ledger(storage, job_id, fold=None)).read()
     if points is None:
         # here, not at the top: the dashboard package imports this module
@@ -119,6 +127,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     notices: list[NoticeRow] = []
     intervals: list[IntervalRow] = []
     refusals: list[RefusalRow] = []
+    outages: list[OutageRow] = []
     classes = {"preemption": 0, "failure": 0, "unclassified": 0}
     budget: Budget | None = None  # the newest record of the budgets
     for e in events:
@@ -171,6 +180,8 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
         elif isinstance(e, IntervalChosen):
             intervals.append(IntervalRow(attempt=e.attempt, at=e.at.isoformat(), reason=e.reason,
                                          **e.decision.model_dump(), inputs=e.inputs))
+        elif isinstance(e, StorageOutage):
+            outages.append(_outage(e))
         elif isinstance(e, TopologyChanged):
             topology.append(e)
         elif isinstance(e, BundleRejected):
@@ -189,6 +200,8 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     return History(job_id=job_id, state=state_of(events), attempts=list(attempts.values()), restarts=restarts,
                    topology_changes=topology, rejected_bundles=rejected, corrupt_events=corrupt, notices=notices,
                    refusals=refusals, budgets=_budgets(classes, budget), checkpoint_intervals=intervals,
+                   outages=outages,
+                   newest_published_at=max(published_at.values()).isoformat() if published_at else None,
                    stragglers=list(flagged.values()), slowdowns=_newest_slowdowns(newest, max(attempts, default=0)),
                    totals=totals(restarts), goodput=goodput(events, points.final, points.log, _rate(storage, job_id)))
 
@@ -209,6 +222,12 @@ def state_of(events: list[LedgerEvent | CorruptEvent]) -> JobState:
         elif isinstance(e, RunRefused) and state == "unknown":
             state = "refused"
     return state
+
+
+def _outage(e: StorageOutage) -> OutageRow:
+    return OutageRow(**e.model_dump(exclude={"kind", "at", "began_at", "ended_at"}), began_at=e.began_at.isoformat(),
+                     ended_at=e.ended_at.isoformat(), seconds=round((e.ended_at - e.began_at).total_seconds(), 3),
+                     updates_at_risk=updates_at_risk(e.update_at_end, e.newest_update))
 
 
 def _flag(flagged: dict[tuple[int, int], StragglerRow], e: Slowdowns) -> None:

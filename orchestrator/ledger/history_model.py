@@ -166,6 +166,24 @@ class IntervalRow(_Row):
     inputs: IntervalInputs
 
 
+class OutageRow(_Row):
+    """A storage outage the driver recorded once storage answered again (``storage_outage``)."""
+
+    attempt: int  # the attempt running when it began
+    began_at: str
+    ended_at: str
+    seconds: float
+    first_error: str  # the first refusal, as the path that met it said it
+    paths: list[str]  # the storage paths that met it ("ledger", "publisher", "placing", "rank R checkpoints")
+    requests_refused: int
+    bundles_skipped: int  # checkpoints not taken or abandoned (per attempt, the most any one rank skipped)
+    newest_bundle: str | None  # the newest published bundle while it lasted (None: none yet)
+    newest_update: int | None
+    update_at_end: int  # the update the attempt had reached when storage answered
+    updates_at_risk: int  # losses.updates_at_risk: what a loss at its end would have thrown away
+    full_disk: bool
+
+
 class BudgetUse(_Row):
     """What the newest run of the driver used and has left of each budget (None: no limit or not recorded)."""
 
@@ -200,6 +218,8 @@ class History(_Row):
     refusals: list[RefusalRow]  # oldest first
     budgets: Budgets
     checkpoint_intervals: list[IntervalRow]  # oldest first
+    outages: list[OutageRow]  # storage outages, oldest first
+    newest_published_at: str | None  # when the newest bundle_published was recorded (None: none)
     stragglers: list[StragglerRow]  # one per attempt and rank ever flagged, by attempt then first flagged
     slowdowns: list[RankSlowdown]  # by rank; empty when the newest attempt has recorded none
     totals: Totals  # losses.totals over the restarts

@@ -24,6 +24,9 @@ shows one value of each figure wherever it is shown:
   bundle's publication, or the previous attempt's start when that is later or nothing was
   restored) to the restore: the work thrown away plus the downtime. A job's time lost is the sum
   over its restarts.
+- a storage outage's **updates at risk**: the updates the attempt had completed when storage answered
+  again after the newest bundle published while it lasted (all of them when none was): what a loss
+  at its end would have thrown away.
 """
 
 from __future__ import annotations
@@ -154,6 +157,11 @@ class Totals(BaseModel):
     # the known ones; an int 0 when none is, as ``--json`` has always printed it (hence the union)
     time_lost_seconds: float | int
     downtime_seconds: list[float]  # each restart's that has one
+
+
+def updates_at_risk(update_at_end: int, newest_update: int | None) -> int:
+    """A storage outage's updates at risk (see the module docstring)."""
+    return max(0, update_at_end - (newest_update or 0))
 
 
 def totals(restarts: Sequence[RestartFigures]) -> Totals:

@@ -1,10 +1,14 @@
-"""A storage that goes down on demand, for the tests of how each storage path rides out an outage."""
+"""A storage that goes down on demand, for the tests of how each storage path rides out an outage; and a
+ledger with outages recorded, for the tests of what history, the CLI and the dashboard show of them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, StorageOutage
+from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.storage import LocalStorage, StorageError, StorageUnavailableError
 from spotrun.trainer.storage.outage import Backoff, Outage
 
@@ -50,3 +54,24 @@ def quick(outage: Outage) -> Outage:
     """``outage`` with no wait between tries (tests drive the tries themselves)."""
     fresh = Outage(outage.what, outage.bound_s, NO_WAIT, outage.clock)
     return fresh
+
+
+def write_outage_job(storage: LocalStorage, job: str) -> datetime:
+    """A job whose storage was out twice: once after bundle 8 (rank 1 skipped a checkpoint), once before
+    any bundle. Returns when bundle 8 was published."""
+    t0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
+    ledger = Ledger(storage, job)
+    ledger.append(AttemptStarted(attempt=1, world_size=2, pid=1, lineage_id="L", at=t0))
+    ledger.append(StorageOutage(attempt=1, at=t0 + timedelta(seconds=5), began_at=t0 + timedelta(seconds=1),
+                                ended_at=t0 + timedelta(seconds=4.5), first_error="reset", paths=["ledger"],
+                                requests_refused=2, bundles_skipped=0, newest_bundle=None, newest_update=None,
+                                update_at_end=3))
+    published = t0 + timedelta(seconds=10)
+    ledger.append(BundlePublished(attempt=1, bundle=f"{job}/bundles/u0000000008-a1", update=8, bytes=1,
+                                  stall_seconds=0, write_seconds=0, at=published))
+    ledger.append(StorageOutage(attempt=1, at=t0 + timedelta(seconds=40), began_at=t0 + timedelta(seconds=11),
+                                ended_at=t0 + timedelta(seconds=39), first_error="PutObject: 503 SlowDown",
+                                paths=["ledger", "publisher", "rank 1 checkpoints"], requests_refused=9,
+                                bundles_skipped=1, newest_bundle=f"{job}/bundles/u0000000008-a1", newest_update=8,
+                                update_at_end=14, full_disk=False))
+    return published

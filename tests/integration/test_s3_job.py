@@ -16,6 +16,7 @@ from spotrun.orchestrator.ledger.events import (
     JobFinished,
     OffsetsCommitted,
     Restored,
+    StorageOutage,
     WorkerLost,
 )
 from spotrun.orchestrator.ledger.store import Ledger
@@ -145,6 +146,19 @@ def test_a_storage_outage_mid_run_costs_checkpoints_never_the_job(moto, referenc
         nums = [int(n) for n in re.findall(r"\d{12}", key)]
         held += range(nums[0], nums[-1] + 1)
     assert sorted(held) == list(range(len(events)))
+    # recorded once storage answered: the driver's paths and the ranks' as they reported them
+    outages = [e for e in events if isinstance(e, StorageOutage)]
+    assert outages and all(e.began_at < e.ended_at and e.first_error and e.requests_refused > 0 for e in outages)
+    first = outages[0]
+    assert "ledger" in first.paths  # bundle 8's bundle_published was the first request refused
+    assert {p for o in outages for p in o.paths} <= {"ledger", "publisher", "rank 0 checkpoints", "rank 1 checkpoints"}
+    published = {e.bundle: e.update for e in events if isinstance(e, BundlePublished)}
+    assert first.newest_update is not None and first.newest_update >= 8
+    assert first.newest_bundle is not None and published[first.newest_bundle] == first.newest_update
+    assert all(o.update_at_end - (o.newest_update or 0) >= 0 for o in outages)  # the updates at risk
+    missing = set(range(4, 25, 4)) - set(updates)  # boundaries never published: skipped or abandoned
+    skipped = sum(o.bundles_skipped for o in outages)
+    assert (skipped > 0) == bool(missing) and skipped <= len(missing)
 
 
 def test_a_denial_that_persists_past_storage_outage_s_ends_the_job_loudly(moto, tmp_path):

@@ -88,3 +88,22 @@ def test_history_shows_a_hung_ranks_evidence_and_the_stragglers(tmp_path, capsys
     stragglers = out[out.index("stragglers ("):out.index("restart budgets")]
     assert "│ 2       │ 1    │ node-b  │ 12:01:00   │ 20             │ 2.4          │ yes      │" in stragglers
     assert "│ 3       │ 2    │ node-c  │ 12:02:00   │ 40             │ 1.7          │ no       │" in stragglers
+
+
+def test_history_prints_a_storage_outages_table_only_when_there_were_outages(tmp_path, capsys):
+    from spotrun.orchestrator.ledger.events import AttemptStarted
+    from spotrun.orchestrator.ledger.store import Ledger
+    from spotrun.trainer.storage import LocalStorage
+    from tests.helpers.outage import write_outage_job
+
+    write_outage_job(LocalStorage(tmp_path), "out")
+    assert main(["history", "out", "--storage", f"file://{tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("storage outages"):out.index("goodput")]
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in table.splitlines() if line.startswith("│")]
+    assert rows == [["1", "12:00:01", "12:00:04", "3.5", "ledger", "2", "0", "-", "3", "reset"],
+                    ["1", "12:00:11", "12:00:39", "28", "ledger, publisher, rank 1 checkpoints", "9", "1",
+                     "u0000000008-a1", "6", "PutObject: 503 SlowDown"]], table
+    Ledger(LocalStorage(tmp_path), "calm").append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="L"))
+    assert main(["history", "calm", "--storage", f"file://{tmp_path}"]) == 0
+    assert "storage outages" not in capsys.readouterr().out

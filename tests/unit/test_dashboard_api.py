@@ -293,3 +293,56 @@ def test_prometheus_rank_slowdown_of_the_newest_attempt(evidence):
     [family] = [f for f in text_string_to_metric_families(text) if f.name == "spotrun_rank_slowdown"]
     assert [(s.labels, s.value) for s in family.samples] == [  # attempt 3's update-50 figures; none for calm
         ({"job": "e", "rank": "0"}, 1.01), ({"job": "e", "rank": "1"}, 1.02), ({"job": "e", "rank": "2"}, 1.7)]
+
+
+def test_the_job_page_lists_the_storage_outages(tmp_path):
+    from tests.helpers.outage import write_outage_job
+
+    write_outage_job(open_storage(f"file://{tmp_path}"), "s")
+    Ledger(open_storage(f"file://{tmp_path}"), "calm").append(AttemptStarted(attempt=1, world_size=1, pid=1,
+                                                                             lineage_id="L"))
+    client = TestClient(create_app(f"file://{tmp_path}"), base_url=BASE)
+    page = client.get("/jobs/s").text
+    rows = page[page.index('<table class="outages">'):page.index("</table>", page.index('class="outages"'))]
+    assert rows.count('<tr class="outage"') == 2
+    assert ('<td data-field="paths">ledger, publisher, rank 1 checkpoints</td><td data-field="requests_refused">9</td>'
+            '<td data-field="bundles_skipped">1</td><td data-field="newest_bundle">u0000000008-a1 (update 8)</td>'
+            '<td data-field="updates_at_risk">6</td><td data-field="first_error">PutObject: 503 SlowDown</td>') in rows
+    assert '<td data-field="newest_bundle">none</td><td data-field="updates_at_risk">3</td>' in rows
+    assert 'id="outages"' not in client.get("/jobs/calm").text
+
+
+def test_prometheus_time_since_the_newest_bundle_and_whether_storage_answered(tmp_path):
+    from datetime import UTC, datetime
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.helpers.outage import Flaky, write_outage_job
+
+    published = write_outage_job(open_storage(f"file://{tmp_path}"), "s")
+    Ledger(open_storage(f"file://{tmp_path}"), "calm").append(AttemptStarted(attempt=1, world_size=1, pid=1,
+                                                                             lineage_id="L"))
+    storage = Flaky(tmp_path)
+    client = TestClient(create_app(storage), base_url=BASE)
+
+    def scrape() -> dict[tuple[str, str], float]:
+        text = client.get("/metrics").text
+        assert "# HELP spotrun_storage_up 1 when the dashboard's last read of the job's storage succeeded" in text
+        return {(s.name, s.labels["job"]): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    before = (datetime.now(UTC) - published).total_seconds()
+    samples = up = scrape()
+    after = (datetime.now(UTC) - published).total_seconds()
+    assert before <= samples[("spotrun_seconds_since_last_bundle", "s")] <= after
+    assert ("spotrun_seconds_since_last_bundle", "calm") not in samples  # no bundle yet: no sample
+    assert samples[("spotrun_storage_up", "s")] == samples[("spotrun_storage_up", "calm")] == 1
+    storage.down = True  # the dashboard's reads are refused: it says so, and keeps what it last read
+    samples = scrape()
+    assert samples[("spotrun_storage_up", "s")] == samples[("spotrun_storage_up", "calm")] == 0
+    moving = {"spotrun_storage_up", "spotrun_seconds_since_last_bundle"}
+    kept = {k: v for k, v in samples.items() if k[0] not in moving}
+    assert kept == {k: v for k, v in up.items() if k[0] not in moving}
+    assert kept[("spotrun_updates_done", "s")] == 8
+    assert samples[("spotrun_seconds_since_last_bundle", "s")] >= after
+    storage.down = False
+    assert scrape()[("spotrun_storage_up", "s")] == 1

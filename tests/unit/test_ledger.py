@@ -19,6 +19,7 @@ from spotrun.orchestrator.ledger.events import (
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.storage import LocalStorage
+from tests.helpers.outage import write_outage_job
 
 
 def test_append_never_overwrites_and_reads_back(tmp_path):
@@ -107,8 +108,8 @@ def test_history_json_keeps_the_fields_the_ledger_set_in_the_order_it_set_them(t
                            "last_update", "ended", "last_update_source"]
     assert list(second)[8:] == ["initialized_from", "recovery_label", "reset", "lineage_id", "last_update_source"]
     assert list(doc) == ["job_id", "state", "attempts", "restarts", "topology_changes", "rejected_bundles",
-                         "corrupt_events", "notices", "refusals", "budgets", "checkpoint_intervals", "stragglers",
-                         "slowdowns", "totals", "goodput"]
+                         "corrupt_events", "notices", "refusals", "budgets", "checkpoint_intervals", "outages",
+                         "newest_published_at", "stragglers", "slowdowns", "totals", "goodput"]
     alone = Ledger(LocalStorage(tmp_path / "one"), "o")
     alone.append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="x"))
     alone.append(JobFinished(attempt=1, counters={"attempted_updates": 3}))
@@ -159,3 +160,17 @@ def test_a_loss_recorded_before_hosts_and_hang_evidence_still_reads(tmp_path):
     assert (r.cause, r.rank, r.node_id, r.host, r.signal, r.stopped_phase, r.stacks) == (
         "node-lost", 0, "n", None, None, None, None)
     assert doc.stragglers == [] and doc.slowdowns == []
+
+
+def test_history_shows_each_storage_outage_and_when_the_newest_bundle_was_published(tmp_path):
+    storage = LocalStorage(tmp_path)
+    published = write_outage_job(storage, "s")
+    doc = history(storage, "s")
+    assert [(o.began_at, o.seconds, o.paths, o.requests_refused, o.bundles_skipped, o.newest_bundle,
+             o.newest_update, o.updates_at_risk) for o in doc.outages] == [
+        ("2026-03-01T12:00:01+00:00", 3.5, ["ledger"], 2, 0, None, None, 3),  # none published: all at risk
+        ("2026-03-01T12:00:11+00:00", 28.0, ["ledger", "publisher", "rank 1 checkpoints"], 9, 1,
+         "s/bundles/u0000000008-a1", 8, 6)]
+    assert doc.outages[1].first_error == "PutObject: 503 SlowDown"
+    assert doc.newest_published_at == published.isoformat()
+    assert history(LocalStorage(tmp_path / "none"), "none").newest_published_at is None

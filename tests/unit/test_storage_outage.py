@@ -14,7 +14,7 @@ from spotrun.trainer.storage import (
     StoragePermanentError,
     StorageUnavailableError,
 )
-from spotrun.trainer.storage.outage import Backoff
+from spotrun.trainer.storage.outage import Backoff, OutageView
 
 
 class Clock:
@@ -191,3 +191,24 @@ def test_a_long_outage_says_its_skipped_checkpoints_once_a_minute_not_at_every_b
     assert len(said) == 3 and gate.skipped == 51, said
     assert "update 4 skipped" in said[0] and "(49 skipped since the last line)" in said[1], said
     assert "update 204 skipped" in said[2] and "since" not in said[2], said
+
+
+def test_a_path_keeps_its_outage_s_first_refusal_and_whether_a_full_disk_was_among_them():
+    clock = Clock()
+    o = Outage("p", clock=clock)
+    assert o.view() == OutageView(None, 0, None, False)
+    o.failed(StorageUnavailableError("503 SlowDown"))
+    clock.now += 3
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as e:
+        full = StorageUnavailableError("cannot write x: No space left on device")
+        full.__cause__ = e
+    o.failed(full)
+    assert o.view() == OutageView(3.0, 2, "503 SlowDown", True)
+    o.recovered()
+    clock.now += 2
+    # the last outage's, until the next begins: its first refusal, and when it ended and how long it lasted
+    assert o.view() == OutageView(None, 2, "503 SlowDown", True, ended_s=2.0, lasted_s=3.0)
+    o.failed(StorageUnavailableError("reset"))
+    assert o.view() == OutageView(0.0, 3, "reset", False)

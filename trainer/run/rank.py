@@ -55,6 +55,7 @@ from spotrun.trainer.run.write_gate import WriteGate
 from spotrun.trainer.runtime.collective import Collective
 from spotrun.trainer.state.training import CopiesDone
 from spotrun.trainer.storage import StorageError, open_storage
+from spotrun.trainer.storage.outage import OutageView
 
 
 @dataclass
@@ -92,6 +93,10 @@ class Report:
     bundles: list[BundleReport] = field(default_factory=list)
     state: RankState = RankState.RUNNING
     storage_retries: int = 0  # transient storage errors this rank retried so far (cumulative)
+    # its checkpoints' storage path (trainer/run/write_gate.py): down or not, its refusals so far, and the
+    # checkpoints it skipped or abandoned so far (cumulative): what the driver records an outage from
+    storage: OutageView | None = None
+    checkpoints_skipped: int = 0
     # the lines the rank's code wrote since the last poll (its process or thread fills them in:
     # trainer/observe/ranklog.py)
     output: list[RankLine] = field(default_factory=list)
@@ -264,6 +269,7 @@ class RankRunner:
             report, self._report = self._report, Report(rank=self.rank, last_update=self._report.last_update,
                                                         state=self._report.state)
         report.storage_retries = getattr(self.storage, "retries", 0)  # the S3 metric sink shares this storage
+        report.storage, report.checkpoints_skipped = self.gate.outage.view(), self.gate.skipped
         report.reading = self.session.beacon.read()
         return report
 

@@ -12,6 +12,7 @@ failed, with no answer in between, for ``bound_s`` (the job's ``storage_outage_s
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -26,6 +27,7 @@ from spotrun.trainer.storage.base import StorageError, StoragePermanentError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 DEFAULT_BOUND_S = 900.0  # the default of the spec's storage_outage_s: past a credential refresh (~minutes)
 
 
@@ -36,6 +38,30 @@ class Backoff:
 
     initial_s: float = 0.5
     max_s: float = 5.0  # a path probes a down storage at most every 5 s: cheap, and quick to see it back
+
+
+@dataclass(frozen=True)
+class OutageView:
+    """What one path's :class:`Outage` says at a moment, as plain values that cross a process boundary (a
+    rank's poll report): whether it is down and for how long, its refusals so far, and the first refusal
+    of its current (or else its last) outage."""
+
+    down_s: float | None  # seconds the current outage has lasted; None: storage answers
+    refused_total: int  # refusals over the life of the path
+    first_error: str | None  # the first refusal of the current or last outage (None: never refused)
+    full_disk: bool  # ENOSPC or EDQUOT was among that outage's refusals
+    ended_s: float | None = None  # while it answers: seconds since its last outage ended (None: none ended)
+    lasted_s: float | None = None  # how long that last outage lasted
+
+
+def full_disk(exc: BaseException) -> bool:
+    """Whether ``exc`` or an error it was raised from is a full disk or an exceeded quota."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in FULL_DISK_ERRNOS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class Outage:
@@ -53,6 +79,9 @@ class Outage:
         self.refused = 0  # refusals in the current outage
         self.refused_total = 0  # over the life of this object
         self.outages = 0  # outages seen (ended or not)
+        self.first_error: str | None = None  # the current (else the last) outage's first refusal
+        self.full_disk = False  # ENOSPC/EDQUOT among the current (else the last) outage's refusals
+        self._ended: tuple[float, float] | None = None  # the last ended outage: (when it ended, how long it lasted)
         self._next_try = 0.0
 
     @property
@@ -68,6 +97,15 @@ class Outage:
         """Seconds until :meth:`due` (0: now)."""
         return 0.0 if self.since is None else max(0.0, self._next_try - self.clock())
 
+    def view(self) -> OutageView:
+        """This path's state now, as plain values (see :class:`OutageView`)."""
+        with self._lock:
+            now = self.clock()
+            if self.since is not None:
+                return OutageView(now - self.since, self.refused_total, self.first_error, self.full_disk)
+            ended, lasted = (now - self._ended[0], self._ended[1]) if self._ended else (None, None)
+            return OutageView(None, self.refused_total, self.first_error, self.full_disk, ended, lasted)
+
     def due(self) -> bool:
         """Whether to try again now: storage answers, or the backoff after the last refusal has passed."""
         return self.since is None or self.clock() >= self._next_try
@@ -80,9 +118,11 @@ class Outage:
             if self.since is None:
                 self.since = now
                 self.outages += 1
+                self.first_error, self.full_disk = str(exc), False
                 log.warning("storage unavailable for %s (%s); will keep trying", self.what, exc)
             self.refused += 1
             self.refused_total += 1
+            self.full_disk = self.full_disk or full_disk(exc)
             state = RetryCallState(Retrying(), None, (), {})
             state.attempt_number = self.refused
             self._next_try = now + self._wait(state)
@@ -95,8 +135,9 @@ class Outage:
         with self._lock:
             if self.since is None:
                 return None
-            lasted = self.clock() - self.since
-            self.since, self.refused, self._next_try = None, 0, 0.0
+            now = self.clock()
+            lasted = now - self.since
+            self.since, self.refused, self._next_try, self._ended = None, 0, 0.0, (now, lasted)
         log.warning("storage answers again for %s after %.1f s", self.what, lasted)
         return lasted
 
