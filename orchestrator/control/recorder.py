@@ -28,6 +28,7 @@ from spotrun.orchestrator.ledger.events import (
     Restored,
     RunRefused,
     Slowdowns,
+    SpacePruned,
     SparesReady,
     StragglerReplacing,
     TopologyChanged,
@@ -39,6 +40,7 @@ from spotrun.orchestrator.policy import topology as policy
 from spotrun.orchestrator.policy.budgets import Budget
 from spotrun.orchestrator.policy.interval import IntervalDecision, IntervalInputs
 from spotrun.orchestrator.policy.recovery import LossClass, RecoveryPath
+from spotrun.orchestrator.publish.publisher import Pruned
 from spotrun.orchestrator.workers.groups import RankLost, WorkerGroup
 from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.job.spec import JobSpec
@@ -129,6 +131,10 @@ class Recorder:
         self.ledger.append(StragglerReplacing(attempt=st.attempt, rank=rank, slowdown=round(slowdown, 4),
                                               node_id=node_ids[rank] if rank < len(node_ids) else None,
                                               update=st.last_update))
+
+    def space_pruned(self, attempt: int, pruned: Pruned, reason: str) -> None:
+        self.ledger.append(SpacePruned(attempt=attempt, bundles=pruned.bundles, freed_bytes=pruned.freed_bytes,
+                                       reason=reason))
 
     def notice_seen(self, attempt: int, n: Notice, action: str, reason: str, remaining: float | None = None,
                     needed: float | None = None) -> None:

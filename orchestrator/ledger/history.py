@@ -26,6 +26,7 @@ from spotrun.orchestrator.ledger.events import (
     Restored,
     RunRefused,
     Slowdowns,
+    SpacePruned,
     StragglerReplacing,
     TopologyChanged,
     WorkerLost,
@@ -42,6 +43,7 @@ from spotrun.orchestrator.ledger.history_model import (
     RankSlowdown,
     RefusalRow,
     RestartRow,
+    SpacePrunedRow,
     StragglerRow,
 )
 from spotrun.orchestrator.ledger.losses import (
@@ -95,7 +97,10 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     hung or stuck, the signal, the phase and update it stopped in and the key of its stacks; a restart
     that replaced a straggler (``cause`` ``straggler``, a planned restart: no loss) names the straggler.
     ``stragglers``: every rank a ``slowdowns`` event flagged, one row per attempt and rank; ``slowdowns``:
-    the newest attempt's newest figures, per rank (empty when it recorded none)."""
+    the newest attempt's newest figures, per rank (empty when it recorded none).
+
+    ``space_pruned``: each time a full disk made the driver remove older bundles so that the next checkpoint
+    could fit (oldest first: which bundles, the bytes their manifests recorded, the refusal)."""
     events = (ledger or Ledger(storage, job_id, fold=None)).read()
     if points is None:
         # here, not at the top: the dashboard package imports this module
@@ -119,6 +124,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     notices: list[NoticeRow] = []
     intervals: list[IntervalRow] = []
     refusals: list[RefusalRow] = []
+    pruned: list[SpacePrunedRow] = []
     classes = {"preemption": 0, "failure": 0, "unclassified": 0}
     budget: Budget | None = None  # the newest record of the budgets
     for e in events:
@@ -175,6 +181,8 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
             topology.append(e)
         elif isinstance(e, BundleRejected):
             rejected.append(e)
+        elif isinstance(e, SpacePruned):
+            pruned.append(_space_pruned_row(e))
         elif isinstance(e, JobFinished):
             a.ended, a.last_update = "finished", e.counters.attempted_updates
         elif isinstance(e, JobFailed):
@@ -190,6 +198,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
                    topology_changes=topology, rejected_bundles=rejected, corrupt_events=corrupt, notices=notices,
                    refusals=refusals, budgets=_budgets(classes, budget), checkpoint_intervals=intervals,
                    stragglers=list(flagged.values()), slowdowns=_newest_slowdowns(newest, max(attempts, default=0)),
+                   space_pruned=pruned,
                    totals=totals(restarts), goodput=goodput(events, points.final, points.log, _rate(storage, job_id)))
 
 
@@ -232,6 +241,10 @@ def _replaced(flagged: dict[tuple[int, int], StragglerRow], e: StragglerReplacin
         max_slowdown=e.slowdown, replaced=True))
     row.replaced, row.max_slowdown = True, max(row.max_slowdown, e.slowdown)
     row.node_id = row.node_id or e.node_id
+
+
+def _space_pruned_row(e: SpacePruned) -> SpacePrunedRow:
+    return SpacePrunedRow(**e.model_dump(mode="json", include={"attempt", "at", "bundles", "freed_bytes", "reason"}))
 
 
 def _newest_slowdowns(e: Slowdowns | None, newest_attempt: int) -> list[RankSlowdown]:
