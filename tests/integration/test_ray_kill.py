@@ -338,7 +338,7 @@ def test_a_full_disk_mid_run_costs_checkpoints_prunes_older_bundles_and_the_run_
     bundle left."""
     with tmpfs(tmp_path / "disk", "8m") as disk:
         spec = make_spec(tmp_path, *SETS, f"storage=file://{disk}", "metrics.sinks=[]", f"faults=[{hold(12)}]",
-                         job_id="full")
+                         job_id="full")  # no metric sink: its file would share the full disk; this test is the bundles'
         platform = ray_platform(spec, Instrumentation.of(trace=True))
         groups: list = []
 
