@@ -211,6 +211,7 @@ def cmd_history(a: argparse.Namespace) -> int:
                 "world_size_before", "world_size_after", "lost_updates", "lost_updates_source", "downtime_seconds",
                 "time_lost_seconds"])
     _evidence_tables(doc, storage.uri)
+    _space_pruned_lines(doc)
     b, run = doc.budgets, doc.budgets.this_run
     _table("restart budgets (losses by class)", [
         {"class": "preemption", "losses": b.preemptions, "this_run": run.preemptions,
@@ -257,6 +258,16 @@ def _evidence_tables(doc: History, storage_uri: str) -> None:
         _table("stragglers (slowdown: a rank's own work over its peers' median)",
                [{**r, "replaced": "yes" if r["replaced"] else "no"} for r in _rows(doc.stragglers)],
                ["attempt", "rank", "node_id", "flagged_at", "flagged_update", "max_slowdown", "replaced"])
+
+
+def _space_pruned_lines(doc: History) -> None:
+    """One line per prune on a full disk: why the job kept fewer bundles than keep_last for a while."""
+    for r in doc.space_pruned:
+        names = ", ".join(b.rsplit("/", 1)[-1] for b in r.bundles)
+        Console(soft_wrap=True).print(
+            f"storage full at {r.at} (attempt {r.attempt}): removed {len(r.bundles)} older bundle(s), "
+            f"{r.freed_bytes} bytes, so that the next checkpoint fits: {names} ({r.reason})",
+            markup=False, highlight=False)
 
 
 def _rows(models: Sequence[BaseModel]) -> list[dict[str, Any]]:

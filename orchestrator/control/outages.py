@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from spotrun.orchestrator.control.context import RunContext
+from spotrun.orchestrator.control.recorder import OutageSeen
 from spotrun.orchestrator.control.states import Running
 from spotrun.trainer.bundle.bundles import BUNDLE_DIR
 from spotrun.trainer.run.rank import Report
@@ -40,24 +41,6 @@ class PathSeen:
     view: OutageView
     attempt: int = 0  # a rank's attempt (0: a driver path)
     skipped: int = 0
-
-
-@dataclass(frozen=True)
-class OutageSeen:
-    """An outage that ended, as the driver saw it: what its ``storage_outage`` event says (see
-    :class:`~spotrun.orchestrator.ledger.events.StorageOutage` for each field)."""
-
-    attempt: int
-    began_at: datetime
-    ended_at: datetime
-    first_error: str
-    paths: list[str]
-    requests_refused: int
-    bundles_skipped: int
-    newest_bundle: str | None
-    newest_update: int | None
-    update_at_end: int
-    full_disk: bool
 
 
 @dataclass

@@ -11,8 +11,9 @@ so the ledger's order is the order of the facts. Bundles and offsets are the pub
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
 
 from spotrun.orchestrator.control.states import End, Failed, Finished, Placing, Recovering, Running, State
 from spotrun.orchestrator.ledger.events import (
@@ -29,6 +30,7 @@ from spotrun.orchestrator.ledger.events import (
     Restored,
     RunRefused,
     Slowdowns,
+    SpacePruned,
     SparesReady,
     StorageOutage,
     StragglerReplacing,
@@ -41,12 +43,28 @@ from spotrun.orchestrator.policy import topology as policy
 from spotrun.orchestrator.policy.budgets import Budget
 from spotrun.orchestrator.policy.interval import IntervalDecision, IntervalInputs
 from spotrun.orchestrator.policy.recovery import LossClass, RecoveryPath
+from spotrun.orchestrator.publish.publisher import Pruned
 from spotrun.orchestrator.workers.groups import RankLost, WorkerGroup
 from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.job.spec import JobSpec
 
-if TYPE_CHECKING:  # outages.py reads the run's context, which holds this recorder
-    from spotrun.orchestrator.control.outages import OutageSeen
+
+@dataclass(frozen=True)
+class OutageSeen:
+    """An outage that ended, as the driver saw it: what its ``storage_outage`` event says (see
+    :class:`~spotrun.orchestrator.ledger.events.StorageOutage` for each field)."""
+
+    attempt: int
+    began_at: datetime
+    ended_at: datetime
+    first_error: str
+    paths: list[str]
+    requests_refused: int
+    bundles_skipped: int
+    newest_bundle: str | None
+    newest_update: int | None
+    update_at_end: int
+    full_disk: bool
 
 
 class Recorder:
@@ -134,6 +152,10 @@ class Recorder:
         self.ledger.append(StragglerReplacing(attempt=st.attempt, rank=rank, slowdown=round(slowdown, 4),
                                               node_id=node_ids[rank] if rank < len(node_ids) else None,
                                               update=st.last_update))
+
+    def space_pruned(self, attempt: int, pruned: Pruned, reason: str) -> None:
+        self.ledger.append(SpacePruned(attempt=attempt, bundles=pruned.bundles, freed_bytes=pruned.freed_bytes,
+                                       reason=reason))
 
     def notice_seen(self, attempt: int, n: Notice, action: str, reason: str, remaining: float | None = None,
                     needed: float | None = None) -> None:

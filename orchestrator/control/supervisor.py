@@ -271,12 +271,24 @@ class Supervisor:
                 if self.trace:
                     self.trace.write(record)
         ctx.publisher.retries_elsewhere = sum(self._rank_retries.values())
+        full = next((r.full_disk for r in reports if r.full_disk is not None), None)
+        if full is not None:  # first: the manifests waiting to be written may need the room too
+            self._make_room(st.attempt, full)
         new = ctx.publisher.collect([b for r in reports for b in r.bundles],  # finished: the last bundle waits
                                     wait=all(r.state == RankState.FINISHED for r in reports))
+        if (full := ctx.publisher.take_full()) is not None:
+            self._make_room(st.attempt, full)
         if new:
             ctx.budgets.published()
         ctx.published += new
         return st
+
+    def _make_room(self, attempt: int, reason: str) -> None:
+        """A write was refused for want of room (``reason``): prune older bundles so that the next
+        checkpoint fits, and record what went. Training goes on whatever this finds."""
+        pruned = self.ctx.publisher.make_room(reason)
+        if pruned is not None:
+            self.ctx.record.space_pruned(attempt, pruned, reason)
 
 
 def abandon(group: WorkerGroup) -> None:

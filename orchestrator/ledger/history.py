@@ -26,6 +26,7 @@ from spotrun.orchestrator.ledger.events import (
     Restored,
     RunRefused,
     Slowdowns,
+    SpacePruned,
     StorageOutage,
     StragglerReplacing,
     TopologyChanged,
@@ -44,6 +45,7 @@ from spotrun.orchestrator.ledger.history_model import (
     RankSlowdown,
     RefusalRow,
     RestartRow,
+    SpacePrunedRow,
     StragglerRow,
 )
 from spotrun.orchestrator.ledger.losses import (
@@ -103,7 +105,9 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     ``outages``: the storage outages the driver recorded (``storage_outage``, oldest first: from, to, how
     long, the first refusal, the paths that met it, the requests refused, the checkpoints skipped, the
     newest bundle while it lasted and the updates at risk, :func:`~.losses.updates_at_risk`);
-    ``newest_published_at``: when the newest bundle was published (the ledger's word)."""
+    ``newest_published_at``: when the newest bundle was published (the ledger's word).
+    ``space_pruned``: each time a full disk made the driver remove older bundles so that the next checkpoint
+    could fit (oldest first: which bundles, the bytes their manifests recorded, the refusal)."""
     events = (ledger or Ledger(storage, job_id, fold=None)).read()
     if points is None:
         # here, not at the top: the dashboard package imports this module
@@ -128,6 +132,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     intervals: list[IntervalRow] = []
     refusals: list[RefusalRow] = []
     outages: list[OutageRow] = []
+    pruned: list[SpacePrunedRow] = []
     classes = {"preemption": 0, "failure": 0, "unclassified": 0}
     budget: Budget | None = None  # the newest record of the budgets
     for e in events:
@@ -186,6 +191,8 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
             topology.append(e)
         elif isinstance(e, BundleRejected):
             rejected.append(e)
+        elif isinstance(e, SpacePruned):
+            pruned.append(_space_pruned_row(e))
         elif isinstance(e, JobFinished):
             a.ended, a.last_update = "finished", e.counters.attempted_updates
         elif isinstance(e, JobFailed):
@@ -203,6 +210,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
                    outages=outages,
                    newest_published_at=max(published_at.values()).isoformat() if published_at else None,
                    stragglers=list(flagged.values()), slowdowns=_newest_slowdowns(newest, max(attempts, default=0)),
+                   space_pruned=pruned,
                    totals=totals(restarts), goodput=goodput(events, points.final, points.log, _rate(storage, job_id)))
 
 
@@ -251,6 +259,10 @@ def _replaced(flagged: dict[tuple[int, int], StragglerRow], e: StragglerReplacin
         max_slowdown=e.slowdown, replaced=True))
     row.replaced, row.max_slowdown = True, max(row.max_slowdown, e.slowdown)
     row.node_id = row.node_id or e.node_id
+
+
+def _space_pruned_row(e: SpacePruned) -> SpacePrunedRow:
+    return SpacePrunedRow(**e.model_dump(mode="json", include={"attempt", "at", "bundles", "freed_bytes", "reason"}))
 
 
 def _newest_slowdowns(e: Slowdowns | None, newest_attempt: int) -> list[RankSlowdown]:

@@ -204,6 +204,17 @@ class Budgets(_Row):
     this_run: BudgetUse
 
 
+class SpacePrunedRow(_Row):
+    """Older bundles removed to make room on a full disk (``space_pruned``): the job kept fewer than
+    ``checkpoint.keep_last`` until new bundles were published."""
+
+    attempt: int
+    at: str
+    bundles: list[str]  # the keys removed, oldest first; never the newest published bundle
+    freed_bytes: int  # as the removed bundles' manifests record them
+    reason: str  # the refusal that asked for room (ENOSPC or EDQUOT, and where)
+
+
 class History(_Row):
     """A job's restart history (see :func:`~spotrun.orchestrator.ledger.history.history`)."""
 
@@ -222,5 +233,6 @@ class History(_Row):
     newest_published_at: str | None  # when the newest bundle_published was recorded (None: none)
     stragglers: list[StragglerRow]  # one per attempt and rank ever flagged, by attempt then first flagged
     slowdowns: list[RankSlowdown]  # by rank; empty when the newest attempt has recorded none
+    space_pruned: list[SpacePrunedRow] = []  # oldest first: bundles removed to make room on a full disk
     totals: Totals  # losses.totals over the restarts
     goodput: Goodput

@@ -12,6 +12,12 @@ Retention runs last and only removes what a newer published bundle supersedes:
 published bundles beyond ``keep_last``, and unpublished (orphaned) directories
 older than the newest published bundle; a newer one may be a write in flight.
 
+A full disk (file storage) is an outage with a remedy: when a write was refused for want of room
+(a rank's bundle write, as its report says, or this publisher's own manifest write),
+:meth:`Publisher.make_room` removes the published bundles older than the newest one, and the unpublished
+folders older than it, so that the next checkpoint fits; until new bundles are published the job then
+keeps fewer than ``keep_last``. The newest published bundle is never removed.
+
 A storage outage delays publication, it never ends the job: a complete bundle whose manifest cannot be
 written waits (oldest first) and is published when the outage's capped backoff next allows, by a later
 :meth:`Publisher.collect`; offsets that could not be committed are committed then too; retention skips
@@ -33,9 +39,9 @@ from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.publish.metric_commit import MetricCommitter
 from spotrun.orchestrator.publish.offsets import OffsetsStore
 from spotrun.trainer.bundle.bundles import list_bundles, publish
-from spotrun.trainer.bundle.manifest import FileEntry, Manifest
+from spotrun.trainer.bundle.manifest import FileEntry, Manifest, ManifestError, parse_manifest
 from spotrun.trainer.run.rank import BundleReport
-from spotrun.trainer.storage import Outage, Storage, StorageError
+from spotrun.trainer.storage import Outage, Storage, StorageError, StorageFullError
 from spotrun.trainer.storage.outage import DEFAULT_BOUND_S
 
 log = logging.getLogger("spotrun.publisher")
@@ -56,6 +62,15 @@ class _Ready:
     shipped: dict[str, bytes]
 
 
+@dataclass(frozen=True)
+class Pruned:
+    """What :meth:`Publisher.make_room` removed: published bundles, oldest first, and the bytes their
+    manifests record (files and manifest; the unpublished folders also removed are not counted)."""
+
+    bundles: list[str]
+    freed_bytes: int
+
+
 class Publisher:
     def __init__(self, storage: Storage, ledger: Ledger, job_id: str, keep_last: int,
                  after_publish: Callable[[int], None] = lambda update: None,
@@ -67,6 +82,7 @@ class Publisher:
         self._ready: list[_Ready] = []  # complete, unpublished while the storage is unavailable; oldest first
         self._tried: set[str] = set()  # bundles whose manifest write failed: it may have landed
         self._offsets_due: tuple[Manifest, str, int] | None = None  # a commit the outage held back
+        self._full: str | None = None  # a manifest write refused for want of room, not yet made room for
         self.ledger = ledger
         self.job_id = job_id
         self.keep_last = keep_last
@@ -140,6 +156,8 @@ class Publisher:
             except StorageError as e:
                 self.outage.failed(e)  # raises a permanent refusal past the bound
                 log.warning("publish deferred (storage unavailable for %.0f s): %s", self.outage.down_s(), e)
+                if isinstance(e, StorageFullError):
+                    self._full = str(e)
                 break
             self.outage.recovered()
             del self._ready[0]
@@ -242,6 +260,58 @@ class Publisher:
         stopped or failed one (it may be on a machine about to go) at most :data:`STOPPED_SEND_WAIT_S`."""
         if self.points is not None:
             self.points.close(finished, None if finished else STOPPED_SEND_WAIT_S)
+
+    def take_full(self) -> str | None:
+        """The error of a manifest write this publisher had refused for want of room since the last call
+        (the caller makes room, :meth:`make_room`), else None."""
+        full, self._full = self._full, None
+        return full
+
+    def make_room(self, reason: str) -> Pruned | None:
+        """A write was refused for want of room (``reason``: its error): remove every published bundle
+        older than the newest, oldest first, and the unpublished folders older than the newest (what
+        retention would remove), so that the next checkpoint fits. The newest published bundle is never
+        removed: it is what the job restarts from. Returns what was removed (None: nothing was). A
+        storage refusal stops it: what was removed by then is returned, the rest waits for the next
+        full-disk report or retention."""
+        removed: list[str] = []
+        freed = 0
+        try:
+            refs = list_bundles(self.storage, self.job_id)
+            published = [r for r in refs if r.published]
+            if not published:
+                return None  # every folder may be a write in flight: nothing is known superseded
+            newest = published[0]
+            for ref in reversed(published[1:]):
+                freed += self._recorded_bytes(ref.key)
+                self._remove(ref.key)
+                removed.append(ref.key)
+            for ref in refs:
+                if not ref.published and (ref.update, ref.attempt) < (newest.update, newest.attempt):
+                    self.storage.delete_prefix(ref.key)
+        except StorageError as e:
+            log.warning("making room on the full storage stopped (%d bundles removed): %s", len(removed), e)
+        if not removed:
+            return None
+        log.warning("storage full (%s): removed %d older bundles (%d bytes) so that the next checkpoint fits; "
+                    "the newest published bundle is kept", reason, len(removed), freed)
+        return Pruned(removed, freed)
+
+    def _recorded_bytes(self, key: str) -> int:
+        """A published bundle's bytes as its manifest records them (its files and the manifest); 0 when
+        the manifest cannot be read (it is removed all the same: older than the newest)."""
+        try:
+            blob = self.storage.get(f"{key}/manifest.json")
+            return parse_manifest(blob, f"bundle {key}").total_bytes + len(blob)
+        except (FileNotFoundError, ManifestError) as e:
+            log.warning("bundle %s: size unknown (%s)", key, e)
+            return 0
+
+    def _remove(self, key: str) -> None:
+        """Remove a published bundle, its manifest first: a removal cut short leaves an unpublished folder
+        (never read, removed by retention), never a published bundle with files missing."""
+        self.storage.delete([f"{key}/manifest.json"])
+        self.storage.delete_prefix(key)
 
     def retain(self) -> list[str]:
         """Delete superseded bundles; returns the keys deleted."""

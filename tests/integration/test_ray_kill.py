@@ -4,21 +4,30 @@ memory, a spare takes the lost rank's place; warm-shrink after a node loss: test
 
 from __future__ import annotations
 
+import errno
 import os
 import random
+import re
 import signal
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-from spotrun.orchestrator.control.launch import run_on_ray
+from spotrun.orchestrator.control.launch import ray_platform, run_on_ray
+from spotrun.orchestrator.control.platform import Options
+from spotrun.orchestrator.control.supervisor import Supervisor
 from spotrun.orchestrator.dashboard import create_app
 from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     BundlePublished,
     BundleRejected,
     Restored,
+    SpacePruned,
     SparesReady,
     WorkerLost,
 )
@@ -27,10 +36,14 @@ from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.bundle.bundles import list_bundles
 from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
+from spotrun.trainer.run.context import Instrumentation
 from spotrun.trainer.storage import open_storage
 from tests.conftest import make_spec
-from tests.helpers.ray_local import ray_for_module  # noqa: F401 - the module's local Ray
-from tests.helpers.runs import Background, hide_bundle_files, hold, uninterrupted_trace
+from tests.helpers.ray_local import (
+    job_thread,
+    ray_for_module,  # noqa: F401 - the module's local Ray
+)
+from tests.helpers.runs import Background, hide_bundle_files, hold, uninterrupted_trace, wait_until_held
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_for_module")]
 SETS = ("world.size=2", "train.updates=30", "checkpoint.every_updates=5", "data.workers=1", "model.dropout=0.1")
@@ -275,3 +288,100 @@ def test_a_rank_killed_during_the_warm_restart_falls_back_to_storage_and_stays_b
     assert [(f.attempt, f.rank) for f in fired] == [(2, rank)]
     final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
     assert sorted(final) == list(range(1, 31)) and first_divergence(reference, list(final.values())) is None
+
+
+# -- a full disk: a brownout, not the end of the job ------------------------------------------------------
+
+
+@contextmanager
+def tmpfs(where: Path, size: str):
+    """A tmpfs of ``size`` mounted at ``where`` for the test (skipped where mounting is not permitted),
+    always unmounted after it."""
+    where.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                                 capture_output=True, text=True)
+    except OSError as e:
+        pytest.skip(f"no mount command here ({e}): the full-disk test needs a small file system of its own")
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({mounted.stderr.strip()}): the full-disk test "
+                    "needs a small file system of its own (run the tests as root, or in a container that may mount)")
+    try:
+        yield where
+    finally:
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], check=True)  # a process still holds a file there
+
+
+def fill(disk: Path, leave: int) -> Path:
+    """A filler file that takes all of ``disk``'s free space but about ``leave`` bytes."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        for block in (1 << 20, 64 << 10, 4 << 10):
+            try:
+                while os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize - block >= leave:
+                    os.write(fd, bytes(block))
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_full_disk_mid_run_costs_checkpoints_prunes_older_bundles_and_the_run_stays_bitwise(reference, tmp_path):
+    """#48: the job's storage is a small tmpfs. While every rank holds before update 12 (bundles 5 and 10
+    published) the test fills it, leaving room for a bundle's small files but not its tensors, and asks
+    for a checkpoint: the write of bundle 12 is refused for want of room, the refused rank removes what it
+    wrote of it, the driver prunes bundle 5 (never 10, the newest published) and records it; then the
+    test deletes the filler. The job trains on to its end, bitwise the uninterrupted run, with no partial
+    bundle left."""
+    with tmpfs(tmp_path / "disk", "8m") as disk:
+        spec = make_spec(tmp_path, *SETS, f"storage=file://{disk}", "metrics.sinks=[]", f"faults=[{hold(12)}]",
+                         job_id="full")  # no metric sink: its file would share the full disk; this test is the bundles'
+        platform = ray_platform(spec, Instrumentation.of(trace=True))
+        groups: list = []
+
+        def make_group(*args):  # the test asks the held ranks for a checkpoint through their group
+            groups.append(platform.make_group(*args))
+            return groups[-1]
+
+        sup = Supervisor(spec, replace(platform, make_group=make_group), Options(trace_path=str(tmp_path / "t.jsonl")))
+        ran: dict = {}
+        thread = job_thread(lambda: ran.update(outcome=sup.run()), "full")
+        storage = open_storage(spec.storage)
+        wait_until_held(storage, "full", thread.is_alive, published=10)
+        filler = fill(disk, leave=120_000)  # a bundle's json and skeletons fit (~50 KB), its tensors (330 KB) not
+        groups[-1].request(checkpoint=True)  # the boundary of update 12 meets the full disk
+        five, twelve = (f"full/bundles/u{u:010d}-a1" for u in (5, 12))
+        deadline = time.monotonic() + 60  # nothing fits until room is made: the job cannot get far without it
+        while storage.list(five):  # the driver prunes it once a rank reports the refusal
+            assert thread.is_alive(), f"the job ended before bundle 5 was pruned: {ran}"
+            assert time.monotonic() < deadline, "bundle 5 was never pruned"
+            thread.join(0.01)  # polling a condition: the bundles on the disk
+        twelve_then = storage.list(twelve)  # what of bundle 12 was there when the driver made room
+        filler.unlink()
+        thread.join(timeout=300)
+        assert ran.get("outcome") is not None and ran["outcome"].state == "finished", ran
+        assert ran["outcome"].restarts == 0
+        events = Ledger(storage, "full").read()
+        bundles_left = list_bundles(storage, "full")
+        tmp_left = [p for p in disk.rglob("*") if p.name.endswith(".tmp")]
+        rows = history(storage, "full").space_pruned
+    final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
+    assert sorted(final) == list(range(1, 31)) and first_divergence(reference, list(final.values())) is None
+    pruned = [e for e in events if isinstance(e, SpacePruned)]
+    assert pruned and pruned[0].bundles == [five], pruned
+    assert "No space left on device" in pruned[0].reason and "/u0000000012-a1/" in pruned[0].reason
+    # the rank the refusal names had removed its files of bundle 12 before it reported (the driver acts on
+    # its report): none of them was there when bundle 5 went
+    refused_rank = re.search(r"/(rank-\d+)/", pruned[0].reason)
+    assert refused_rank and not [k for k in twelve_then if f"/{refused_rank.group(1)}/" in k], twelve_then
+    published = [e for e in events if isinstance(e, BundlePublished)]
+    for prune in pruned:  # never the newest published bundle: one newer was published before each prune
+        newest = max(e.update for e in published if events.index(e) < events.index(prune))
+        assert all(int(b.rsplit("/u", 1)[1][:10]) < newest for b in prune.bundles), (prune, newest)
+    updates = [e.update for e in published]
+    assert 12 not in updates and updates[-1] == 30, updates  # the refused bundle skipped, the last one written
+    assert all(r.published for r in bundles_left) and not tmp_left, (bundles_left, tmp_left)
+    assert [r.bundles for r in rows] == [p.bundles for p in pruned]

@@ -37,7 +37,7 @@ def setup(tmp_path):
     recorded: list = []
     ctx = SimpleNamespace(spec=spec, clock=lambda: now[0], published=[], ledger=Ledger(), sec_per_update=0.1,
                           record=SimpleNamespace(interval_chosen=lambda *a: recorded.append(a)))
-    st = SimpleNamespace(attempt=1, draining=None, growing=None, group=Group())
+    st = SimpleNamespace(attempt=1, draining=None, growing=None, replacing=None, group=Group())
     return Cadence(ctx), ctx, st, now, recorded
 
 

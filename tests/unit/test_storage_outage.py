@@ -11,6 +11,7 @@ import pytest
 from spotrun.trainer.storage import (
     LocalStorage,
     Outage,
+    StorageFullError,
     StoragePermanentError,
     StorageUnavailableError,
 )
@@ -33,8 +34,10 @@ def test_a_full_disk_or_a_stale_handle_is_unavailable_and_leaves_no_temp_file(tm
         raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(os, "fsync", full)  # the write got as far as the sync
-    with pytest.raises(StorageUnavailableError, match=os.strerror(code)):
+    with pytest.raises(StorageUnavailableError, match=os.strerror(code)) as raised:
         s.put("job/events/000000000001.json", b"{}")
+    # only a full disk or quota is "full": the remedy (removing a partial bundle, pruning) is for want of room
+    assert isinstance(raised.value, StorageFullError) == (code in (errno.ENOSPC, errno.EDQUOT))
     with pytest.raises(StorageUnavailableError):
         s.put_new("job/x", b"{}")
     monkeypatch.undo()
@@ -212,3 +215,72 @@ def test_a_path_keeps_its_outage_s_first_refusal_and_whether_a_full_disk_was_amo
     assert o.view() == OutageView(None, 2, "503 SlowDown", True, ended_s=2.0, lasted_s=3.0)
     o.failed(StorageUnavailableError("reset"))
     assert o.view() == OutageView(0.0, 3, "reset", False)
+
+
+class _FullAt:
+    """A local storage whose disk is full for one file of a bundle: the others are written whole first."""
+
+    def __init__(self, root, full: str, error=StorageFullError) -> None:
+        self.inner, self.full, self.error = LocalStorage(root), full, error
+        self.uri = self.inner.uri
+
+    def put_chunks(self, key, chunks, algorithm):
+        if key.endswith(self.full):
+            raise self.error(f"cannot write {key}: [Errno 28] No space left on device")
+        return self.inner.put_chunks(key, chunks, algorithm)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _capture(update: int):
+    import torch
+
+    from spotrun.trainer.state.training import Capture
+
+    return Capture(update=update, rank=1, torch_files={"rank-1/model.pt": {"w": torch.arange(4096.0)}},
+                   json_files={"rank-1/rng.json": {"seed": 1}, "rank-1/state.json": {"update": update}})
+
+
+@pytest.mark.parametrize("error", [StorageFullError, StorageUnavailableError])
+def test_a_bundle_write_refused_for_a_full_disk_removes_its_own_files_and_nothing_else(tmp_path, error):
+    """A full disk: the files this rank wrote of the refused bundle are removed (they would hold the room
+    the next checkpoint needs); another bundle's files stay. Any other outage leaves them to retention
+    (a delete sent to a storage that is down would only wait out its own retries)."""
+    from spotrun.trainer.bundle.bundles import BundleWriter
+    from spotrun.trainer.observe.faults import FaultInjector
+
+    storage = _FullAt(tmp_path, "rank-1/state.json", error)
+    storage.inner.put("j/bundles/u0000000004-a1/manifest.json", b"{}")  # a published bundle: never touched
+    storage.inner.put("j/bundles/u0000000004-a1/rank-1/rng.json", b"{}")
+    writer = BundleWriter(storage, FaultInjector([], 1, 1))
+    try:
+        writer.submit(_capture(8), "j/bundles/u0000000008-a1")
+        with pytest.raises(error):
+            writer.wait()
+    finally:
+        writer.close()
+    left = storage.inner.list("j/bundles/u0000000008-a1")
+    if error is StorageFullError:
+        assert left == []
+    else:
+        assert "j/bundles/u0000000008-a1/rank-1/model.safetensors" in left
+    assert storage.inner.list("j/bundles/u0000000004-a1") == ["j/bundles/u0000000004-a1/manifest.json",
+                                                              "j/bundles/u0000000004-a1/rank-1/rng.json"]
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_the_gate_tells_the_rank_of_a_write_abandoned_for_a_full_disk_only():
+    from spotrun.trainer.run.write_gate import WriteGate
+
+    told: list[str] = []
+    gate = WriteGate(rank=1, outage_s=60, on_full=told.append)
+
+    def refused(error):
+        def write() -> None:
+            raise error("cannot write x: No space left on device" if error is StorageFullError else "503 SlowDown")
+        return write
+
+    assert gate.finished(refused(StorageUnavailableError)) is None and told == []
+    assert gate.finished(refused(StorageFullError)) is None
+    assert told == ["cannot write x: No space left on device"] and gate.skipped == 2

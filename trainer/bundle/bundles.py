@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import re
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -51,10 +53,11 @@ from spotrun.trainer.job.contract import check_weights_only
 from spotrun.trainer.observe.faults import FaultInjector
 from spotrun.trainer.runtime.sharding import Pieces, ShardError
 from spotrun.trainer.state.training import Capture
-from spotrun.trainer.storage import Outage, Storage
+from spotrun.trainer.storage import Outage, Storage, StorageError, StorageFullError
 from spotrun.trainer.storage.digest import DEFAULT as DEFAULT_DIGEST
 from spotrun.trainer.storage.digest import digest_of
 
+log = logging.getLogger(__name__)
 BUNDLE_DIR = re.compile(r"^u(\d{10})-a(\d+)$")
 
 
@@ -200,12 +203,32 @@ class BundleWriter:
         digests = {p: self._files.submit(self.storage.put_chunks, f"{bundle_key}/{p}", files[p], self.digest)
                    for p in order}
         entries = []
-        for path in order:
-            entries.append(FileEntry(path=path, bytes=_size(files[path]), sha256=digests[path].result(),
-                                     digest=self.digest))
-            self.faults.hit("bundle_write", capture.update)  # a file written, the bundle unpublished
+        try:
+            for path in order:
+                entries.append(FileEntry(path=path, bytes=_size(files[path]), sha256=digests[path].result(),
+                                         digest=self.digest))
+                self.faults.hit("bundle_write", capture.update)  # a file written, the bundle unpublished
+        except StorageFullError:
+            self._remove_partial(bundle_key, list(digests.values()), [f"{bundle_key}/{p}" for p in order])
+            raise
         return WriteResult(bundle_key, capture.update, entries, time.perf_counter() - t0, capture,
                            self.ship(files) if self.ship is not None else {})
+
+    def _remove_partial(self, bundle_key: str, writes: list[Future[str]], keys: list[str]) -> None:
+        """A write the storage refused for want of room: remove what it wrote of this unpublished bundle
+        (``keys``, this rank's files only), once none of its ``writes`` is still going, so that the space
+        goes to the next checkpoint rather than to a bundle that can never be published. Best effort: a
+        removal that fails too is left to retention, which removes unpublished folders older than the
+        newest published bundle. Only on a full disk: elsewhere the files take nothing the job needs, and
+        a delete sent to a storage that is down would only wait out retries of its own."""
+        wait_all(writes)
+        try:
+            self.storage.delete(keys)
+        except StorageError as e:
+            log.warning("the unfinished files of bundle %s were not removed (retention removes them): %s",
+                        bundle_key, e)
+            return
+        log.warning("bundle %s: this rank's unfinished files removed (the storage is full)", bundle_key)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

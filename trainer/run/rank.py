@@ -102,6 +102,9 @@ class Report:
     output: list[RankLine] = field(default_factory=list)
     # where the training thread was when polled (trainer/run/beacon.py): the driver's progress signal
     reading: Reading | None = None
+    # a bundle write abandoned since the last poll because the storage is full (its error, naming
+    # ENOSPC or EDQUOT and the path): the driver prunes older bundles so that the next one fits
+    full_disk: str | None = None
 
 
 class RankRunner:
@@ -149,7 +152,8 @@ class RankRunner:
         self.session.faults.hold_with(self._hold)
         self.session.faults.published_with(self._published)
         self.writer = BundleWriter(self.storage, self.session.faults, ship=shipped if self.warm else None)
-        self.gate = WriteGate(rank, spec.storage_outage_s)  # an outage skips checkpoints, never ends the job
+        # an outage skips checkpoints, never ends the job; a full disk is reported (the driver makes room)
+        self.gate = WriteGate(rank, spec.storage_outage_s, on_full=self._full_disk)
         self.overlap = WriteOverlap()  # the write's cost beyond the stall, for checkpoint.every_updates=auto
         # Rank 0 writes the metric points, off the training thread; each upserts by <job>/<update>/<name>.
         self.metrics: MetricSink = NullSink()
@@ -348,6 +352,12 @@ class RankRunner:
             return any(r.published and r.update == update for r in list_bundles(self.storage, self.spec.job_id))
         except StorageError:
             return False
+
+    def _full_disk(self, reason: str) -> None:
+        """A write abandoned for want of room (the gate's ``on_full``): news for the driver, which makes room."""
+        with self._lock:
+            self._report.full_disk = reason
+            self._news.set()
 
     def _flags(self, update: int) -> list[bool]:
         """This rank's boundary flags for ``update``: checkpoint (asked for, or scheduled), stop, abort."""

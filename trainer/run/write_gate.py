@@ -5,7 +5,9 @@ it skips until the outage's capped backoff allows another try, so a slow or abse
 captures up in memory and never stalls the loop (at most one write is in flight: the bundle writer's).
 A metric flush the storage refuses skips the checkpoint too (a bundle is never published ahead of its
 metric points). A write the storage refused is abandoned: never reported, so never published; its
-directory is an orphan that retention removes; the next boundary writes again. The job's last bundle
+directory is an orphan that retention removes; the next boundary writes again. A write refused for want
+of room (a full disk) has removed its own files already (the bundle writer's), and the gate tells the
+rank (``on_full``), whose next report asks the driver to make room. The job's last bundle
 is the exception: it waits the outage out (``storage_outage_s`` bounds only a permanent refusal).
 """
 
@@ -16,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from spotrun.trainer.storage import Outage, StorageError
+from spotrun.trainer.storage import Outage, StorageError, StorageFullError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -26,9 +28,12 @@ SAY_EVERY_S = 60.0  # during an outage, a skipped checkpoint is said at most thi
 class WriteGate:
     """One rank's view of the storage for its checkpoints (see the module docstring)."""
 
-    def __init__(self, rank: int, outage_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, rank: int, outage_s: float, clock: Callable[[], float] = time.monotonic,
+                 on_full: Callable[[str], None] = lambda reason: None) -> None:
+        """``on_full(reason)``: called for each write abandoned because the storage is full (``reason``: its error)."""
         self.outage = Outage(f"rank {rank}'s checkpoints", outage_s, clock=clock)
         self.clock = clock
+        self.on_full = on_full
         self.skipped = 0  # checkpoint boundaries skipped or writes abandoned for an outage
         self._said: tuple[int, int, float] | None = None  # (outage, skips, clock) at the last line said: _skip
 
@@ -63,6 +68,8 @@ class WriteGate:
             self.outage.failed(e)
             self.skipped += 1
             log.warning("a bundle write was abandoned (never published; the next checkpoint writes again): %s", e)
+            if isinstance(e, StorageFullError):
+                self.on_full(str(e))
             return None
         if done is not None:
             self.outage.recovered()

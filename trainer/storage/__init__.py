@@ -11,6 +11,7 @@ patch :mod:`spotrun.trainer.storage.local`, where it is read.
 from spotrun.trainer.storage.base import (
     Storage,
     StorageError,
+    StorageFullError,
     StoragePermanentError,
     StorageUnavailableError,
     UnsafeKeyError,
@@ -21,5 +22,5 @@ from spotrun.trainer.storage.local import Chunks, LocalStorage
 from spotrun.trainer.storage.open import open_storage
 from spotrun.trainer.storage.outage import Outage
 
-__all__ = ["Chunks", "LocalStorage", "Outage", "Storage", "StorageError", "StoragePermanentError",
+__all__ = ["Chunks", "LocalStorage", "Outage", "Storage", "StorageError", "StorageFullError", "StoragePermanentError",
            "StorageUnavailableError", "UnsafeKeyError", "check_key", "list_versions", "open_storage"]

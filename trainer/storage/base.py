@@ -27,6 +27,12 @@ class StorageUnavailableError(StorageError):
     long it lasts (:class:`~spotrun.trainer.storage.outage.Outage`): it costs checkpoints, never the job."""
 
 
+class StorageFullError(StorageUnavailableError):
+    """The storage has no room (a full disk or quota: ENOSPC, EDQUOT). An outage like any other, with a
+    remedy of its own: what a failed write left behind is removed, and older bundles the job does not
+    need to continue may be pruned so that the next checkpoint fits."""
+
+
 class StoragePermanentError(StorageError):
     """A request was refused in a way that does not pass by itself: no such bucket, access denied,
     rejected credentials, a path that is not a directory, a read-only file system. Believed only once it

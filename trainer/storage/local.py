@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from spotrun.trainer.storage.aligned import BLOCK, address, round_up
-from spotrun.trainer.storage.base import StorageError, StoragePermanentError, StorageUnavailableError, check_key
+from spotrun.trainer.storage.base import (
+    StorageError,
+    StorageFullError,
+    StoragePermanentError,
+    StorageUnavailableError,
+    check_key,
+)
 from spotrun.trainer.storage.digest import DEFAULT, FileDigest
 
 # From this size a file goes to disk with direct I/O. Measured here, bundle write / dd direct, with the
@@ -29,13 +35,18 @@ T = TypeVar("T")
 # A full disk or quota, a stale NFS handle, an I/O error, a timeout: they pass (space is freed, the
 # server comes back). Everything else (not a directory, permission denied, a read-only file system)
 # is permanent in kind, believed once it persists (spotrun.trainer.storage.outage).
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # no room: StorageFullError, which has a remedy
 UNAVAILABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.ESTALE, errno.EIO, errno.ETIMEDOUT, errno.EAGAIN,
                                 errno.EINTR, errno.ENOLCK, errno.EBUSY})
 
 
 def storage_error(what: str, where: Path, e: OSError) -> StorageError:
-    """``e`` as the storage error of its kind (see :data:`UNAVAILABLE_ERRNOS`), naming the path."""
-    kind = StorageUnavailableError if e.errno in UNAVAILABLE_ERRNOS else StoragePermanentError
+    """``e`` as the storage error of its kind (see :data:`UNAVAILABLE_ERRNOS`, :data:`FULL_ERRNOS`), naming the path."""
+    kind: type[StorageError] = StoragePermanentError
+    if e.errno in FULL_ERRNOS:
+        kind = StorageFullError
+    elif e.errno in UNAVAILABLE_ERRNOS:
+        kind = StorageUnavailableError
     return kind(f"cannot {what} {where}: {e.strerror or e}")
 
 
