@@ -42,7 +42,8 @@ class WriteGate:
         known to be down and its backoff has not passed."""
         if final or self.outage.due():
             return True
-        self._skip(update, f"storage unavailable for {self.outage.down_s():.0f} s")
+        self._skip(f"checkpoint at update {update} skipped: storage unavailable for {self.outage.down_s():.0f} s; "
+                   "training goes on")
         return False
 
     def attempt(self, update: int, fn: Callable[[], None], final: bool) -> bool:
@@ -55,7 +56,7 @@ class WriteGate:
             fn()
         except StorageError as e:
             self.outage.failed(e)  # raises a permanent refusal past the bound
-            self._skip(update, str(e))
+            self._skip(f"checkpoint at update {update} skipped: {e}; training goes on")
             return False
         return True
 
@@ -66,8 +67,7 @@ class WriteGate:
             done = result()
         except StorageError as e:
             self.outage.failed(e)
-            self.skipped += 1
-            log.warning("a bundle write was abandoned (never published; the next checkpoint writes again): %s", e)
+            self._skip(f"a bundle write was abandoned (never published; the next checkpoint writes again): {e}")
             if isinstance(e, StorageFullError):
                 self.on_full(str(e))
             return None
@@ -75,9 +75,10 @@ class WriteGate:
             self.outage.recovered()
         return done
 
-    def _skip(self, update: int, why: str) -> None:
-        """Count a skipped boundary. Said at the first of an outage, then at most every :data:`SAY_EVERY_S`
-        with the count since: a long outage skips a boundary every few seconds, and its log must stay readable."""
+    def _skip(self, what: str) -> None:
+        """Count a skipped boundary or an abandoned write, and say ``what``: at the first of an outage, then at
+        most every :data:`SAY_EVERY_S` with the count since (a long outage skips a boundary every few seconds,
+        and its log must stay readable)."""
         self.skipped += 1
         now, outage = self.clock(), self.outage.outages
         same = self._said is not None and self._said[0] == outage
@@ -85,5 +86,5 @@ class WriteGate:
             return
         since = self.skipped - self._said[1] if same and self._said is not None else 1
         self._said = (outage, self.skipped, now)
-        more = f" ({since} skipped since the last line)" if since > 1 else ""
-        log.warning("checkpoint at update %d skipped: %s; training goes on%s", update, why, more)
+        more = f" ({since} checkpoints skipped or abandoned since the last line)" if since > 1 else ""
+        log.warning("%s%s", what, more)
