@@ -7,6 +7,7 @@ import random
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -405,10 +406,9 @@ def raises_at_a_call(ctx: spotrun.BuildContext) -> spotrun.Job:
                        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01), state={"calls": calls})
 
 
-def blocks_once(ctx: spotrun.BuildContext) -> spotrun.Job:
-    """A regression whose step, on rank 1, blocks forever at its tenth call (update 5): a deadlock in the job's own
-    code (its peers wait for it in the next all-reduce). Once per job: the first process to block marks
-    ``ctx.config["marker"]`` (a file), so the restarted attempt runs through."""
+def once_on_rank_1(ctx: spotrun.BuildContext, act: Callable[[], object]) -> spotrun.Job:
+    """A regression whose step, on rank 1 at its tenth call (update 5), calls ``act``. Once per job: the first
+    process to get there marks ``ctx.config["marker"]`` (a file), so the restarted attempt runs through."""
     calls = Calls()
     marker = Path(ctx.config["marker"])
 
@@ -416,11 +416,17 @@ def blocks_once(ctx: spotrun.BuildContext) -> spotrun.Job:
         calls.n += 1
         if calls.n == 10 and torch.distributed.get_rank() == 1 and not marker.exists():
             marker.touch()
-            threading.Event().wait()  # the line the stuck rank's stacks name
+            act()
         return regression(model, batch)
 
     return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.StreamData(NoiseStream(ctx.seed)), step=step,
                        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01))
+
+
+def blocks_once(ctx: spotrun.BuildContext) -> spotrun.Job:
+    """Rank 1's step blocks forever at update 5: a deadlock in the job's own code (its peers wait for it in the
+    next all-reduce). The stuck rank's stacks name the line of ``threading.Event().wait`` in here."""
+    return once_on_rank_1(ctx, lambda: threading.Event().wait())
 
 
 class SlowedStream(NoiseStream):
@@ -460,18 +466,6 @@ def slowed_rank(ctx: spotrun.BuildContext) -> spotrun.Job:
 
 
 def aborts_once(ctx: spotrun.BuildContext) -> spotrun.Job:
-    """A regression whose step, on rank 1 at its tenth call (update 5), aborts the process (SIGABRT, as glibc
-    does on heap corruption: no Python traceback). Once per job: the first process to abort marks
-    ``ctx.config["marker"]`` (a file), so the restarted attempt runs through."""
-    calls = Calls()
-    marker = Path(ctx.config["marker"])
-
-    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        calls.n += 1
-        if calls.n == 10 and torch.distributed.get_rank() == 1 and not marker.exists():
-            marker.touch()
-            os.abort()
-        return regression(model, batch)
-
-    return spotrun.Job(model=lambda: nn.Linear(8, 1), data=spotrun.StreamData(NoiseStream(ctx.seed)), step=step,
-                       optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01))
+    """Rank 1's step aborts its process at update 5 (SIGABRT, as glibc does on heap corruption: no Python
+    traceback)."""
+    return once_on_rank_1(ctx, os.abort)
