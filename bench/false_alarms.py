@@ -20,7 +20,6 @@ tests/integration/test_hang.py runs the same for one minute (a false alarm fails
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from bench.tables import ROOT, Section, Stopwatch, Table, cli, fmt, work_folder
+from bench.tables import ROOT, Section, Stopwatch, Table, cli_minutes, fmt, work_folder
 from spotrun.orchestrator.control.launch import check_entrypoint, ensure_ray, ray_platform
 from spotrun.orchestrator.control.platform import Options
 from spotrun.orchestrator.control.specfile import load_spec
@@ -162,11 +161,7 @@ def tables(run: Loaded, spec: JobSpec, minutes: float) -> tuple[list[Table], lis
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--minutes", type=float, default=10.0, help="how long the job trains beside the hog")
-    known, rest = p.parse_known_args(argv)
-    args = cli(__doc__.splitlines()[0], rest)
-    minutes = 0.25 if args.quick else known.minutes
+    args, minutes = cli_minutes(__doc__.splitlines()[0], argv, 10.0, "how long the job trains beside the hog")
     clock = Stopwatch()
     with work_folder("false-alarms") as folder:
         spec = load_spec(ROOT / "configs/tiny.yaml", [f"storage=file://{folder / 'runs'}",

@@ -15,7 +15,6 @@ ledger backlog, and the time from storage's return to the first bundle published
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.moto import local_s3
-from bench.tables import ROOT, Section, Stopwatch, Table, cli, fmt, mib, work_folder
+from bench.tables import ROOT, Section, Stopwatch, Table, cli_minutes, fmt, mib, work_folder
 from spotrun.orchestrator.control.launch import check_entrypoint, ensure_ray, ray_platform
 from spotrun.orchestrator.control.platform import Options
 from spotrun.orchestrator.control.progress import NullProgress
@@ -162,11 +161,7 @@ def tables(r: dict[str, Any]) -> tuple[list[Table], list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--minutes", type=float, default=10.0, help="how long storage refuses every request")
-    known, rest = p.parse_known_args(argv)
-    args = cli(__doc__.splitlines()[0], rest)
-    minutes = 0.25 if args.quick else known.minutes
+    args, minutes = cli_minutes(__doc__.splitlines()[0], argv, 10.0, "how long storage refuses every request")
     clock = Stopwatch()
     r = outage_run(minutes)
     tabs, verdicts = tables(r)

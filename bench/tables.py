@@ -179,6 +179,17 @@ def cli(description: str, argv: Sequence[str] | None = None, *, json_summary: bo
     return p.parse_args(argv)
 
 
+def cli_minutes(description: str, argv: Sequence[str] | None, default: float, what: str,
+                quick: float = 0.25) -> tuple[argparse.Namespace, float]:
+    """:func:`cli` for a bench that runs for minutes: its options, and the minutes to run (``--minutes``,
+    ``what`` saying what lasts that long; ``quick`` under ``--quick``)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--minutes", type=float, default=default, help=what)
+    known, rest = p.parse_known_args(argv)
+    args = cli(description, rest)
+    return args, quick if args.quick else known.minutes
+
+
 class Stopwatch:
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
