@@ -264,7 +264,7 @@ class Ledger:
             for _ in range(READ_LISTINGS):
                 listing = self._list()
                 try:
-                    return self._assemble(listing) + self._pending.events()
+                    return self._assemble(listing) + self._pending.items()
                 except FileNotFoundError:
                     continue  # folded away since the listing: the next one names the segment that holds it
             raise self._unsettled()

@@ -184,3 +184,23 @@ def test_a_log_key_reads_back_as_its_attempt_and_label(tmp_path, label):
     [ref] = list_rank_logs(storage, "j")
     assert (ref.attempt, ref.label) == (7, label)
     assert Path(tmp_path, ref.keys[0]).read_text() == "x\n"
+
+
+def test_an_outage_keeps_one_copy_of_the_open_segment_however_many_flushes_it_refuses(tmp_path):
+    """The open segment is rewritten whole as it grows; while storage refuses, each flush's newer whole replaces
+    the one waiting (not a copy per flush: a long outage would hold one every 5 s), and once storage answers the
+    log holds every line once, in order."""
+    from tests.helpers.outage import Flaky
+
+    storage = Flaky(tmp_path)
+    log = RankLog(flush_every_s=3600)
+    log.begin(storage, "job", 1, "rank 0")
+    storage.down = True
+    for i in range(50):
+        log.add("stdout", f"line {i}")
+        log.flush()
+    assert len(log._sealed) == 1  # one segment waits, whole
+    storage.down = False
+    log.flush()
+    assert logs(storage.inner, "job")[1, "rank 0"] == "".join(f"line {i}\n" for i in range(50))
+    log.close()

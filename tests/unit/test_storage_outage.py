@@ -286,3 +286,32 @@ def test_the_gate_tells_the_rank_of_a_write_abandoned_for_a_full_disk_only():
     assert gate.finished(refused(StorageUnavailableError)) is None and told == []
     assert gate.finished(refused(StorageFullError)) is None
     assert told == ["cannot write x: No space left on device"] and gate.skipped == 2
+
+
+def test_a_long_outage_s_points_spill_past_the_memory_bound_and_are_written_in_several_segments(tmp_path):
+    """A memory bound of ~7 points: an outage's 200 points wait mostly in a local file, the sink's memory never
+    holding more than the bound; once storage answers one flush writes them all, a segment per memory's worth,
+    and every point reads back once, in order."""
+    from spotrun.trainer.metrics import S3Sink, points_of
+    from tests.helpers.outage import NO_WAIT, Flaky
+
+    storage = Flaky(tmp_path / "store")
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    points = [points_of("j", u, 1, "L", {"loss": float(u), "lr": 0.1}) for u in range(1, 101)]
+    bound = 7 * len(points[0][0].model_dump_json())
+    sink = S3Sink(storage, Outage("the sink", backoff=NO_WAIT), memory_bytes=bound, spill_dir=str(spill))
+    storage.down = True
+    for p in points:
+        sink.write(p)
+        with pytest.raises(StorageUnavailableError):
+            sink.flush()
+        assert sink._buffer.held_bytes <= bound
+    assert sink.waiting == 200 and sink._buffer.spilled > 180 and len(list(spill.iterdir())) == 1
+    storage.down = False
+    sink.flush()
+    assert sink.waiting == 0 and list(spill.iterdir()) == []
+    segments = storage.inner.list("j/metrics/segments/")
+    assert len(segments) >= 25  # a memory's worth each
+    assert [(p.update, p.name, p.value) for p in sink.read("j")] == [
+        (u, name, value) for u in range(1, 101) for name, value in (("loss", float(u)), ("lr", 0.1))]

@@ -8,7 +8,8 @@ from collections.abc import Iterable
 from pydantic import ValidationError
 
 from spotrun.trainer.metrics.points import MetricPoint
-from spotrun.trainer.storage import Outage, Storage, StorageError
+from spotrun.trainer.storage import Outage, Storage
+from spotrun.trainer.storage.spill import MEMORY_BYTES, SpillQueue
 
 
 class S3Sink:
@@ -24,31 +25,46 @@ class S3Sink:
     ``metrics.sinks: [s3]`` requires ``storage: s3://...``.
 
     A segment the storage refuses is kept: its points stay first in the buffer, in order, and go with the
-    next flush (one segment, nothing lost or reordered); the refusal is raised so that the rank skips
-    the checkpoint it preceded. :meth:`close` waits an outage out."""
+    next flush (nothing lost or reordered); the refusal is raised so that the rank skips the checkpoint it
+    preceded. The buffer is a :class:`~spotrun.trainer.storage.spill.SpillQueue`: past ``memory_bytes``
+    (default 1 MiB) a long outage's points wait in a local file, and the flush after it writes them in
+    several segments of at most that size (their keys differ: each begins at a later update than the one
+    before it, an update's few points never filling a segment). :meth:`close` waits an outage out."""
 
-    def __init__(self, storage: Storage, outage: Outage | None = None) -> None:
+    def __init__(self, storage: Storage, outage: Outage | None = None, memory_bytes: int = MEMORY_BYTES,
+                 spill_dir: str | None = None) -> None:
         self.storage = storage
         self.outage = outage or Outage("the s3 metric sink")
-        self._lock = threading.Lock()
-        self._buffer: list[MetricPoint] = []
+        self._lock = threading.Lock()  # the buffer's: a write never waits for a flush's request
+        self._flushing = threading.Lock()  # one flush at a time: segments reach storage in order
+        self._buffer: SpillQueue[MetricPoint] = SpillQueue(MetricPoint.model_validate_json, memory_bytes, spill_dir,
+                                                           prefix="spotrun-points-")
 
     def write(self, points: Iterable[MetricPoint]) -> None:
         with self._lock:
-            self._buffer.extend(points)
+            for p in points:
+                self._buffer.append(p, p.model_dump_json().encode())
+
+    @property
+    def waiting(self) -> int:
+        """Points written to the sink and not yet to storage."""
+        with self._lock:
+            return len(self._buffer)
 
     def flush(self) -> None:
-        with self._lock:
-            points, self._buffer = self._buffer, []
-        if not points:
-            return
-        try:
-            self.storage.put(segment_key(points[0].job_id, points[0].attempt, min(p.update for p in points)),
-                             "".join(p.model_dump_json() + "\n" for p in points).encode())
-        except StorageError:
-            with self._lock:
-                self._buffer[:0] = points  # written with the next flush, ahead of what came since
-            raise
+        """Write every point waiting, oldest first, one segment per memory's worth; a refusal leaves the
+        rest waiting, in order, and is raised."""
+        with self._flushing:
+            while True:
+                with self._lock:
+                    batch = self._buffer.head()
+                if not batch:
+                    return
+                points = [p for p, _ in batch]
+                self.storage.put(segment_key(points[0].job_id, points[0].attempt, min(p.update for p in points)),
+                                 b"".join(blob + b"\n" for _, blob in batch))
+                with self._lock:
+                    self._buffer.pop(len(batch))
 
     def read(self, job_id: str) -> list[MetricPoint]:
         keys = [k for k in self.storage.list(f"{job_id}/metrics") if k.endswith((".json", ".jsonl"))]

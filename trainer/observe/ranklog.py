@@ -213,7 +213,13 @@ class RankLog:
         """Queue the open segment's unwritten bytes for the next flush (under ``_lock``). ``keep_open``: the
         segment stays open (it is rewritten whole as it grows); else it is closed."""
         if self._target is not None and self.label is not None and len(self._current) > self._written:
-            self._sealed.append((self._target, self.label, self._segment, bytes(self._current)))
+            entry = (self._target, self.label, self._segment, bytes(self._current))
+            if self._sealed and self._sealed[-1][:3] == entry[:3]:
+                # the same segment, grown since a flush the storage refused: its newer whole replaces it (an
+                # outage would otherwise keep a copy per flush, every 5 s)
+                self._sealed[-1] = entry
+            else:
+                self._sealed.append(entry)
             self._written = len(self._current)
         if not keep_open:
             self._current, self._written = bytearray(), 0
