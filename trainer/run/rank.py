@@ -158,10 +158,14 @@ class RankRunner:
         # Rank 0 writes the metric points, off the training thread; each upserts by <job>/<update>/<name>.
         self.metrics: MetricSink = NullSink()
         if rank == 0 and spec.metrics.sinks:
-            self.metrics = BackgroundWriter(open_sinks(
+            at_write = instrument.mlflow_send is MlflowSend.AT_WRITE
+            sinks = open_sinks(
                 spec.metrics.sinks, metrics_dir(spec.storage, spec.job_id, spec.metrics.local_dir), self.storage,
-                mlflow=spec.metrics.mlflow, job_id=spec.job_id,
-                at_write=instrument.mlflow_send is MlflowSend.AT_WRITE))
+                mlflow=spec.metrics.mlflow, job_id=spec.job_id, at_write=at_write)
+            # verify's broken build sends on the training thread, as a tracker callback does: a point is in
+            # MLflow once its update ends, so a kill in the next update always leaves it there to be replayed
+            # (from the writer's thread, a kill could beat the send and hide the defect verify must catch)
+            self.metrics = sinks if at_write else BackgroundWriter(sinks)
         self._lock = threading.Lock()
         # The write path: the writer, the drafts, the write-overlap meter, the held captures and the gate
         # change under this lock, taken by the training thread (at a checkpoint, after each update) and
