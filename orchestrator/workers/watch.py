@@ -69,6 +69,7 @@ class Watch:
         now = clock()
         self._answered = [now] * world_size
         self._readings: list[Reading | None] = [None] * world_size
+        self._paces: dict[int, Pace] = {}  # the last verdicts' (the supervisor reads them after each poll)
         self.margins = Margins()
 
     def answered(self, rank: int, reading: Reading | None, asked_at: float | None = None) -> None:
@@ -93,14 +94,14 @@ class Watch:
         seen = [Seen(r, now - at, self._readings[r]) for r, at in enumerate(self._answered)]
         update_seconds = self.update_seconds()
         self.margins.add(nearness(seen, update_seconds, self.bounds))
-        self.margins.slowdown = max([self.margins.slowdown, *(p.slowdown for p in paces(seen, self.bounds).values())])
+        self._paces = paces(seen, self.bounds)
+        self.margins.slowdown = max([self.margins.slowdown, *(p.slowdown for p in self._paces.values())])
         return judge(seen, update_seconds, self.bounds)
 
     def paces(self) -> dict[int, Pace]:
-        """Each rank's own work against its peers' over the last ``bounds.window`` updates (:func:`paces`;
-        empty until every rank's window is full)."""
-        now = self._clock()
-        return paces([Seen(r, now - at, self._readings[r]) for r, at in enumerate(self._answered)], self.bounds)
+        """Each rank's own work against its peers' over the last ``bounds.window`` updates, as the last
+        :meth:`verdicts` judged them (:func:`paces`; empty until every rank's window is full)."""
+        return self._paces
 
     def update_seconds(self) -> list[float]:
         """The job's recent update times as the ranks measured them (own work plus waiting: the whole update)."""

@@ -64,9 +64,9 @@ class SpillQueue(Generic[T]):
 
     def head(self, at_most: int | None = None) -> list[tuple[T, bytes]]:
         """The oldest items, as many as memory holds (``at_most`` at most), one at least unless empty;
-        none is removed (:meth:`pop` does that once they are written). Memory is topped up from the spill
-        file first, so the head is as long as the bound allows."""
-        if self._spilled:
+        none is removed (:meth:`pop` does that once they are written). Memory is refilled from the spill
+        file once it is empty: a drain one item at a time opens the file once per memory's worth."""
+        if not self._memory and self._spilled:
             self._refill()
         items = list(self._memory) if at_most is None else [self._memory[i] for i in range(min(at_most,
                                                                                                len(self._memory)))]
