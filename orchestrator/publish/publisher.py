@@ -277,18 +277,13 @@ class Publisher:
         removed: list[str] = []
         freed = 0
         try:
-            refs = list_bundles(self.storage, self.job_id)
-            published = [r for r in refs if r.published]
-            if not published:
-                return None  # every folder may be a write in flight: nothing is known superseded
-            newest = published[0]
-            for ref in reversed(published[1:]):
-                freed += self._recorded_bytes(ref.key)
-                self._remove(ref.key)
-                removed.append(ref.key)
-            for ref in refs:
-                if not ref.published and (ref.update, ref.attempt) < (newest.update, newest.attempt):
-                    self.storage.delete_prefix(ref.key)
+            older, orphans = self._superseded(keep=1)
+            for key in reversed(older):
+                freed += self._recorded_bytes(key)
+                self._remove(key)
+                removed.append(key)
+            for key in orphans:
+                self.storage.delete_prefix(key)
         except StorageError as e:
             log.warning("making room on the full storage stopped (%d bundles removed): %s", len(removed), e)
         if not removed:
@@ -315,13 +310,21 @@ class Publisher:
 
     def retain(self) -> list[str]:
         """Delete superseded bundles; returns the keys deleted."""
+        older, orphans = self._superseded(keep=self.keep_last)
+        for key in older:
+            self._remove(key)
+        for key in orphans:
+            self.storage.delete_prefix(key)
+        return older + orphans
+
+    def _superseded(self, keep: int) -> tuple[list[str], list[str]]:
+        """What a newer published bundle supersedes: the published bundles beyond the newest ``keep`` (newest
+        first), and the unpublished folders older than the newest published one (a newer one may be a write
+        in flight). Nothing while none is published: every folder may be a write in flight."""
         refs = list_bundles(self.storage, self.job_id)
         published = [r for r in refs if r.published]
         if not published:
-            return []
+            return [], []
         newest = published[0]
-        doomed = [r.key for r in published[self.keep_last:]]
-        doomed += [r.key for r in refs if not r.published and (r.update, r.attempt) < (newest.update, newest.attempt)]
-        for key in doomed:
-            self.storage.delete_prefix(key)
-        return doomed
+        return ([r.key for r in published[keep:]],
+                [r.key for r in refs if not r.published and (r.update, r.attempt) < (newest.update, newest.attempt)])
