@@ -204,12 +204,7 @@ def test_a_path_keeps_its_outage_s_first_refusal_and_whether_a_full_disk_was_amo
     assert o.view() == OutageView(None, 0, None, False)
     o.failed(StorageUnavailableError("503 SlowDown"))
     clock.now += 3
-    try:
-        raise OSError(errno.ENOSPC, "No space left on device")
-    except OSError as e:
-        full = StorageUnavailableError("cannot write x: No space left on device")
-        full.__cause__ = e
-    o.failed(full)
+    o.failed(StorageFullError("cannot write x: No space left on device"))
     assert o.view() == OutageView(3.0, 2, "503 SlowDown", True)
     o.recovered()
     clock.now += 2

@@ -12,7 +12,6 @@ failed, with no answer in between, for ``bound_s`` (the job's ``storage_outage_s
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 import time
@@ -22,12 +21,11 @@ from typing import TypeVar
 
 from tenacity import RetryCallState, Retrying, retry_if_exception, wait_random_exponential
 
-from spotrun.trainer.storage.base import StorageError, StoragePermanentError
+from spotrun.trainer.storage.base import StorageError, StorageFullError, StoragePermanentError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 DEFAULT_BOUND_S = 900.0  # the default of the spec's storage_outage_s: past a credential refresh (~minutes)
 
 
@@ -52,16 +50,6 @@ class OutageView:
     full_disk: bool  # ENOSPC or EDQUOT was among that outage's refusals
     ended_s: float | None = None  # while it answers: seconds since its last outage ended (None: none ended)
     lasted_s: float | None = None  # how long that last outage lasted
-
-
-def full_disk(exc: BaseException) -> bool:
-    """Whether ``exc`` or an error it was raised from is a full disk or an exceeded quota."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in FULL_DISK_ERRNOS:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 class Outage:
@@ -122,7 +110,7 @@ class Outage:
                 log.warning("storage unavailable for %s (%s); will keep trying", self.what, exc)
             self.refused += 1
             self.refused_total += 1
-            self.full_disk = self.full_disk or full_disk(exc)
+            self.full_disk = self.full_disk or isinstance(exc, StorageFullError)
             state = RetryCallState(Retrying(), None, (), {})
             state.attempt_number = self.refused
             self._next_try = now + self._wait(state)
