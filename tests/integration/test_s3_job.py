@@ -24,6 +24,7 @@ from spotrun.orchestrator.publish.offsets import OffsetsStore
 from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
 from spotrun.trainer.metrics import S3Sink
 from spotrun.trainer.observe.faults import FaultLog
+from spotrun.trainer.observe.ranklog import list_rank_logs, read_rank_log
 from spotrun.trainer.observe.trace import first_divergence, latest_per_update, read_trace
 from spotrun.trainer.storage import StoragePermanentError, open_storage
 from tests.conftest import ROOT, make_spec
@@ -119,13 +120,13 @@ def test_same_job_through_a_failing_proxy_finishes_identically(moto, reference, 
 
 
 @pytest.mark.parametrize("fault", ["503", "403"])
-def test_a_storage_outage_mid_run_costs_checkpoints_never_the_job(moto, reference, tmp_path, fault):
+def test_a_storage_outage_mid_run_costs_checkpoints_never_the_job(moto, reference, tmp_path, fault, capfd):
     """Every request answered 503 SlowDown (or 403 AccessDenied, as while a credential is refreshed) for
     8 s, from the moment bundle 8's manifest is written: longer than any call's own retries (~5 s at
     most), so the ledger, the publisher, the ranks' bundle writes and the s3 metric sink all meet it. The
     job stays alive (a denial is believed only once it persisted storage_outage_s), publishes again once
-    storage answers, and ends exactly like the uninterrupted run, every ledger event written once and in
-    order."""
+    storage answers, and ends exactly like the uninterrupted run, every ledger event and every rank-log line
+    written once and in order."""
     with FaultProxy(moto.url, rate=0.0) as proxy:
         began = proxy.outage(8.0, fault, after="/bundles/u0000000008-a1/manifest.json")
         spec = s3_spec(tmp_path, moto, proxy.url, "outage")
@@ -159,6 +160,15 @@ def test_a_storage_outage_mid_run_costs_checkpoints_never_the_job(moto, referenc
     missing = set(range(4, 25, 4)) - set(updates)  # boundaries never published: skipped or abandoned
     skipped = sum(o.bundles_skipped for o in outages)
     assert (skipped > 0) == bool(missing) and skipped <= len(missing)
+    # every line a rank wrote, once and in order, in its rank log: as the driver received them by poll (which
+    # needs no storage); the lines about the outage itself were written while storage refused
+    forwarded: dict[str, list[str]] = {}
+    for line in capfd.readouterr().err.splitlines():
+        if (m := re.match(r"^\[(rank \d+)\] (.*)$", line)) and not m[2].startswith("[spotrun: "):
+            forwarded.setdefault(m[1], []).append(m[2])
+    logged = {ref.label: read_rank_log(storage, ref).splitlines()
+              for ref in list_rank_logs(storage, "outage") if ref.attempt == 1}
+    assert logged == forwarded and any("storage unavailable" in x for lines in logged.values() for x in lines)
 
 
 def test_a_denial_that_persists_past_storage_outage_s_ends_the_job_loudly(moto, tmp_path):

@@ -414,6 +414,35 @@ def test_a_rank_log_on_s3_is_written_in_segments_and_reads_back_whole(moto, buck
     assert ranklog.read_rank_log(s, ref) == "".join(f"{line}\n" for line in lines)
 
 
+@pytest.mark.parametrize("fault", ["503", "reset"])
+def test_a_rank_log_refused_through_an_outage_keeps_every_line_once_in_order(moto, bucket, monkeypatch, fault):
+    """Storage answers every request 503 (or resets every connection) while a rank writes: its log's flushes are
+    refused, across a closed segment and the open one, and the rank is told once; the first flush after storage
+    returns writes what waited, and the log reads back every line once, in order."""
+    from spotrun.trainer.observe import ranklog
+
+    monkeypatch.setattr(ranklog, "SEGMENT_BYTES", 60)
+    lines = [f"line {i:02d}: a rank's output" for i in range(9)]  # 25 bytes each: two to a segment
+    with FaultProxy(moto.url, rate=0.0) as proxy:
+        s = storage(moto, bucket, endpoint=proxy.url, retry=RetryPolicy(max_attempts=2, initial_s=0.001, max_s=0.01))
+        log = ranklog.RankLog(flush_every_s=3600)
+        log.begin(s, "job", 1, "rank 0")
+        log.add("stdout", lines[0])
+        log.flush()
+        proxy.outage(600.0, fault)
+        for i, line in enumerate(lines[1:], 1):
+            log.add("stdout", line)
+            if i % 3 == 0:
+                log.flush()  # refused: what waits is kept for the next
+        refused = [x.text for x in log.take() if x.text.startswith("[spotrun: this rank's log could not be")]
+        proxy.end_outage()
+        log.close()
+    assert len(refused) == 1
+    refs = ranklog.list_rank_logs(s, "job")
+    assert len(refs) == 1 and len(refs[0].keys) == 5
+    assert ranklog.read_rank_log(s, refs[0]) == "".join(f"{line}\n" for line in lines)
+
+
 def test_job_on_s3_publishes_and_resumes(moto, bucket, tmp_path):
     """A job with its bundles, ledger and metrics on S3 finishes; run again, it resumes from
     its final bundle (verified: checksums, compatibility) and has nothing left to train."""
