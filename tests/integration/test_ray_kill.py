@@ -329,6 +329,27 @@ def fill(disk: Path, leave: int) -> Path:
     return filler
 
 
+def held_on_disk(tmp_path: Path, disk: Path, job: str, update: int, published: int):
+    """A job whose storage is ``disk``, started on a thread and held before ``update`` with bundle ``published``
+    published: its storage, the groups it made (the test asks the held ranks through them), its thread and
+    a dict its outcome lands in."""
+    spec = make_spec(tmp_path, *SETS, f"storage=file://{disk}", "metrics.sinks=[]", f"faults=[{hold(update)}]",
+                     job_id=job)  # no metric sink: its file would share the full disk; these tests are the bundles'
+    platform = ray_platform(spec, Instrumentation.of(trace=True))
+    groups: list = []
+
+    def make_group(*args):
+        groups.append(platform.make_group(*args))
+        return groups[-1]
+
+    sup = Supervisor(spec, replace(platform, make_group=make_group), Options(trace_path=str(tmp_path / "t.jsonl")))
+    ran: dict = {}
+    thread = job_thread(lambda: ran.update(outcome=sup.run()), job)
+    storage = open_storage(spec.storage)
+    wait_until_held(storage, job, thread.is_alive, published=published)
+    return storage, groups, thread, ran
+
+
 def test_a_full_disk_mid_run_costs_checkpoints_prunes_older_bundles_and_the_run_stays_bitwise(reference, tmp_path):
     """#48: the job's storage is a small tmpfs. While every rank holds before update 12 (bundles 5 and 10
     published) the test fills it, leaving room for a bundle's small files but not its tensors, and asks
@@ -337,20 +358,7 @@ def test_a_full_disk_mid_run_costs_checkpoints_prunes_older_bundles_and_the_run_
     test deletes the filler. The job trains on to its end, bitwise the uninterrupted run, with no partial
     bundle left."""
     with tmpfs(tmp_path / "disk", "8m") as disk:
-        spec = make_spec(tmp_path, *SETS, f"storage=file://{disk}", "metrics.sinks=[]", f"faults=[{hold(12)}]",
-                         job_id="full")  # no metric sink: its file would share the full disk; this test is the bundles'
-        platform = ray_platform(spec, Instrumentation.of(trace=True))
-        groups: list = []
-
-        def make_group(*args):  # the test asks the held ranks for a checkpoint through their group
-            groups.append(platform.make_group(*args))
-            return groups[-1]
-
-        sup = Supervisor(spec, replace(platform, make_group=make_group), Options(trace_path=str(tmp_path / "t.jsonl")))
-        ran: dict = {}
-        thread = job_thread(lambda: ran.update(outcome=sup.run()), "full")
-        storage = open_storage(spec.storage)
-        wait_until_held(storage, "full", thread.is_alive, published=10)
+        storage, groups, thread, ran = held_on_disk(tmp_path, disk, "full", 12, published=10)
         filler = fill(disk, leave=120_000)  # a bundle's json and skeletons fit (~50 KB), its tensors (330 KB) not
         groups[-1].request(checkpoint=True)  # the boundary of update 12 meets the full disk
         five, twelve = (f"full/bundles/u{u:010d}-a1" for u in (5, 12))
@@ -385,3 +393,25 @@ def test_a_full_disk_mid_run_costs_checkpoints_prunes_older_bundles_and_the_run_
     assert 12 not in updates and updates[-1] == 30, updates  # the refused bundle skipped, the last one written
     assert all(r.published for r in bundles_left) and not tmp_left, (bundles_left, tmp_left)
     assert [r.bundles for r in rows] == [p.bundles for p in pruned]
+
+
+def test_on_a_full_disk_the_last_bundle_waits_for_the_room_the_driver_makes(reference, tmp_path):
+    """#48: every rank held before the job's last update (bundles up to 25 published); the test fills the disk
+    as above and lets the ranks go, and leaves the filler there. The last bundle must be written, so it is
+    not abandoned: each refused try asks the driver for room (as an abandoned write does), the driver
+    prunes the published bundles older than 25, and the last bundle is written in that room and published.
+    Without the ask it would wait for a person to free the disk."""
+    with tmpfs(tmp_path / "disk", "8m") as disk:
+        storage, groups, thread, ran = held_on_disk(tmp_path, disk, "last", 30, published=25)
+        older = [r.key for r in list_bundles(storage, "last") if r.published and r.update < 25]
+        filler = fill(disk, leave=120_000)
+        groups[-1].request(checkpoint=False)  # only ends the hold: update 30 and its bundle follow
+        thread.join(timeout=300)
+        assert filler.exists() and ran.get("outcome") is not None and ran["outcome"].state == "finished", ran
+        events = Ledger(storage, "last").read()
+    pruned = [e for e in events if isinstance(e, SpacePruned)]
+    assert older and [p.bundles for p in pruned] == [sorted(older)], (older, pruned)
+    assert "/u0000000030-a1/" in pruned[0].reason and "No space left on device" in pruned[0].reason
+    assert [e.update for e in events if isinstance(e, BundlePublished)][-1] == 30
+    final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
+    assert sorted(final) == list(range(1, 31)) and first_divergence(reference, list(final.values())) is None

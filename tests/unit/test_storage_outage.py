@@ -111,6 +111,24 @@ def test_call_waits_out_refusals_then_returns_and_ends_the_outage(monkeypatch):
     assert not o.down and o.refused_total == 2
 
 
+def test_a_write_that_must_be_done_asks_for_room_at_each_refusal_for_want_of_it():
+    """The job's last bundle waits a full disk out (:meth:`Outage.call`): every refusal for want of room is told
+    ``on_full`` (the rank's report then asks the driver to prune), other refusals are not."""
+    told: list[str] = []
+    o = Outage("rank 0's checkpoints", backoff=Backoff(initial_s=0.001, max_s=0.002), on_full=told.append)
+    answers = iter([StorageFullError("No space left on device (1)"), StorageUnavailableError("503"),
+                    StorageFullError("No space left on device (2)"), "written"])
+
+    def fn() -> str:
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    assert o.call(fn) == "written"
+    assert told == ["No space left on device (1)", "No space left on device (2)"]
+
+
 def test_call_raises_a_permanent_refusal_that_outlasts_the_bound():
     clock = Clock()
     o = Outage("the last flush", bound_s=5, backoff=Backoff(initial_s=0.0001, max_s=0.0001), clock=clock)

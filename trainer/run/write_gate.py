@@ -8,7 +8,9 @@ metric points). A write the storage refused is abandoned: never reported, so nev
 directory is an orphan that retention removes; the next boundary writes again. A write refused for want
 of room (a full disk) has removed its own files already (the bundle writer's), and the gate tells the
 rank (``on_full``), whose next report asks the driver to make room. The job's last bundle
-is the exception: it waits the outage out (``storage_outage_s`` bounds only a permanent refusal).
+is the exception: it waits the outage out (``storage_outage_s`` bounds only a permanent refusal), and on a
+full disk each of its refused tries asks for room the same way, so it waits for the driver's pruning, not
+for a person.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from spotrun.trainer.storage import Outage, StorageError, StorageFullError
+from spotrun.trainer.storage import Outage, StorageError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -30,10 +32,10 @@ class WriteGate:
 
     def __init__(self, rank: int, outage_s: float, clock: Callable[[], float] = time.monotonic,
                  on_full: Callable[[str], None] = lambda reason: None) -> None:
-        """``on_full(reason)``: called for each write abandoned because the storage is full (``reason``: its error)."""
-        self.outage = Outage(f"rank {rank}'s checkpoints", outage_s, clock=clock)
+        """``on_full(reason)``: called for each write refused because the storage is full (``reason``: its
+        error): an abandoned one, and each try of the job's last bundle, which waits for room."""
+        self.outage = Outage(f"rank {rank}'s checkpoints", outage_s, clock=clock, on_full=on_full)
         self.clock = clock
-        self.on_full = on_full
         self.skipped = 0  # checkpoint boundaries skipped or writes abandoned for an outage
         self._said: tuple[int, int, float] | None = None  # (outage, skips, clock) at the last line said: _skip
 
@@ -66,10 +68,8 @@ class WriteGate:
         try:
             done = result()
         except StorageError as e:
-            self.outage.failed(e)
+            self.outage.failed(e)  # a full disk's refusal is told the rank there (on_full)
             self._skip(f"a bundle write was abandoned (never published; the next checkpoint writes again): {e}")
-            if isinstance(e, StorageFullError):
-                self.on_full(str(e))
             return None
         if done is not None:
             self.outage.recovered()

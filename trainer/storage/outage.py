@@ -56,9 +56,12 @@ class Outage:
     """One storage path's view of the current outage (see the module docstring). Thread-safe."""
 
     def __init__(self, what: str, bound_s: float = DEFAULT_BOUND_S, backoff: Backoff = Backoff(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``what`` names the path in log lines ("the ledger", "rank 1's bundle writes")."""
+                 clock: Callable[[], float] = time.monotonic, on_full: Callable[[str], None] | None = None) -> None:
+        """``what`` names the path in log lines ("the ledger", "rank 1's bundle writes"). ``on_full(reason)``:
+        called for every refusal for want of room (:class:`StorageFullError`), so that room can be made
+        while a write that must be done (:meth:`call`) waits for it."""
         self.what = what
+        self.on_full = on_full
         self.bound_s = bound_s
         self.clock = clock
         self._wait = wait_random_exponential(multiplier=backoff.initial_s, max=backoff.max_s)
@@ -115,6 +118,8 @@ class Outage:
             state.attempt_number = self.refused
             self._next_try = now + self._wait(state)
             persisted = now - self.since
+        if isinstance(exc, StorageFullError) and self.on_full is not None:
+            self.on_full(str(exc))
         if isinstance(exc, StoragePermanentError) and persisted >= self.bound_s:
             raise exc
 
