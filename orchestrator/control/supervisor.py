@@ -64,7 +64,7 @@ from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.observe.trace import TraceWriter
 from spotrun.trainer.run.rank import RankState, Report
 from spotrun.trainer.state.counters import Counters
-from spotrun.trainer.storage import Storage, open_storage
+from spotrun.trainer.storage import Storage, StorageError, StoragePermanentError, open_storage
 
 __all__ = ["UNVERIFIED", "Failed", "Finished", "GroupFactory", "JobFailedError", "OracleMismatch", "Options",
            "Outcome", "Pending", "Placing", "Platform", "Recovering", "Running", "Scaler", "State", "Stopped",
@@ -145,7 +145,12 @@ class Supervisor:
         restore_signals = self._watch_driver_signals()
         try:
             while not isinstance(state, Finished | Stopped | Failed):
-                state = self.step(state)
+                try:
+                    state = self.step(state)
+                except StoragePermanentError as e:  # a refusal that persisted storage_outage_s: the job ends
+                    if isinstance(state, Running | Recovering):
+                        abandon(state.group)
+                    state = self._refused_for_good(e)
         finally:
             if isinstance(state, Running | Recovering):  # left by an exception (a bug, KeyboardInterrupt)
                 abandon(state.group)
@@ -155,7 +160,13 @@ class Supervisor:
             ctx.platform.request_capacity(0)
             if self.trace:
                 self.trace.close()
-        ctx.record.ended(state, ctx.attempts, ctx.began, ctx.publisher.storage_retries)
+        try:
+            ctx.record.ended(state, ctx.attempts, ctx.began, ctx.publisher.storage_retries)
+        except StoragePermanentError as e:
+            if not (isinstance(state, Failed) and isinstance(state.error, StorageError)):
+                raise
+            # the ledger is often the very storage that refuses: the failure is still raised, with its own cause
+            log.warning("the job's failure could not be recorded in its ledger: %s", e)
         if isinstance(state, Stopped):
             return Outcome("stopped", ctx.published[-1].counters if ctx.published else None, ctx.attempts,
                            ctx.restarts, state.reason, self._keys(), ctx.restored_from)
@@ -175,6 +186,13 @@ class Supervisor:
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
         return install_signal_notices(None, None, self.spec.preemption.grace_s, self.notify).close
+
+    def _refused_for_good(self, error: StoragePermanentError, who: str = "the driver") -> Failed:
+        """The end of a job whose storage refused a request (a denial, a missing bucket) for longer than
+        ``storage_outage_s``: not a restart, which would meet the same storage; ``run`` records it (where the
+        ledger still takes it: a run_refused before this run trained, as any refusal then) and raises ``error``."""
+        return Failed(f"the storage refused {who} for longer than storage_outage_s ({self.spec.storage_outage_s:g} s): "
+                      f"{error}", error=error, refused=not self.ctx.began)
 
     def _keys(self) -> list[str]:
         return [self.ctx.bundle_key(m) for m in self.ctx.published]
@@ -211,6 +229,9 @@ class Supervisor:
             if e.refusal:  # bad input: the same input fails the same way on every attempt
                 st.group.teardown()
                 return Failed(str(e), e)
+            if isinstance(e.raised, StoragePermanentError):  # a restart meets the same storage: no restart
+                st.group.teardown()
+                return self._refused_for_good(e.raised, f"rank {e.rank}")
             st = self._absorb(seen[-1], st.group.salvage())
             node = st.group.node_ids[e.rank] if e.rank is not None and e.rank < len(st.group.node_ids) else None
             lost = RankLost(e.rank, LossCause.COLLECTIVE_ERROR if e.collective else LossCause.ERROR, str(e), node)

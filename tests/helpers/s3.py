@@ -253,13 +253,15 @@ class _ProxyServer(ThreadingHTTPServer):
         self.outage_fault = "503"
         self.outage_trigger: str | None = None  # a path holding this starts the outage (forwarded itself)
         self.outage_until: float | None = None  # monotonic end of the outage under way
+        self.outage_only: str | None = None  # the outage meets only the requests whose path holds this
         self.outage_began = threading.Event()
 
     def in_outage(self, path: str) -> str | None:
         """The outage's fault for a request to ``path`` while it lasts; starts a triggered one."""
         with self.lock:
             now = time.monotonic()
-            if self.outage_until is not None and now < self.outage_until:
+            if (self.outage_until is not None and now < self.outage_until
+                    and (self.outage_only is None or self.outage_only in path)):
                 self.requests += 1
                 self.injected[self.outage_fault] += 1
                 return self.outage_fault
@@ -318,15 +320,17 @@ class FaultProxy:
         with self._server.lock:
             self._server.rate = value
 
-    def outage(self, seconds: float, fault: str = "503", after: str | None = None) -> threading.Event:
+    def outage(self, seconds: float, fault: str = "503", after: str | None = None,
+               only: str | None = None) -> threading.Event:
         """Answer every request with ``fault`` ("503": SlowDown; "403": AccessDenied; "reset": the connection reset) for
         ``seconds``: from now, or from the first request whose path holds ``after`` (that request is
-        forwarded). Returns an event set when the outage begins."""
+        forwarded); ``only``: just the requests whose path holds it (a bucket policy denying one prefix).
+        Returns an event set when the outage begins."""
         if fault not in ("503", "500", "403", "reset", "drop"):
             raise ValueError(f"an outage answers 503, 500, 403, reset or drop, not {fault!r}")
         srv = self._server
         with srv.lock:
-            srv.outage_s, srv.outage_fault = seconds, fault
+            srv.outage_s, srv.outage_fault, srv.outage_only = seconds, fault, only
             if after is None:
                 srv.outage_until = time.monotonic() + seconds
                 srv.outage_began.set()

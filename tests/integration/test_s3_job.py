@@ -13,6 +13,7 @@ from spotrun.orchestrator.control.launch import run_on_ray
 from spotrun.orchestrator.ledger.events import (
     BundlePublished,
     CorruptEvent,
+    JobFailed,
     JobFinished,
     OffsetsCommitted,
     Restored,
@@ -171,17 +172,25 @@ def test_a_storage_outage_mid_run_costs_checkpoints_never_the_job(moto, referenc
     assert logged == forwarded and any("storage unavailable" in x for lines in logged.values() for x in lines)
 
 
-def test_a_denial_that_persists_past_storage_outage_s_ends_the_job_loudly(moto, tmp_path):
-    """Every request denied (403 AccessDenied) from bundle 8's manifest on, for longer than the job's
-    storage_outage_s (2 s): the job rides the first refusals out, as it would a credential refresh,
-    then ends with the permanent error naming the denial (a denial that passes sooner is ridden out:
-    the 403 case above). Runs last."""
+def test_a_denial_that_persists_past_storage_outage_s_ends_the_job_loudly_and_says_so_in_its_ledger(moto, tmp_path):
+    """Every request for a bundle's object denied (403 AccessDenied, as a bucket policy denying that prefix)
+    from bundle 8's manifest on, for longer than the job's storage_outage_s (2 s): the job rides the first
+    refusals out, as it would a credential refresh, then ends with the permanent error naming the denial (a
+    denial that passes sooner is ridden out: the 403 case above), without a restart, and its ledger, which
+    storage still takes, ends with the job_failed that says why. Runs last."""
     with FaultProxy(moto.url, rate=0.0) as proxy:
-        began = proxy.outage(600.0, "403", after="/bundles/u0000000008-a1/manifest.json")
+        began = proxy.outage(600.0, "403", after="/bundles/u0000000008-a1/manifest.json", only="/bundles/")
         spec = s3_spec(tmp_path, moto, proxy.url, "denied", "storage_outage_s=2")
         with pytest.raises(StoragePermanentError, match="AccessDenied"):
             run_on_ray(spec, trace_path=str(tmp_path / "t.jsonl"), record_ids=True)
     assert began.is_set()
+    events = Ledger(open_storage(spec.storage, moto.url), "denied").read()
+    assert isinstance(events[-1], JobFailed), events[-1]
+    reason = events[-1].reason
+    assert "for longer than storage_outage_s (2 s)" in reason and "AccessDenied" in reason, reason
+    # not a restart, which would meet the same storage: whichever side (driver or rank) met the bound first
+    assert [type(e).__name__ for e in events].count("AttemptStarted") == 1
+    assert not [e for e in events if isinstance(e, WorkerLost)]
 
 
 def test_a_cold_restart_during_an_outage_waits_for_storage_and_a_kill_after_it_returns_is_ridden_too(

@@ -25,6 +25,7 @@ from spotrun.orchestrator.control.supervisor import (
 )
 from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
+    JobFailed,
     NoticeHandled,
     NoticeSeen,
     Restored,
@@ -265,7 +266,8 @@ def test_a_straggler_is_recorded_and_replaced_by_a_ready_spare_after_the_next_bu
 
 
 class Refusing:
-    """The job's storage, refusing ``list`` (a restart's look for bundles) ``times`` times with ``error``."""
+    """The job's storage, refusing ``list`` (a restart's look for bundles, a ledger's next number) ``times`` times
+    with ``error``."""
 
     def __init__(self, storage, times: int, error: Exception) -> None:
         self._storage, self.times, self.error = storage, times, error
@@ -321,3 +323,32 @@ def test_a_refusal_that_looks_permanent_ends_the_restart_only_once_it_outlasts_s
     now[0] = 61.0
     with pytest.raises(StoragePermanentError):
         sup.step(placing)
+
+
+@pytest.mark.parametrize("ledger_refuses", [False, True])
+def test_a_rank_s_refusal_past_storage_outage_s_ends_the_job_without_a_restart_and_says_so(tmp_path, ledger_refuses):
+    """A rank whose write was refused for longer than storage_outage_s raised it: the job fails at once (a
+    restart would meet the same storage), its ranks torn down, no budget used, and its ledger ends with the
+    job_failed naming the refusal. Where the ledger refuses too, the failure is still the refusal raised (the
+    job_failed is lost with the ledger, and said in the driver's log)."""
+    spec = make_spec(tmp_path, job_id="d")
+    denied = StoragePermanentError("cannot write d/bundles/u0000000004-a1/rank-1/rng.json: AccessDenied (HTTP 403)")
+    group = StepGroup(2, [[Report(rank=0, last_update=1), Report(rank=1, last_update=1)],
+                          RankFailed(f"rank 1 raised StoragePermanentError: {denied}", 1, raised=denied)])
+    sup = supervisor(spec, group)
+    if ledger_refuses:  # from the rank's failure on, the ledger's storage denies every write, believed at once
+        def refusing_poll(poll=group.poll):
+            if len(group.polls) == 1:
+                sup.ctx.ledger.outage.bound_s = 0.0
+                sup.ctx.ledger.storage = Refusing(sup.ctx.ledger.storage, 10**6, StoragePermanentError(
+                    "cannot list d/events/: AccessDenied (HTTP 403)"))
+            return poll()
+        group.poll = refusing_poll
+    with pytest.raises(StoragePermanentError, match="AccessDenied") as raised:
+        sup.run()
+    assert raised.value is denied and group.torn_down == 1
+    if not ledger_refuses:
+        [failed] = events(sup, JobFailed)
+        assert "storage refused rank 1 for longer than storage_outage_s" in failed.reason
+        assert "AccessDenied" in failed.reason
+        assert not events(sup, WorkerLost)
