@@ -120,12 +120,12 @@ def test_same_job_through_a_failing_proxy_finishes_identically(moto, reference, 
     assert max(e.storage_retries for e in events if isinstance(e, BundlePublished)) <= finished.storage_retries
 
 
-@pytest.mark.parametrize("fault", ["503", "403"])
+@pytest.mark.parametrize("fault", ["503", "403", "reset"])
 def test_a_storage_outage_mid_run_costs_checkpoints_never_the_job(moto, reference, tmp_path, fault, capfd):
-    """Every request answered 503 SlowDown (or 403 AccessDenied, as while a credential is refreshed) for
-    8 s, from the moment bundle 8's manifest is written: longer than any call's own retries (~5 s at
-    most), so the ledger, the publisher, the ranks' bundle writes and the s3 metric sink all meet it. The
-    job stays alive (a denial is believed only once it persisted storage_outage_s), publishes again once
+    """Every request answered 503 SlowDown (or 403 AccessDenied, as while a credential is refreshed, or every
+    connection reset) for 8 s, from the moment bundle 8's manifest is written: longer than any call's own
+    retries (~5 s at most), so the ledger, the publisher, the ranks' bundle writes and the s3 metric sink all
+    meet it. The job stays alive (a denial is believed only once it persisted storage_outage_s), publishes again once
     storage answers, and ends exactly like the uninterrupted run, every ledger event and every rank-log line
     written once and in order."""
     with FaultProxy(moto.url, rate=0.0) as proxy:
