@@ -20,6 +20,7 @@ from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     BundleRejected,
     CapacityWait,
+    Footprints,
     InitializedFrom,
     IntervalChosen,
     JobFailed,
@@ -47,6 +48,7 @@ from spotrun.orchestrator.publish.publisher import Pruned
 from spotrun.orchestrator.workers.groups import RankLost, WorkerGroup
 from spotrun.trainer.bundle.manifest import Manifest
 from spotrun.trainer.job.spec import JobSpec
+from spotrun.trainer.observe.footprint import Footprint
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,9 @@ class Recorder:
 
     def spares_ready(self, attempt: int, ready: int) -> None:
         self.ledger.append(SparesReady(attempt=attempt, ready=ready, wanted=self.spec.world.spares))
+
+    def footprints(self, attempt: int, ranks: dict[int, Footprint]) -> None:
+        self.ledger.append(Footprints(attempt=attempt, ranks=dict(sorted(ranks.items()))))
 
     def slowdowns(self, st: Running, slowdown: dict[int, float], stragglers: list[int]) -> None:
         w = self.spec.world

@@ -61,6 +61,7 @@ from spotrun.orchestrator.publish.publisher import Publisher, PublishError
 from spotrun.orchestrator.workers.groups import RankFailed, RankLost, WorkerGroup
 from spotrun.trainer.data.listing import open_source
 from spotrun.trainer.job.spec import JobSpec
+from spotrun.trainer.observe.footprint import Footprint
 from spotrun.trainer.observe.trace import TraceWriter
 from spotrun.trainer.run.rank import RankState, Report
 from spotrun.trainer.state.counters import Counters
@@ -84,6 +85,7 @@ class Supervisor:
         ledger = Ledger(storage, spec.job_id, on_append=progress.event, outage_s=spec.storage_outage_s)
         self.trace = TraceWriter(options.trace_path, options.record_ids) if options.trace_path else None
         self._rank_retries: dict[tuple[int, int], int] = {}  # (attempt, rank) -> storage retries
+        self._footprints: dict[int, dict[int, Footprint]] = {}  # attempt -> rank -> footprint, until all are in
         self._rows: list[RestartRow] = []
         self._rows_at = -1  # the attempt count _rows were read at
         source = None
@@ -292,6 +294,7 @@ class Supervisor:
                 if self.trace:
                     self.trace.write(record)
         ctx.publisher.retries_elsewhere = sum(self._rank_retries.values())
+        self._footprint(st, reports)
         full = next((r.full_disk for r in reports if r.full_disk is not None), None)
         if full is not None:  # first: the manifests waiting to be written may need the room too
             self._make_room(st.attempt, full)
@@ -303,6 +306,16 @@ class Supervisor:
             ctx.budgets.published()
         ctx.published += new
         return st
+
+    def _footprint(self, st: Running, reports: list[Report]) -> None:
+        """Gather the attempt's rank footprints (each rank sends its once); record them once all are in."""
+        got = [r for r in reports if r.footprint is not None]
+        if not got:
+            return
+        ranks = self._footprints.setdefault(st.attempt, {})
+        ranks.update((r.rank, r.footprint) for r in got if r.footprint is not None)
+        if len(ranks) == st.world_size:
+            self.ctx.record.footprints(st.attempt, self._footprints.pop(st.attempt))
 
     def _make_room(self, attempt: int, reason: str) -> None:
         """A write was refused for want of room (``reason``): prune older bundles so that the next

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from spotrun.orchestrator.policy.budgets import Budget
 from spotrun.orchestrator.policy.interval import IntervalDecision, IntervalInputs
 from spotrun.orchestrator.policy.recovery import RecoveryPath
+from spotrun.trainer.observe.footprint import Footprint
 from spotrun.trainer.state.counters import Counters
 
 
@@ -300,10 +301,21 @@ class RunRefused(LedgerEvent):
     reason: str  # the paragraph the command printed
 
 
+class Footprints(LedgerEvent):
+    """Every rank process's holdings early in an attempt (trainer/observe/footprint.py): its resident
+    memory, open files, threads and process groups, measured at its first poll after training began. A
+    ``pid`` seen in several attempts is a process warm recovery kept: what it gains per restart is what
+    a week of restarts would pile up."""
+
+    kind: Literal["footprints"] = "footprints"
+    ranks: dict[int, Footprint]  # by rank
+
+
 Event = Annotated[
     AttemptStarted | Restored | InitializedFrom | BundleRejected | BundlePublished | WorkerLost | CapacityWait
     | TopologyChanged | Resizing | OffsetsCommitted | NoticeSeen | NoticeHandled | JobFinished | JobFailed
-    | IntervalChosen | SparesReady | RunRefused | Slowdowns | StragglerReplacing | StorageOutage | SpacePruned,
+    | IntervalChosen | SparesReady | RunRefused | Slowdowns | StragglerReplacing | StorageOutage | SpacePruned
+    | Footprints,
     Field(discriminator="kind"),
 ]
 EVENT = TypeAdapter(Event)

@@ -38,6 +38,7 @@ from spotrun.trainer.run.visibility import (
 from spotrun.trainer.run.warm import Kept
 from spotrun.trainer.runtime.collective import Collective, LocalCollective, TorchCollective
 from spotrun.trainer.runtime.device import rank_device
+from spotrun.trainer.runtime.memory import release_freed_memory_soon
 from spotrun.trainer.storage import open_storage
 
 # A poll waits this long at most for the rank's output to be read (a millisecond, unless the process is starved).
@@ -228,6 +229,7 @@ class RankActor:
         t2 = time.perf_counter()
         seconds, mismatches = runner.restore_from_memory(bundle_key, manifest, shipped_files, replica)
         self.runner, self.session = runner, None
+        release_freed_memory_soon()  # what the attempt before freed goes back to the system (#50)
         return {"process_group_seconds": t1 - t0, "rank_setup_seconds": t2 - t1, "restore_seconds": seconds,
                 "mismatches": mismatches, "runtime": runner.session.desc.runtime}
 

@@ -43,6 +43,7 @@ from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.metrics import MetricSink, NullSink, metrics_dir, open_sinks, points_of
 from spotrun.trainer.metrics.writer import BackgroundWriter
 from spotrun.trainer.observe.faults import FaultLog
+from spotrun.trainer.observe.footprint import Footprint, measure
 from spotrun.trainer.observe.ranklog import RankLine
 from spotrun.trainer.observe.trace import UpdateRecord, pack_stages, unpack_stages
 from spotrun.trainer.run.beacon import Phase, Reading
@@ -105,6 +106,8 @@ class Report:
     # a bundle write abandoned since the last poll because the storage is full (its error, naming
     # ENOSPC or EDQUOT and the path): the driver prunes older bundles so that the next one fits
     full_disk: str | None = None
+    # this process's holdings, once per attempt: at the first poll after training began (trainer/observe/footprint.py)
+    footprint: Footprint | None = None
 
 
 class RankRunner:
@@ -174,6 +177,7 @@ class RankRunner:
         # ``_lock``, never after it.
         self._writing = threading.Lock()
         self._looping = False  # the poll thread collects only while the loop runs (a restore reads ``held``)
+        self._measured = False  # this attempt's footprint went with a report
         self._news = threading.Event()  # set: the next poll holds what the supervisor acts on at once
         self._checkpoint_requested = False
         self._stop_requested = False
@@ -279,6 +283,8 @@ class RankRunner:
         report.storage_retries = getattr(self.storage, "retries", 0)  # the S3 metric sink shares this storage
         report.storage, report.checkpoints_skipped = self.gate.outage.view(), self.gate.skipped
         report.reading = self.session.beacon.read()
+        if self._looping and not self._measured:
+            report.footprint, self._measured = measure(), True
         return report
 
     # -- the loop -----------------------------------------------------------------------
