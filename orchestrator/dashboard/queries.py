@@ -24,21 +24,33 @@ def pages(total: int, per_page: int = PER_PAGE) -> int:
     return max(1, -(-total // per_page))
 
 
+def check_page(page: int, what: str) -> None:
+    """Refuse a page number below 1 before anything is read (whether a page exists past the newest
+    depends on the rows: :func:`page_bounds` says)."""
+    if page < 1:
+        raise BadQuery(f"{what}={page} does not exist: pages are numbered from 1 (the newest)")
+
+
 def page_bounds(total: int, page: int, what: str, per_page: int = PER_PAGE) -> tuple[int, int]:
     """The ``[start, stop)`` slice of page ``page`` (1 = the newest) of ``total`` rows stored newest first."""
+    check_page(page, what)
     last = pages(total, per_page)
-    if not 1 <= page <= last:
+    if page > last:
         raise BadQuery(f"{what}={page} does not exist: the table has {total} row(s) in {last} page(s) of "
                        f"{per_page}; ask for a page from 1 (the newest) to {last}")
     return (page - 1) * per_page, min(total, page * per_page)
 
 
-def window(total: int, offset: int, limit: int | None, what: str) -> tuple[int, int]:
-    """The ``[start, stop)`` slice of the API's ``offset``/``limit`` (rows counted from the newest)."""
+def check_window(offset: int, limit: int | None, what: str) -> None:
+    """Refuse an ``offset``/``limit`` no table can answer, naming the fix."""
     if offset < 0:
         raise BadQuery(f"offset={offset} is negative: rows are counted from 0 (the newest)")
     if limit is not None and not 1 <= limit <= MAX_LIMIT:
         raise BadQuery(f"limit={limit} is out of range: ask for 1 to {MAX_LIMIT:,} {what} (omit limit for all)")
+
+
+def window(total: int, offset: int, limit: int | None) -> tuple[int, int]:
+    """The ``[start, stop)`` slice of the API's ``offset``/``limit`` (rows counted from the newest)."""
     return min(offset, total), total if limit is None else min(total, offset + limit)
 
 

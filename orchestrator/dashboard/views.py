@@ -18,7 +18,7 @@ from typing import Any
 from spotrun.orchestrator.dashboard import observed
 from spotrun.orchestrator.dashboard.checksums import ChecksumCache
 from spotrun.orchestrator.dashboard.curve import PAGE_POINTS, check_range, curve
-from spotrun.orchestrator.dashboard.queries import paged, window
+from spotrun.orchestrator.dashboard.queries import check_page, check_window, paged, window
 from spotrun.orchestrator.ledger.access import JobNotFound, job_ids, require_job
 from spotrun.orchestrator.ledger.events import CorruptEvent
 from spotrun.orchestrator.ledger.history import history
@@ -95,6 +95,8 @@ class Reader:
         :class:`~.queries.BadQuery` for a page or range that does not exist."""
         require_job(self.storage, job_id)
         check_range(lo, hi, PAGE_POINTS)
+        check_page(restart_page, "restart_page")
+        check_page(bundle_page, "bundle_page")
         points = self.points(job_id)
         hist = self._history(job_id, points)
         attempt_spans = observed.spans(hist, points)
@@ -124,8 +126,9 @@ class Reader:
         """The bundles table, newest first: ``limit`` rows (``None``: all) from ``offset``; only those rows'
         manifests are read (and with ``verify``, their checksums checked)."""
         require_job(self.storage, job_id)
+        check_window(offset, limit, "bundles")
         rows = self._bundle_rows(job_id, self._history(job_id, self.points(job_id)))
-        start, stop = window(len(rows), offset, limit, "bundles")
+        start, stop = window(len(rows), offset, limit)
         return [self._bundle_detail(r, verify) for r in rows[start:stop]]
 
     def metrics(self, job_id: str, name: str | None = None, lo: int | None = None, hi: int | None = None,
