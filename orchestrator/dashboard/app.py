@@ -35,7 +35,8 @@ ATTEMPT_ROWS = 50  # the job page's per-attempt views (timeline, goodput, attemp
 ENDPOINTS = {
     "/api/jobs": "every job: state, attempts, restarts, updates done of total, last published bundle, time lost",
     "/api/jobs/{job_id}?restart_page=1&bundle_page=1&from=&to=": "the job page: summary, history, timeline, a page "
-    "of restarts (with observed replay) and of bundles (newest first, 50 a page), the loss (2,000 points at most)",
+    "of restarts (with observed replay) and of bundles (newest first, 50 a page), the loss (2,000 points and "
+    "each restart's edges)",
     "/api/jobs/{job_id}/history": "exactly what `spotrun history JOB_ID --json` prints",
     "/api/jobs/{job_id}/bundles?verify=false&offset=0&limit=": "bundles, published or orphaned, newest first "
     "(limit rows from offset; none: all); verify=true checks the checksums of those rows",
