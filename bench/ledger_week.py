@@ -48,16 +48,18 @@ EVERY_S = 30  # seconds between checkpoints
 T0 = datetime(2026, 11, 23, tzinfo=UTC)
 
 
-def week(bundles: int, restarts: int, resizes: int, tail: int = 0) -> Iterator[Event]:
+def week(bundles: int, restarts: int, resizes: int, tail: int = 0, *, job: str = JOB,
+         every_updates: int = 10) -> Iterator[Event]:
     """The events of a week, in the order the supervisor appends them, stamped on a simulated clock;
-    ``tail``: that many bundles more, without restarts (what a refresh finds new)."""
+    ``tail``: that many bundles more, without restarts (what a refresh finds new). A bundle every
+    ``every_updates`` updates (at least 8: each loss is 7 updates past the bundle restored)."""
     at, attempt, world, update = T0, 1, 4, 0
     every = bundles // (restarts + 1)
     resize_at = set(range(1, restarts + 1, max(1, restarts // resizes))[:resizes]) if resizes else set()
     yield AttemptStarted(attempt=1, world_size=world, pid=100, lineage_id="week", at=at)
     for n in range(1, bundles + tail + 1):
-        at, update = at + timedelta(seconds=EVERY_S), update + 10
-        key = f"{JOB}/bundles/u{update:010d}-a{attempt}"
+        at, update = at + timedelta(seconds=EVERY_S), update + every_updates
+        key = f"{job}/bundles/u{update:010d}-a{attempt}"
         yield BundlePublished(attempt=attempt, bundle=key, update=update, bytes=1 << 30, stall_seconds=0.2,
                               write_seconds=4.0, at=at)
         yield OffsetsCommitted(attempt=attempt, bundle=key, update=update, at=at)

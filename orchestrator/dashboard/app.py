@@ -19,6 +19,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
 from spotrun.orchestrator.dashboard import charts, labs, prometheus
+from spotrun.orchestrator.dashboard.queries import BadQuery
 from spotrun.orchestrator.dashboard.security import guard
 from spotrun.orchestrator.dashboard.templating import FILTERS, RESTART_COLUMNS
 from spotrun.orchestrator.dashboard.views import Reader
@@ -26,13 +27,22 @@ from spotrun.orchestrator.ledger.access import JobNotFound, open_readonly, redac
 from spotrun.trainer.storage import Storage, StorageError, UnsafeKeyError
 
 HERE = Path(__file__).resolve().parent
+# a range of updates, inclusive: ?from=U0&to=U1 (``from`` is a Python keyword, hence the aliases)
+FROM = Query(None, alias="from", description="first update of the range (inclusive)")
+TO = Query(None, alias="to", description="last update of the range (inclusive)")
 REFRESH_MS = 2000
+ATTEMPT_ROWS = 50  # the job page's per-attempt views (timeline, goodput, attempts) show the newest this many
 ENDPOINTS = {
     "/api/jobs": "every job: state, attempts, restarts, updates done of total, last published bundle, time lost",
-    "/api/jobs/{job_id}": "the job page: summary, history, timeline, restarts (with observed replay), bundles, loss",
+    "/api/jobs/{job_id}?restart_page=1&bundle_page=1&from=&to=": "the job page: summary, history, timeline, a page "
+    "of restarts (with observed replay) and of bundles (newest first, 50 a page), the loss (2,000 points and "
+    "each restart's edges)",
     "/api/jobs/{job_id}/history": "exactly what `spotrun history JOB_ID --json` prints",
-    "/api/jobs/{job_id}/bundles?verify=false": "bundles, published or orphaned; verify=true checks every checksum",
-    "/api/jobs/{job_id}/metrics?name=": "final metric points (one per update) and the writes a restart replaced",
+    "/api/jobs/{job_id}/bundles?verify=false&offset=0&limit=": "bundles, published or orphaned, newest first "
+    "(limit rows from offset; none: all); verify=true checks the checksums of those rows",
+    "/api/jobs/{job_id}/metrics?name=&from=&to=&points=": "final metric points (one per update) and the writes a "
+    "restart replaced; from/to (updates, inclusive) and points (3 to 100,000) cut a range to about that many "
+    "points, restart edges and replaced writes kept",
     "/api/jobs/{job_id}/events": "the ledger, event by event (an unparsable file is an event of kind corrupt)",
     "/api/jobs/{job_id}/logs": "the rank logs (what each rank's code wrote) per attempt, with each text's address",
     "/metrics": "Prometheus text format: spotrun_* gauges, one sample per job labelled job=<id>",
@@ -50,7 +60,8 @@ def create_app(storage: Storage | str, *, token: str | None = None, endpoint_url
     reader = Reader(store, metrics_local_dir=metrics_local_dir)
     env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
     env.filters.update(FILTERS)
-    env.globals.update(storage_uri=redact(store.uri), refresh_ms=refresh_ms, restart_columns=RESTART_COLUMNS)
+    env.globals.update(storage_uri=redact(store.uri), refresh_ms=refresh_ms, restart_columns=RESTART_COLUMNS,
+                       attempt_rows=ATTEMPT_ROWS)
 
     app = FastAPI(title="spotrun dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.middleware("http")(guard(token))
@@ -67,6 +78,12 @@ def create_app(storage: Storage | str, *, token: str | None = None, endpoint_url
             return JSONResponse({"detail": str(exc)}, status_code=404)
         return page("error.html", 404, title="Not found", message=str(exc))
 
+    @app.exception_handler(BadQuery)
+    async def bad_query(request: Request, exc: BadQuery) -> HTMLResponse | JSONResponse:
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"detail": str(exc)}, status_code=422)
+        return page("error.html", 422, title="Bad request", message=str(exc))
+
     @app.exception_handler(labs.LabError)
     async def bad_lab(request: Request, exc: labs.LabError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=422)
@@ -81,12 +98,15 @@ def create_app(storage: Storage | str, *, token: str | None = None, endpoint_url
         return page("jobs.html", jobs=jobs, refresh=any(j["state"] == "running" for j in jobs))
 
     @app.get("/jobs/{job_id}", response_class=HTMLResponse)
-    def job_page(job_id: str) -> HTMLResponse:
-        job = reader.job(job_id)
+    def job_page(job_id: str, restart_page: int = 1, bundle_page: int = 1, lo: int | None = FROM,
+                 hi: int | None = TO) -> HTMLResponse:
+        job = reader.job(job_id, restart_page, bundle_page, lo, hi)
+        goodput = dict(job["history"]["goodput"])
+        goodput["attempts"] = goodput["attempts"][-ATTEMPT_ROWS:]
         return page("job.html", job=job, events=reader.events(job_id),
-                    timeline_svg=Markup(charts.timeline(job["timeline"])),
+                    timeline_svg=Markup(charts.timeline(job["timeline"][-ATTEMPT_ROWS:])),
                     loss_svg=Markup(charts.loss_curve(job["loss"])),
-                    goodput_svg=Markup(charts.goodput_bars(job["history"]["goodput"])),
+                    goodput_svg=Markup(charts.goodput_bars(goodput)),
                     rank_logs=reader.rank_logs(job_id), refresh=job["summary"]["state"] == "running")
 
     @app.get("/jobs/{job_id}/logs/{attempt}/{name}", response_class=PlainTextResponse)
@@ -117,20 +137,23 @@ def create_app(storage: Storage | str, *, token: str | None = None, endpoint_url
         return reader.jobs()
 
     @app.get("/api/jobs/{job_id}")
-    def api_job(job_id: str) -> dict[str, Any]:
-        return reader.job(job_id)
+    def api_job(job_id: str, restart_page: int = 1, bundle_page: int = 1, lo: int | None = FROM,
+                hi: int | None = TO) -> dict[str, Any]:
+        return reader.job(job_id, restart_page, bundle_page, lo, hi)
 
     @app.get("/api/jobs/{job_id}/history")
     def api_history(job_id: str) -> dict[str, Any]:
         return reader.history(job_id)
 
     @app.get("/api/jobs/{job_id}/bundles")
-    def api_bundles(job_id: str, verify: bool = False) -> list[dict[str, Any]]:
-        return reader.bundles(job_id, verify=verify)
+    def api_bundles(job_id: str, verify: bool = False, offset: int = 0,
+                    limit: int | None = None) -> list[dict[str, Any]]:
+        return reader.bundles(job_id, verify=verify, offset=offset, limit=limit)
 
     @app.get("/api/jobs/{job_id}/metrics")
-    def api_metrics(job_id: str, name: str | None = None) -> dict[str, Any]:
-        return reader.metrics(job_id, name)
+    def api_metrics(job_id: str, name: str | None = None, lo: int | None = FROM, hi: int | None = TO,
+                    points: int | None = None) -> dict[str, Any]:
+        return reader.metrics(job_id, name, lo, hi, points)
 
     @app.get("/api/jobs/{job_id}/events")
     def api_events(job_id: str) -> list[dict[str, Any]]:

@@ -83,26 +83,35 @@ def timeline(spans: list[dict[str, Any]], width: int = 900) -> str:
     return "".join(out)
 
 
+MARKERS = 500  # up to this many points and replaced writes, each is a circle with its own tooltip
+LABELLED = 12  # up to this many restarts in view, each mark is labelled; beyond, its tooltip says it
+
+
 def loss_curve(curve: dict[str, Any], width: int = 900, height: int = 300) -> str:
-    """The final loss per update (one point each), restarts marked, replaced writes hollow."""
+    """The final loss per update (one point each, or the downsampled curve :mod:`.curve` made), restarts
+    marked, replaced writes hollow. A curve of more than :data:`MARKERS` points and replaced writes is
+    drawn as a line, its replaced writes as dots (one path per attempt), so that a week's job stays a
+    page's size; each restart keeps its mark, and links to the range around it (the page's ``from``/``to``)."""
     pts, old = curve["points"], curve["replaced"]
     if not pts:
         return '<p class="empty">No loss points yet.</p>'
     ml, mr, mt, mb = 60, 16, 24, 36
-    u_lo = min(0, min(p["update"] for p in pts))
-    u_hi = max(p["update"] for p in pts + old)
-    values = [p["value"] for p in pts + old]
+    asked = curve.get("range", {})
+    u_lo = asked.get("from") if asked.get("from") is not None else min(0, min(p["update"] for p in pts))
+    u_hi = asked.get("to") if asked.get("to") is not None else max(p["update"] for p in pts + old)
+    values = [p["value"] for p in pts + old if math.isfinite(p["value"])] or [0.0]
     v_lo, v_hi = min(values), max(values)
     pad = (v_hi - v_lo) * 0.06 or 0.5
     v_lo, v_hi = v_lo - pad, v_hi + pad
     x = lambda u: ml + (width - ml - mr) * (u - u_lo) / max(1, u_hi - u_lo)  # noqa: E731
-    y = lambda v: mt + (height - mt - mb) * (v_hi - v) / (v_hi - v_lo)  # noqa: E731
+    y = lambda v: mt + (height - mt - mb) * (v_hi - min(max(v, v_lo), v_hi)) / (v_hi - v_lo)  # noqa: E731
     out = [f'<svg class="loss" viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
-           f'role="img" aria-label="loss by update">']
+           f'role="img" aria-label="loss by update" data-points="{len(pts)}" data-replaced="{len(old)}">']
     ustep = max(1, int(_nice(u_hi - u_lo)))
     for u in range(u_lo - u_lo % ustep, u_hi + 1, ustep):
-        out.append(f'<line class="grid" x1="{x(u):.1f}" y1="{mt}" x2="{x(u):.1f}" y2="{height - mb}"/>'
-                   f'<text class="tick" x="{x(u):.1f}" y="{height - mb + 16}">{u}</text>')
+        if u >= u_lo:
+            out.append(f'<line class="grid" x1="{x(u):.1f}" y1="{mt}" x2="{x(u):.1f}" y2="{height - mb}"/>'
+                       f'<text class="tick" x="{x(u):.1f}" y="{height - mb + 16}">{u}</text>')
     vstep = _nice(v_hi - v_lo, 5)
     v = math.ceil(v_lo / vstep) * vstep
     while v <= v_hi:
@@ -110,19 +119,41 @@ def loss_curve(curve: dict[str, Any], width: int = 900, height: int = 300) -> st
                    f'<text class="tick ytick" x="{ml - 6}" y="{y(v) + 4:.1f}">{_fmt(v)}</text>')
         v += vstep
     out.append(f'<text class="axis" x="{width - mr}" y="{height - 4}">update</text>')
-    for r in curve["restarts"]:
-        if r["lost_range"]:
-            lo, hi = r["lost_range"]
-            out.append(f'<rect class="replay-band" data-attempt="{r["attempt"]}" x="{x(lo - 0.5):.1f}" y="{mt}" '
-                       f'width="{x(hi + 0.5) - x(lo - 0.5):.1f}" height="{height - mt - mb}"><title>updates '
-                       f'{lo}–{hi} replayed by attempt {r["attempt"]}</title></rect>')
-        rx = x(r["restored_update"])
-        out.append(f'<line class="restart-mark" data-attempt="{r["attempt"]}" x1="{rx:.1f}" y1="{mt - 4}" '
-                   f'x2="{rx:.1f}" y2="{height - mb}"/><text class="restart-label" x="{rx + 3:.1f}" '
-                   f'y="{mt - 8}">↻ attempt {r["attempt"]} from u{r["restored_update"]} '
-                   f'({escape(str(r["cause"]))})</text>')
-    line = " ".join(f"{x(p['update']):.1f},{y(p['value']):.1f}" for p in sorted(pts, key=lambda p: p["update"]))
+    seen = [r for r in curve["restarts"] if u_lo <= r["restored_update"] <= u_hi
+            or (r["lost_range"] and r["lost_range"][0] <= u_hi and r["lost_range"][1] >= u_lo)]
+    out += _restart_marks(seen, x, mt, height - mb, labelled=len(seen) <= LABELLED)
+    line = " ".join(f"{x(p['update']):.1f},{y(p['value']):.1f}" for p in pts)
     out.append(f'<polyline class="curve" points="{line}"/>')
+    out += _markers(pts, old, x, y) if len(pts) + len(old) <= MARKERS else _dots(old, x, y)
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _restart_marks(restarts: list[dict[str, Any]], x: Any, top: int, bottom: int, labelled: bool) -> list[str]:
+    """Each restart's replayed band and its mark, a link to the updates around it."""
+    out = []
+    for r in restarts:
+        a, at = r["attempt"], r["restored_update"]
+        lo, hi = r["lost_range"] or (at, at)
+        what = f"↻ attempt {a} from u{at} ({escape(str(r['cause']))})"
+        span = max(10, hi - lo)  # zoomed in: the restart in the middle, a few of its own widths around
+        out.append(f'<a class="zoom" href="?from={max(0, at - 2 * span)}&amp;to={hi + 2 * span}#loss">')
+        if r["lost_range"]:
+            out.append(f'<rect class="replay-band" data-attempt="{a}" x="{x(lo - 0.5):.1f}" y="{top}" '
+                       f'width="{max(1.0, x(hi + 0.5) - x(lo - 0.5)):.1f}" height="{bottom - top}"><title>updates '
+                       f'{lo}–{hi} replayed by attempt {a}</title></rect>')
+        title = "" if labelled else f"<title>{what}</title>"
+        out.append(f'<line class="restart-mark" data-attempt="{a}" data-update="{at}" x1="{x(at):.1f}" '
+                   f'y1="{top - 4}" x2="{x(at):.1f}" y2="{bottom}">{title}</line>')
+        if labelled:
+            out.append(f'<text class="restart-label" x="{x(at) + 3:.1f}" y="{top - 8}">{what}</text>')
+        out.append("</a>")
+    return out
+
+
+def _markers(pts: list[dict[str, Any]], old: list[dict[str, Any]], x: Any, y: Any) -> list[str]:
+    """A circle per replaced write (hollow) and per point, each with its tooltip."""
+    out = []
     for p in old:
         out.append(f'<circle class="replaced {_a(p["attempt"])}" data-update="{p["update"]}" '
                    f'data-attempt="{p["attempt"]}" cx="{x(p["update"]):.1f}" cy="{y(p["value"]):.1f}" r="4.5">'
@@ -132,8 +163,21 @@ def loss_curve(curve: dict[str, Any], width: int = 900, height: int = 300) -> st
         out.append(f'<circle class="point {_a(p["attempt"])}" data-update="{p["update"]}" '
                    f'data-attempt="{p["attempt"]}" cx="{x(p["update"]):.1f}" cy="{y(p["value"]):.1f}" r="2.8">'
                    f'<title>update {p["update"]}: loss {_fmt(p["value"])} (attempt {p["attempt"]})</title></circle>')
-    out.append("</svg>")
-    return "".join(out)
+    return out
+
+
+def _dots(old: list[dict[str, Any]], x: Any, y: Any) -> list[str]:
+    """Every replaced write as a dot, one path per attempt that wrote them (a few bytes a write)."""
+    by_attempt: dict[int, list[dict[str, Any]]] = {}
+    for p in old:
+        by_attempt.setdefault(p["attempt"], []).append(p)
+    out = []
+    for a, writes in sorted(by_attempt.items()):
+        d = "".join(f"M{x(p['update']):.1f} {y(p['value']):.1f}h0" for p in writes)
+        out.append(f'<path class="replaced dots {_a(a)}" data-attempt="{a}" data-writes="{len(writes)}" d="{d}">'
+                   f'<title>{len(writes)} write(s) of attempt {a} that a restart replaced (updates '
+                   f'{writes[0]["update"]}–{writes[-1]["update"]})</title></path>')
+    return out
 
 
 GOODPUT_TERMS = (("productive_seconds", "productive"), ("replayed_seconds", "replayed"),

@@ -17,6 +17,8 @@ from typing import Any
 
 from spotrun.orchestrator.dashboard import observed
 from spotrun.orchestrator.dashboard.checksums import ChecksumCache
+from spotrun.orchestrator.dashboard.curve import PAGE_POINTS, check_range, curve
+from spotrun.orchestrator.dashboard.queries import check_page, check_window, paged, window
 from spotrun.orchestrator.ledger.access import JobNotFound, job_ids, require_job
 from spotrun.orchestrator.ledger.events import CorruptEvent
 from spotrun.orchestrator.ledger.history import history
@@ -85,44 +87,72 @@ class Reader:
     def _history(self, job_id: str, points: Points) -> History:
         return history(self.storage, job_id, points, ledger=self.ledger(job_id))
 
-    def job(self, job_id: str) -> dict[str, Any]:
-        """Everything the job page shows. Raises :class:`~.access.JobNotFound` for an unknown id."""
+    def job(self, job_id: str, restart_page: int = 1, bundle_page: int = 1, lo: int | None = None,
+            hi: int | None = None) -> dict[str, Any]:
+        """Everything the job page shows: page ``restart_page`` of the restarts and ``bundle_page`` of the
+        bundles (1: the newest :data:`~.queries.PER_PAGE`), the loss over updates ``[lo, hi]`` cut to
+        :data:`~.curve.PAGE_POINTS`. Raises :class:`~.access.JobNotFound` for an unknown id and
+        :class:`~.queries.BadQuery` for a page or range that does not exist."""
         require_job(self.storage, job_id)
+        check_range(lo, hi, PAGE_POINTS)
+        check_page(restart_page, "restart_page")
+        check_page(bundle_page, "bundle_page")
         points = self.points(job_id)
         hist = self._history(job_id, points)
         attempt_spans = observed.spans(hist, points)
         restarts = observed.restarts(hist, points, attempt_spans)
         for r in restarts:  # a hung or stuck rank's stacks: the loss was recorded by the attempt before
             r["stacks_url"] = stacks_url(job_id, r["attempt"] - 1, r["rank"]) if r["stacks"] else None
-        rows, total = self._bundles(job_id, hist, verify=False)
+        rows = self._bundle_rows(job_id, hist)
+        shown_rows, bundles_page = paged(rows, bundle_page, "bundle_page")
+        newest_restarts, restarts_page = paged(restarts[::-1], restart_page, "restart_page")
         return {
-            "summary": _summary(hist, attempt_spans, restarts, rows, points, total),
+            "summary": _summary(hist, attempt_spans, restarts, rows, points, self._total_updates(rows)),
             "history": hist.model_dump(mode="json"),
             "timeline": attempt_spans,
-            "restarts": restarts,
-            "bundles": rows,
-            "loss": self._curve(points, restarts),
+            "restarts": newest_restarts[::-1],  # the page's rows in the order they happened
+            "restarts_page": restarts_page,
+            "bundles": [self._bundle_detail(r, verify=False) for r in shown_rows],
+            "bundles_page": bundles_page,
+            "loss": self._curve(points, restarts, lo, hi, PAGE_POINTS),
         }
 
     def history(self, job_id: str) -> dict[str, Any]:
         """What ``spotrun history JOB_ID --json`` prints."""
         return self._history(require_job(self.storage, job_id), self.points(job_id)).model_dump(mode="json")
 
-    def bundles(self, job_id: str, verify: bool = False) -> list[dict[str, Any]]:
+    def bundles(self, job_id: str, verify: bool = False, offset: int = 0,
+                limit: int | None = None) -> list[dict[str, Any]]:
+        """The bundles table, newest first: ``limit`` rows (``None``: all) from ``offset``; only those rows'
+        manifests are read (and with ``verify``, their checksums checked)."""
         require_job(self.storage, job_id)
-        return self._bundles(job_id, self._history(job_id, self.points(job_id)), verify)[0]
+        check_window(offset, limit, "bundles")
+        rows = self._bundle_rows(job_id, self._history(job_id, self.points(job_id)))
+        start, stop = window(len(rows), offset, limit)
+        return [self._bundle_detail(r, verify) for r in rows[start:stop]]
 
-    def metrics(self, job_id: str, name: str | None = None) -> dict[str, Any]:
+    def metrics(self, job_id: str, name: str | None = None, lo: int | None = None, hi: int | None = None,
+                n_out: int | None = None) -> dict[str, Any]:
+        """Final points (one per update) and replaced writes of ``name`` (``None``: every metric). With a range
+        ``[lo, hi]`` or ``n_out``, each metric's points in the range, cut to about ``n_out`` (restart edges
+        kept: :func:`~.curve.curve`), its replaced writes in the range exact, and ``range`` per metric."""
         require_job(self.storage, job_id)
+        check_range(lo, hi, n_out)
         points = self.points(job_id)
         names = sorted({p.name for p in points.final})
         chosen = [name] if name else names
-        return {
-            "job_id": job_id, "source": points.source, "has_log": points.log is not None, "names": names,
-            "points": [{"update": p.update, "name": p.name, "value": p.value, "attempt": p.attempt,
-                        "at": p.at.isoformat()} for p in points.final if p.name in chosen],
-            "replaced": {n: replaced(points, n) for n in chosen},
-        }
+        doc: dict[str, Any] = {"job_id": job_id, "source": points.source, "has_log": points.log is not None,
+                               "names": names}
+        rows = {n: [{"update": p.update, "name": p.name, "value": p.value, "attempt": p.attempt,
+                     "at": p.at.isoformat()} for p in points.final if p.name == n] for n in chosen}
+        if lo is None and hi is None and n_out is None:  # every point, as this answer has always been
+            return {**doc, "points": [p for n in chosen for p in rows[n]],
+                    "replaced": {n: replaced(points, n) for n in chosen}}
+        restarts = self._history(job_id, points).model_dump(mode="json")["restarts"]
+        curves = {n: curve(rows[n], replaced(points, n), restarts, lo=lo, hi=hi, n_out=n_out) for n in chosen}
+        return {**doc, "points": [p for n in chosen for p in curves[n]["points"]],
+                "replaced": {n: c["replaced"] for n, c in curves.items()},
+                "range": {n: c["range"] for n, c in curves.items()}}
 
     def events(self, job_id: str) -> list[dict[str, Any]]:
         """Every ledger event in order; an unparsable file is an event of kind ``corrupt``."""
@@ -165,45 +195,63 @@ class Reader:
             raise JobNotFound(f"job {job_id!r} kept no stacks of rank {int(rank)} in attempt {int(attempt)}")
         return self.storage.get(key).decode(errors="replace")
 
-    def _bundles(self, job_id: str, hist: History, verify: bool) -> tuple[list[dict[str, Any]], int | None]:
-        """The bundles table (newest first) and the job's total updates from the newest readable manifest."""
+    def _bundle_rows(self, job_id: str, hist: History) -> list[dict[str, Any]]:
+        """Every bundle of the job (newest first) from its listing alone: name, update, attempt, status.
+        No manifest is read here: a week's job has tens of thousands, a page shows fifty."""
         last_attempt = hist.attempts[-1].attempt if hist.attempts else None
-        rows, total, newest_published = [], None, None
+        rows, newest_published = [], None
         for ref in list_bundles(self.storage, job_id):
             row: dict[str, Any] = {"bundle": ref.key, "name": ref.key.rsplit("/", 1)[-1], "update": ref.update,
                                    "attempt": ref.attempt, "published": ref.published}
             if ref.published:
                 newest_published = newest_published or ref.update
-                try:
-                    m = read_manifest(self.storage, ref.key)
-                    row.update(bytes=m.total_bytes, stall_seconds=m.stall_seconds, capture_seconds=m.capture_seconds,
-                               write_wait_seconds=m.write_wait_seconds, write_seconds=m.write_seconds,
-                               cursor=m.data.cursor.model_dump(), recovery_label=m.recovery_label,
-                               created_at=m.created_at.isoformat(), files=len(m.files))
-                    if total is None:
-                        total = m.spec.get("train", {}).get("updates")
-                except (ManifestError, BundleError, OSError) as e:  # BundleError: collected meanwhile
-                    row["error"] = str(e)
-                verdict = self.checks.verify(self.storage, ref.key) if verify else self.checks.get(ref.key)
-                if "error" in row:
-                    verdict = {"state": "corrupt", "detail": row["error"], "verified_at": None}
-                row.update(status="published", checksum=verdict["state"], checksum_detail=verdict["detail"],
-                           verified_at=verdict["verified_at"])
+                row["status"] = "published"
             else:
                 writing = (hist.state == "running" and ref.attempt == last_attempt
                            and (newest_published is None or ref.update > newest_published))
-                row.update(status="writing" if writing else "orphaned", checksum="n/a",
-                           checksum_detail="no manifest: never published, never restored",
-                           files=len(self.storage.list(ref.key + "/")))
+                row["status"] = "writing" if writing else "orphaned"
             rows.append(row)
-        return rows, total
+        return rows
+
+    def _bundle_detail(self, row: dict[str, Any], verify: bool) -> dict[str, Any]:
+        """A row of :meth:`_bundle_rows` with what its manifest says and its checksums' verdict."""
+        row = dict(row)
+        if not row["published"]:
+            row.update(checksum="n/a", checksum_detail="no manifest: never published, never restored",
+                       files=len(self.storage.list(row["bundle"] + "/")))
+            return row
+        try:
+            m = read_manifest(self.storage, row["bundle"])
+            row.update(bytes=m.total_bytes, stall_seconds=m.stall_seconds, capture_seconds=m.capture_seconds,
+                       write_wait_seconds=m.write_wait_seconds, write_seconds=m.write_seconds,
+                       cursor=m.data.cursor.model_dump(), recovery_label=m.recovery_label,
+                       created_at=m.created_at.isoformat(), files=len(m.files))
+        except (ManifestError, BundleError, OSError) as e:  # BundleError: collected meanwhile
+            row["error"] = str(e)
+        verdict = self.checks.verify(self.storage, row["bundle"]) if verify else self.checks.get(row["bundle"])
+        if "error" in row:
+            verdict = {"state": "corrupt", "detail": row["error"], "verified_at": None}
+        row.update(checksum=verdict["state"], checksum_detail=verdict["detail"], verified_at=verdict["verified_at"])
+        return row
+
+    def _total_updates(self, rows: list[dict[str, Any]]) -> int | None:
+        """The job's total updates (``train.updates``) from the newest readable manifest."""
+        for row in rows:
+            if not row["published"]:
+                continue
+            try:
+                return read_manifest(self.storage, row["bundle"]).spec.get("train", {}).get("updates")
+            except (ManifestError, BundleError, OSError):
+                continue  # unreadable: the next one may say
+        return None
 
     @staticmethod
-    def _curve(points: Points, restarts: list[dict[str, Any]]) -> dict[str, Any]:
+    def _curve(points: Points, restarts: list[dict[str, Any]], lo: int | None, hi: int | None,
+               n_out: int) -> dict[str, Any]:
+        """The loss chart's data: :func:`~.curve.curve` over ``[lo, hi]``, with every restart to mark."""
+        rows = [{"update": p.update, "value": p.value, "attempt": p.attempt} for p in points.final if p.name == "loss"]
         return {
-            "points": [{"update": p.update, "value": p.value, "attempt": p.attempt}
-                       for p in points.final if p.name == "loss"],
-            "replaced": replaced(points, "loss"),
+            **curve(rows, replaced(points, "loss"), restarts, lo=lo, hi=hi, n_out=n_out),
             "restarts": [{"attempt": r["attempt"], "restored_update": r["restored_update"],
                           "lost_range": r["lost_range"], "cause": r["cause"]} for r in restarts],
             "source": points.source, "has_log": points.log is not None,

@@ -21,8 +21,9 @@ from spotrun.orchestrator.dashboard.server import BackgroundServer
 from spotrun.orchestrator.ledger.events import AttemptStarted, JobFinished
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.store import Ledger
+from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
 from spotrun.trainer.metrics import SqliteSink, points_of
-from spotrun.trainer.storage import open_storage
+from spotrun.trainer.storage import LocalStorage, open_storage
 from tests.conftest import ROOT
 from tests.helpers.runs import run_cmd, run_to_end
 
@@ -194,6 +195,35 @@ def test_a_hang_restart_links_the_stacks_of_the_rank(page, tmp_path):
         page.wait_for_url(f"{url}/jobs/hung/stacks/1/2")
         assert page.locator("body").inner_text() == STACKS_TEXT  # shown as text, never as markup
         assert page.locator("script").count() == 0
+
+
+def test_a_week_chart_zooms_into_a_restart_by_its_mark(page, restarted_job, tmp_path):
+    """#50: a long job's chart is a line with its replaced writes as dots; a click on a restart's mark (an SVG
+    link, resolved against the page's address by the browser) shows the updates around it, every point and
+    replaced write a circle again; "whole run" goes back."""
+    from bench.week_job import write_week_job
+
+    template = read_manifest(LocalStorage(restarted_job), list_bundles(LocalStorage(restarted_job), JOB)[0].key)
+    week = write_week_job(LocalStorage(tmp_path / "runs"), "week", 6_000, 60, template, every_updates=50)
+    attempt, restored, reached = week.restarts[29]
+    with BackgroundServer(create_app(f"file://{tmp_path / 'runs'}")) as url:
+        page.goto(f"{url}/jobs/week")
+        chart = page.locator("svg.loss")
+        assert chart.locator("circle").count() == 0 and chart.locator("path.replaced.dots").count() == 60
+        assert chart.locator("line.restart-mark").count() == 60
+        mark = chart.locator(f'a.zoom:has(line.restart-mark[data-attempt="{attempt}"])')
+        mark.click()
+        page.wait_for_url(f"{url}/jobs/week?from=*")
+        lo, hi = (int(page.url.split(k + "=")[1].split("&")[0].split("#")[0]) for k in ("from", "to"))
+        assert lo <= restored and reached <= hi and hi - lo < 100
+        shown = chart.locator("circle.point").evaluate_all("els => els.map(e => Number(e.dataset.update))")
+        assert shown == list(range(lo, hi + 1))  # every point of the range
+        replaced = chart.locator("circle.replaced").evaluate_all("els => els.map(e => Number(e.dataset.update))")
+        assert sorted(replaced) == list(range(restored + 1, reached + 1))
+        assert page.locator("#loss input[name=from]").input_value() == str(lo)
+        page.get_by_role("link", name="whole run").click()
+        page.wait_for_selector("svg.loss path.replaced.dots")
+        assert page.locator("svg.loss line.restart-mark").count() == 60
 
 
 def test_state_labs_worked_examples(page, tmp_path):

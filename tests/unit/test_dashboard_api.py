@@ -5,6 +5,7 @@ matches its checksum and a manifest that cannot be parsed. Each is shown, never 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -13,10 +14,12 @@ from fastapi.testclient import TestClient
 from spotrun.orchestrator.cli.main import main
 from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.orchestrator.dashboard import create_app
+from spotrun.orchestrator.ledger.access import ReadOnlyLocalStorage
 from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, Restored
 from spotrun.orchestrator.ledger.store import Ledger
+from spotrun.trainer.bundle.bundles import read_manifest
 from spotrun.trainer.metrics import JsonlSink, SqliteSink, points_of
-from spotrun.trainer.storage import open_storage
+from spotrun.trainer.storage import LocalStorage, open_storage
 from tests.conftest import make_spec
 
 JOB = "api"
@@ -346,3 +349,98 @@ def test_prometheus_time_since_the_newest_bundle_and_whether_storage_answered(tm
     assert samples[("spotrun_seconds_since_last_bundle", "s")] >= after
     storage.down = False
     assert scrape()[("spotrun_storage_up", "s")] == 1
+
+
+# -- a week's job (#50): 10^5 updates, 300 restarts, 400 bundles, written by bench/week_job.py -------------
+
+WEEK_UPDATES, WEEK_RESTARTS = 100_000, 300
+
+
+class ManifestCounting(ReadOnlyLocalStorage):
+    """The dashboard's own read-only storage, counting the manifests it reads."""
+
+    manifests = 0
+
+    def get(self, key: str) -> bytes:
+        ManifestCounting.manifests += key.endswith("/manifest.json")
+        return super().get(key)
+
+
+@pytest.fixture(scope="module")
+def week(root, tmp_path_factory):
+    """A finished week-sized job beside no other (its manifests copied from the 12-update job's last)."""
+    from bench.week_job import write_week_job
+
+    template = read_manifest(LocalStorage(root), f"{JOB}/bundles/u0000000012-a1")
+    tmp = tmp_path_factory.mktemp("week")
+    job = write_week_job(LocalStorage(tmp), "week", WEEK_UPDATES, WEEK_RESTARTS, template, every_updates=250)
+    assert (job.updates, job.bundles, len(job.restarts)) == (WEEK_UPDATES, 400, WEEK_RESTARTS)
+    return job, TestClient(create_app(ManifestCounting(tmp)), base_url=BASE)
+
+
+def test_a_week_page_is_under_a_megabyte_and_marks_every_restart(week):
+    job, client = week
+    ManifestCounting.manifests = 0
+    page = client.get("/jobs/week")
+    assert page.status_code == 200 and len(page.content) <= 1_000_000, len(page.content)
+    marks = re.findall(r'class="restart-mark" data-attempt="(\d+)" data-update="(\d+)"', page.text)
+    assert [(int(a), int(u)) for a, u in marks] == [(a, restored) for a, restored, _ in job.restarts]
+    assert page.text.count('class="replay-band"') == WEEK_RESTARTS
+    # the tables: the newest 50 restarts (in the order they happened) and bundles, links to the older ones
+    assert re.findall(r'<tr class="restart" data-attempt="(\d+)"', page.text) == [
+        str(a) for a, _, _ in job.restarts[-50:]]
+    assert page.text.count('<tr class="bundle ') == 50 and 'href="?bundle_page=2#bundles"' in page.text
+    # the 50 shown, and the newest once more each for the job's total updates and history's cost rate
+    assert ManifestCounting.manifests <= 52
+    svg = re.search(r'<svg class="loss"[^>]*data-points="(\d+)" data-replaced="(\d+)"', page.text)
+    assert int(svg[1]) <= 2_000 + 3 * WEEK_RESTARTS and int(svg[2]) == job.replaced_writes
+
+
+def test_a_week_curve_keeps_restart_edges_and_every_replaced_write_exact(week):
+    from bench.week_job import loss_values
+
+    job, client = week
+    loss = client.get("/api/jobs/week").json()["loss"]
+    shown = {p["update"]: p["value"] for p in loss["points"]}
+    assert loss["range"] == {"from": None, "to": None, "points": 2_000, "total": WEEK_UPDATES, "shown": len(shown)}
+    assert 2_000 <= len(shown) <= 2_000 + 3 * WEEK_RESTARTS
+    edges = {u for _, restored, reached in job.restarts for u in (restored, restored + 1, reached)}
+    assert edges | {1, WEEK_UPDATES} <= set(shown)
+    values = loss_values(WEEK_UPDATES)
+    assert all(v == values[u] for u, v in shown.items())  # points picked, never averaged
+    assert len(loss["replaced"]) == job.replaced_writes == 7 * WEEK_RESTARTS
+    assert {(p["update"], p["attempt"]) for p in loss["replaced"]} == {
+        (u, a - 1) for a, restored, reached in job.restarts for u in range(restored + 1, reached + 1)}
+
+
+def test_a_range_of_a_week_in_detail_and_bad_asks_named(week):
+    job, client = week
+    attempt, restored, reached = job.restarts[100]
+    get = lambda q: client.get(f"/api/jobs/week/metrics?name=loss&{q}")  # noqa: E731
+    # restarts are 250 updates apart: this range holds one
+    detail = get(f"from={restored - 100}&to={restored + 100}&points=5000").json()
+    assert [p["update"] for p in detail["points"]] == list(range(restored - 100, restored + 101))
+    assert sorted(p["update"] for p in detail["replaced"]["loss"]) == list(range(restored + 1, reached + 1))
+    coarse = get(f"from={restored - 100}&to={restored + 100}&points=50").json()
+    assert coarse["range"]["loss"] == {"from": restored - 100, "to": restored + 100, "points": 50,
+                                       "total": 201, "shown": len(coarse["points"])}
+    assert {restored, restored + 1, reached} <= {p["update"] for p in coarse["points"]}
+    assert len(coarse["points"]) <= 50 + 3
+    zoomed = client.get(f"/jobs/week?from={restored - 20}&to={reached + 20}")  # a restart mark's link
+    assert f'data-update="{restored + 1}"' in zoomed.text and f'data-attempt="{attempt}"' in zoomed.text
+    for query, words in [(f"from={restored}&to={restored - 1}", "from <= to"), ("points=2", "3 to 100,000")]:
+        answer = get(query)
+        assert answer.status_code == 422 and words in answer.json()["detail"], answer.text
+    assert "1 (the newest) to 6" in client.get("/api/jobs/week?restart_page=7").json()["detail"]
+    assert client.get("/jobs/week?bundle_page=0").status_code == 422
+    assert "1 to 10,000" in client.get("/api/jobs/week/bundles?limit=0").json()["detail"]
+
+
+def test_older_pages_of_a_week_tables(week):
+    job, client = week
+    oldest = client.get("/jobs/week?restart_page=6&bundle_page=8").text
+    assert re.findall(r'<tr class="restart" data-attempt="(\d+)"', oldest) == [str(a) for a, _, _ in job.restarts[:50]]
+    assert "Rows 251–300 of 300" in oldest and 'rel="prev" href="?restart_page=5#restarts"' in oldest
+    names = re.findall(r'<tr class="bundle published" data-bundle="([^"]+)"', oldest)
+    api = client.get("/api/jobs/week/bundles?offset=350&limit=50").json()
+    assert names == [r["name"] for r in api] and len(names) == 50 and api[-1]["update"] == 250
