@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,6 +38,7 @@ from spotrun.orchestrator.ledger.events import Slowdowns, WorkerLost
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.notices.notice import Notice
 from spotrun.orchestrator.workers.watch import Margins
+from spotrun.trainer.bundle.bundles import list_bundles
 from spotrun.trainer.job.spec import JobSpec
 from spotrun.trainer.run.context import Instrumentation
 from spotrun.trainer.storage import open_storage
@@ -74,9 +75,12 @@ def hog(count: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
-def loaded_run(spec: JobSpec, seconds: float, hogs: int | None = None) -> Loaded:
-    """Run ``spec`` on the connected (else an embedded) Ray for ``seconds`` beside ``hogs`` busy processes
-    (default: one per core), then stop it with a notice to the driver, as ``spotrun run`` would be stopped."""
+def loaded_run(spec: JobSpec, seconds: float | None = None, hogs: int | None = None,
+               until_published: int | None = None) -> Loaded:
+    """Run ``spec`` on the connected (else an embedded) Ray beside ``hogs`` busy processes (default: one per
+    core) for ``seconds``, or until a bundle of update ``until_published`` or later is published (a test's
+    run: as long as the machine needs for that much training, never a wall-clock guess); then stop it with
+    a notice to the driver, as ``spotrun run`` would be stopped."""
     check_entrypoint(spec)
     ensure_ray(spec, None)
     platform = ray_platform(spec, Instrumentation.of())
@@ -92,7 +96,11 @@ def loaded_run(spec: JobSpec, seconds: float, hogs: int | None = None) -> Loaded
     def stop_now() -> None:  # made when sent: a notice's grace runs from its received_at
         sup.notify(Notice(source="sigterm", node_id=None, deadline=None, detail="the loaded run's length is over"))
 
-    stop = threading.Timer(seconds, stop_now)
+    if until_published is not None:
+        stop: threading.Thread = threading.Thread(target=_after_bundle, args=(spec, until_published, stop_now),
+                                                  name="loaded-run-stop", daemon=True)
+    else:
+        stop = threading.Timer(seconds or 0.0, stop_now)
     busy = hog((os.cpu_count() or 1) if hogs is None else hogs)
     t0 = time.perf_counter()
     try:
@@ -100,7 +108,8 @@ def loaded_run(spec: JobSpec, seconds: float, hogs: int | None = None) -> Loaded
         outcome = sup.run()
         load = os.getloadavg()[0]
     finally:
-        stop.cancel()
+        if isinstance(stop, threading.Timer):
+            stop.cancel()
         for p in busy:
             p.kill()
             p.wait()
@@ -113,6 +122,15 @@ def loaded_run(spec: JobSpec, seconds: float, hogs: int | None = None) -> Loaded
                   lost=[e for e in events if isinstance(e, WorkerLost)],
                   flagged=[e for e in events if isinstance(e, Slowdowns) and e.stragglers], hogs=len(busy),
                   load_at_end=load)
+
+
+def _after_bundle(spec: JobSpec, update: int, then: Callable[[], None]) -> None:
+    """Call ``then`` once the job has published a bundle of ``update`` or later (its listing looked at ten
+    times a second)."""
+    storage = open_storage(spec.storage)
+    while not any(r.published and r.update >= update for r in list_bundles(storage, spec.job_id)):
+        time.sleep(0.1)  # polling a condition: the job's bundles
+    then()
 
 
 def merged(each: Sequence[Margins]) -> Margins:
