@@ -127,7 +127,9 @@ class MotoServer:
         return name
 
     def __enter__(self) -> MotoServer:
-        return self.start()
+        # a server started already (bench/moto.py's local_s3 starts it) is entered, not started twice
+        running = self.proc is not None and self.proc.poll() is None
+        return self if running else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
