@@ -97,16 +97,21 @@ def test_the_backoff_is_capped_exponential_and_says_when_to_try_again():
     assert len(set(round(w, 2) for w in waits)) > 5  # jittered
 
 
-def test_call_waits_out_refusals_then_returns_and_ends_the_outage(monkeypatch):
-    o = Outage("the last flush", backoff=Backoff(initial_s=0.001, max_s=0.002))
-    answers = iter([StorageUnavailableError("503"), StoragePermanentError("AccessDenied"), "done"])
+def answering(*answers: Exception | str):
+    """A storage call that raises or returns ``answers`` in turn, one a call."""
+    left = iter(answers)
 
-    def fn() -> str:
-        a = next(answers)
+    def call() -> str:
+        a = next(left)
         if isinstance(a, Exception):
             raise a
         return a
+    return call
 
+
+def test_call_waits_out_refusals_then_returns_and_ends_the_outage(monkeypatch):
+    o = Outage("the last flush", backoff=Backoff(initial_s=0.001, max_s=0.002))
+    fn = answering(StorageUnavailableError("503"), StoragePermanentError("AccessDenied"), "done")
     assert o.call(fn) == "done"
     assert not o.down and o.refused_total == 2
 
@@ -116,15 +121,8 @@ def test_a_write_that_must_be_done_asks_for_room_at_each_refusal_for_want_of_it(
     ``on_full`` (the rank's report then asks the driver to prune), other refusals are not."""
     told: list[str] = []
     o = Outage("rank 0's checkpoints", backoff=Backoff(initial_s=0.001, max_s=0.002), on_full=told.append)
-    answers = iter([StorageFullError("No space left on device (1)"), StorageUnavailableError("503"),
-                    StorageFullError("No space left on device (2)"), "written"])
-
-    def fn() -> str:
-        a = next(answers)
-        if isinstance(a, Exception):
-            raise a
-        return a
-
+    fn = answering(StorageFullError("No space left on device (1)"), StorageUnavailableError("503"),
+                   StorageFullError("No space left on device (2)"), "written")
     assert o.call(fn) == "written"
     assert told == ["No space left on device (1)", "No space left on device (2)"]
 
