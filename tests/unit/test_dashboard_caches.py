@@ -55,6 +55,7 @@ def test_the_sqlite_cache_sees_a_write_that_is_still_in_the_write_ahead_log(tmp_
     assert [p.update for p in first] == [1] and cache.read(path, "j") is first  # unchanged: kept
     sink.write(_loss(2) + _loss(1, attempt=2))  # a new update, and a replay's upsert of an old one
     assert [(p.update, p.attempt) for p in cache.read(path, "j")] == [(1, 2), (2, 1)]
+    assert cache.read(path, "j") == sink.read("j")  # the points the sink itself reads back, field by field
     sink.close()
 
 
