@@ -1,8 +1,10 @@
 """View models: the plain dicts behind every page and every ``/api`` answer.
 
 :class:`Reader` holds what outlives a request (the storage, the checksum verdicts,
-parsed metric logs, each job's ledger). Each view reads the job afresh, so a refresh
-shows a running job's progress, fetching only what was written since the last one.
+the sinks' parsed points, each job's ledger, and what each job's page derives from them,
+:mod:`.derived`). Each view reads the job afresh, so a refresh shows a running job's
+progress, fetching only what was written since the last one and deriving again only
+when something was.
 ``history`` is the JSON dump of :func:`spotrun.orchestrator.ledger.history.history`'s model: the
 document ``spotrun history --json`` prints; the views themselves read the model's attributes.
 """
