@@ -80,14 +80,18 @@ class SqliteCache:
     """The SQLite sink's points, kept while the database and its write-ahead log are unchanged.
 
     A write in WAL mode changes only the ``-wal`` file until a checkpoint moves it into the
-    database, so both files' stamps key the cache; a change to either reads the table again."""
+    database, so both files' stamps key the cache (an empty ``-wal`` counts as none); a change to
+    either reads the table again."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cache: dict[Path, tuple[tuple[Stamp | None, Stamp | None], list[MetricPoint]]] = {}
 
     def read(self, path: Path, job_id: str) -> list[MetricPoint]:
-        stamp = (_stamp(path), _stamp(path.with_name(path.name + "-wal")))
+        wal = _stamp(path.with_name(path.name + "-wal"))
+        # an empty log holds nothing: a reader re-creates one beside a closed database, and that must
+        # not make the next read a miss (a writer's frames make it non-empty)
+        stamp = (_stamp(path), wal if wal is not None and wal[1] > 0 else None)
         with self._lock:
             hit = self._cache.get(path)
         if hit and hit[0] == stamp:

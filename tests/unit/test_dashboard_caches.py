@@ -56,7 +56,9 @@ def test_the_sqlite_cache_sees_a_write_that_is_still_in_the_write_ahead_log(tmp_
     sink.write(_loss(2) + _loss(1, attempt=2))  # a new update, and a replay's upsert of an old one
     assert [(p.update, p.attempt) for p in cache.read(path, "j")] == [(1, 2), (2, 1)]
     assert cache.read(path, "j") == sink.read("j")  # the points the sink itself reads back, field by field
-    sink.close()
+    sink.close()  # the last writer gone: SQLite folds the log into the database and removes it
+    closed = cache.read(path, "j")  # reading it re-creates an empty log beside it: that is no change
+    assert cache.read(path, "j") is closed
 
 
 def test_the_listing_keeps_links_inside_the_root_and_skips_temporary_files(tmp_path):
