@@ -1,9 +1,9 @@
 """What a job's page derives from its ledger, metric points and bundles, kept while they are unchanged.
 
 A week's job has a million points: its history (goodput and each attempt's reach read every point),
-the attempts' observed spans and restarts, the loss rows and the downsampled curve cost seconds to
-derive, and a page refreshes every few seconds. :class:`DerivedCache` keeps them per job and derives
-them again only when an input changed:
+the attempts' observed spans and restarts and the downsampled loss curve (per range asked, the newest
+few ranges) cost seconds to derive, and a page refreshes every few seconds. :class:`DerivedCache` keeps
+them per job and derives them again only when an input changed:
 
 - the ledger's events, compared by identity (the ledger hands back the same parsed event objects
   until it reads a new one; a corrupt file is parsed anew each read, so it never hits);
@@ -35,15 +35,15 @@ CURVES = 8  # ranges of the loss kept per job (the whole run, and the few a read
 @dataclass
 class Derived:
     """One job's derived figures (read-only once built). ``history`` is the model, ``history_doc`` its
-    JSON dump; ``spans`` and ``restarts`` are :mod:`.observed`'s; ``loss`` and ``loss_replaced`` are the
-    final loss rows (ascending by update) and the writes a restart replaced; ``max_update`` is the
-    furthest update any final point reached (0: none)."""
+    JSON dump; ``spans`` and ``restarts`` are :mod:`.observed`'s; ``points`` are what they were derived
+    from, ``loss_replaced`` the loss writes a restart replaced; ``max_update`` is the furthest update any
+    final point reached (0: none)."""
 
     history: History
     history_doc: dict[str, Any]
     spans: list[dict[str, Any]]
     restarts: list[dict[str, Any]]
-    loss: list[dict[str, Any]]
+    points: Points
     loss_replaced: list[dict[str, Any]]
     max_update: int
     curves: dict[tuple[int | None, int | None, int], dict[str, Any]] = field(default_factory=dict)
@@ -56,7 +56,11 @@ class Derived:
             hit = self.curves.get(key)
         if hit is not None:
             return hit
-        made = curve(self.loss, self.loss_replaced, self.restarts, lo=lo, hi=hi, n_out=n_out)
+        # the rows are built for a range not seen yet and dropped after: a week's million would hold
+        # hundreds of MB for as long as the server runs, to serve the rare zoom a little sooner
+        rows = [{"update": p.update, "value": p.value, "attempt": p.attempt} for p in self.points.final
+                if p.name == "loss"]
+        made = curve(rows, self.loss_replaced, self.restarts, lo=lo, hi=hi, n_out=n_out)
         with self._lock:
             while len(self.curves) >= CURVES:  # a reader zooming around: memory stays bounded
                 self.curves.pop(next(iter(self.curves)))
@@ -71,9 +75,8 @@ def derive(history: History, points: Points, stacks_url: Callable[[dict[str, Any
     restarts = observed.restarts(history, points, spans)
     for r in restarts:
         r["stacks_url"] = stacks_url(r)
-    loss = [{"update": p.update, "value": p.value, "attempt": p.attempt} for p in points.final if p.name == "loss"]
     return Derived(history=history, history_doc=history.model_dump(mode="json"), spans=spans, restarts=restarts,
-                   loss=loss, loss_replaced=replaced(points, "loss"),
+                   points=points, loss_replaced=replaced(points, "loss"),
                    max_update=max((p.update for p in points.final), default=0))
 
 
