@@ -32,6 +32,7 @@ FROM = Query(None, alias="from", description="first update of the range (inclusi
 TO = Query(None, alias="to", description="last update of the range (inclusive)")
 REFRESH_MS = 2000
 ATTEMPT_ROWS = 50  # the job page's per-attempt views (timeline, goodput, attempts) show the newest this many
+EVENT_ROWS = 200  # the job page lists the newest this many ledger events (the API lists them all)
 ENDPOINTS = {
     "/api/jobs": "every job: state, attempts, restarts, updates done of total, last published bundle, time lost",
     "/api/jobs/{job_id}?restart_page=1&bundle_page=1&from=&to=": "the job page: summary, history, timeline, a page "
@@ -103,7 +104,8 @@ def create_app(storage: Storage | str, *, token: str | None = None, endpoint_url
         job = reader.job(job_id, restart_page, bundle_page, lo, hi)
         goodput = dict(job["history"]["goodput"])
         goodput["attempts"] = goodput["attempts"][-ATTEMPT_ROWS:]
-        return page("job.html", job=job, events=reader.events(job_id),
+        events_total, events = reader.events_tail(job_id, EVENT_ROWS)
+        return page("job.html", job=job, events=events, events_total=events_total,
                     timeline_svg=Markup(charts.timeline(job["timeline"][-ATTEMPT_ROWS:])),
                     loss_svg=Markup(charts.loss_curve(job["loss"])),
                     goodput_svg=Markup(charts.goodput_bars(goodput)),

@@ -57,9 +57,11 @@ def spans(hist: History, points: Points) -> list[dict[str, Any]]:
 def restarts(hist: History, points: Points, attempt_spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each restart row of ``history`` with the observed gap and replay time added."""
     by_attempt = {s["attempt"]: s for s in attempt_spans}
-    final_at = {(p.attempt, p.update): p.at for p in points.final if p.name == "loss"}
+    # only the last lost update of each restart is looked up: a week's job has 500 restarts and 10^6 points
+    wanted = {r.lost_range[1] for r in hist.restarts if r.lost_range}
+    final_at = {(p.attempt, p.update): p.at for p in points.final if p.update in wanted and p.name == "loss"}
     if points.log is not None:
-        final_at.update({(p.attempt, p.update): p.at for p in points.log if p.name == "loss"})
+        final_at.update({(p.attempt, p.update): p.at for p in points.log if p.update in wanted and p.name == "loss"})
     out = []
     for r in hist.restarts:
         prev, this = by_attempt.get(r.attempt - 1), by_attempt.get(r.attempt)

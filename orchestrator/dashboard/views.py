@@ -1,8 +1,10 @@
 """View models: the plain dicts behind every page and every ``/api`` answer.
 
 :class:`Reader` holds what outlives a request (the storage, the checksum verdicts,
-parsed metric logs, each job's ledger). Each view reads the job afresh, so a refresh
-shows a running job's progress, fetching only what was written since the last one.
+the sinks' parsed points, each job's ledger, and what each job's page derives from them,
+:mod:`.derived`). Each view reads the job afresh, so a refresh shows a running job's
+progress, fetching only what was written since the last one and deriving again only
+when something was.
 ``history`` is the JSON dump of :func:`spotrun.orchestrator.ledger.history.history`'s model: the
 document ``spotrun history --json`` prints; the views themselves read the model's attributes.
 """
@@ -15,17 +17,24 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from spotrun.orchestrator.dashboard import observed
 from spotrun.orchestrator.dashboard.checksums import ChecksumCache
 from spotrun.orchestrator.dashboard.curve import PAGE_POINTS, check_range, curve
+from spotrun.orchestrator.dashboard.derived import Derived, DerivedCache, derive
 from spotrun.orchestrator.dashboard.queries import check_page, check_window, paged, window
 from spotrun.orchestrator.ledger.access import JobNotFound, job_ids, require_job
-from spotrun.orchestrator.ledger.events import CorruptEvent
+from spotrun.orchestrator.ledger.events import CorruptEvent, LedgerEvent
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.history_model import History
-from spotrun.orchestrator.ledger.points import LogCache, ObjectCache, Points, read_points, replaced
+from spotrun.orchestrator.ledger.points import (
+    LogCache,
+    ObjectCache,
+    Points,
+    SqliteCache,
+    read_points,
+    replaced,
+)
 from spotrun.orchestrator.ledger.store import Ledger
-from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
+from spotrun.trainer.bundle.bundles import BundleRef, list_bundles, read_manifest
 from spotrun.trainer.bundle.errors import BundleError
 from spotrun.trainer.bundle.manifest import ManifestError
 from spotrun.trainer.observe.ranklog import list_rank_logs, read_rank_log
@@ -48,6 +57,8 @@ class Reader:
     checks: ChecksumCache = field(default_factory=ChecksumCache)
     logs: LogCache = field(default_factory=LogCache)
     objects: ObjectCache = field(default_factory=ObjectCache)
+    tables: SqliteCache = field(default_factory=SqliteCache)
+    _cache: DerivedCache = field(default_factory=DerivedCache)  # per job: history, spans, loss rows, curves
     ledgers: dict[str, Ledger] = field(default_factory=dict)  # per job: a refresh fetches only new events
     scraped: dict[str, dict[str, Any]] = field(default_factory=dict)  # per job: what /metrics last read of it
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -77,15 +88,28 @@ class Reader:
         return out
 
     def points(self, job_id: str) -> Points:
-        return read_points(self.storage, job_id, self.metrics_local_dir, self.logs, self.objects)
+        return read_points(self.storage, job_id, self.metrics_local_dir, self.logs, self.objects, self.tables)
 
     def ledger(self, job_id: str) -> Ledger:
         """The job's ledger, kept between requests (it only reads: it never folds)."""
         with self._lock:
             return self.ledgers.setdefault(job_id, Ledger(self.storage, job_id, fold=None))
 
-    def _history(self, job_id: str, points: Points) -> History:
-        return history(self.storage, job_id, points, ledger=self.ledger(job_id))
+    def _derived(self, job_id: str, points: Points | None = None,
+                 listing: list[BundleRef] | None = None) -> tuple[Derived, Points, list[BundleRef]]:
+        """The job's derived figures (kept while its events, points and newest bundle are unchanged), with
+        the points and the bundle listing they came from; each is read here when not given."""
+        points = self.points(job_id) if points is None else points
+        listing = list_bundles(self.storage, job_id) if listing is None else listing
+        ledger = self.ledger(job_id)
+
+        def build() -> Derived:
+            hist = history(self.storage, job_id, points, ledger=ledger, listing=listing)
+            # a hung or stuck rank's stacks: the loss was recorded by the attempt before
+            return derive(hist, points, lambda r: stacks_url(job_id, r["attempt"] - 1, r["rank"])
+                          if r["stacks"] else None)
+
+        return self._cache.get(job_id, ledger.read(), points, listing, build), points, listing
 
     def job(self, job_id: str, restart_page: int = 1, bundle_page: int = 1, lo: int | None = None,
             hi: int | None = None) -> dict[str, Any]:
@@ -97,29 +121,27 @@ class Reader:
         check_range(lo, hi, PAGE_POINTS)
         check_page(restart_page, "restart_page")
         check_page(bundle_page, "bundle_page")
-        points = self.points(job_id)
-        hist = self._history(job_id, points)
-        attempt_spans = observed.spans(hist, points)
-        restarts = observed.restarts(hist, points, attempt_spans)
-        for r in restarts:  # a hung or stuck rank's stacks: the loss was recorded by the attempt before
-            r["stacks_url"] = stacks_url(job_id, r["attempt"] - 1, r["rank"]) if r["stacks"] else None
-        rows = self._bundle_rows(job_id, hist)
+        d, points, listing = self._derived(job_id)
+        rows = self._bundle_rows(listing, d.history)
         shown_rows, bundles_page = paged(rows, bundle_page, "bundle_page")
-        newest_restarts, restarts_page = paged(restarts[::-1], restart_page, "restart_page")
+        newest_restarts, restarts_page = paged(d.restarts[::-1], restart_page, "restart_page")
         return {
-            "summary": _summary(hist, attempt_spans, restarts, rows, points, self._total_updates(rows)),
-            "history": hist.model_dump(mode="json"),
-            "timeline": attempt_spans,
+            "summary": _summary(d, rows, self._total_updates(rows)),
+            "history": d.history_doc,
+            "timeline": d.spans,
             "restarts": newest_restarts[::-1],  # the page's rows in the order they happened
             "restarts_page": restarts_page,
             "bundles": [self._bundle_detail(r, verify=False) for r in shown_rows],
             "bundles_page": bundles_page,
-            "loss": self._curve(points, restarts, lo, hi, PAGE_POINTS),
+            "loss": {**d.curve(lo, hi, PAGE_POINTS),
+                     "restarts": [{"attempt": r["attempt"], "restored_update": r["restored_update"],
+                                   "lost_range": r["lost_range"], "cause": r["cause"]} for r in d.restarts],
+                     "source": points.source, "has_log": points.log is not None},
         }
 
     def history(self, job_id: str) -> dict[str, Any]:
         """What ``spotrun history JOB_ID --json`` prints."""
-        return self._history(require_job(self.storage, job_id), self.points(job_id)).model_dump(mode="json")
+        return self._derived(require_job(self.storage, job_id))[0].history_doc
 
     def bundles(self, job_id: str, verify: bool = False, offset: int = 0,
                 limit: int | None = None) -> list[dict[str, Any]]:
@@ -127,7 +149,8 @@ class Reader:
         manifests are read (and with ``verify``, their checksums checked)."""
         require_job(self.storage, job_id)
         check_window(offset, limit, "bundles")
-        rows = self._bundle_rows(job_id, self._history(job_id, self.points(job_id)))
+        d, _, listing = self._derived(job_id)
+        rows = self._bundle_rows(listing, d.history)
         start, stop = window(len(rows), offset, limit)
         return [self._bundle_detail(r, verify) for r in rows[start:stop]]
 
@@ -148,7 +171,7 @@ class Reader:
         if lo is None and hi is None and n_out is None:  # every point, as this answer has always been
             return {**doc, "points": [p for n in chosen for p in rows[n]],
                     "replaced": {n: replaced(points, n) for n in chosen}}
-        restarts = self._history(job_id, points).model_dump(mode="json")["restarts"]
+        restarts = self._derived(job_id, points)[0].history_doc["restarts"]
         curves = {n: curve(rows[n], replaced(points, n), restarts, lo=lo, hi=hi, n_out=n_out) for n in chosen}
         return {**doc, "points": [p for n in chosen for p in curves[n]["points"]],
                 "replaced": {n: c["replaced"] for n, c in curves.items()},
@@ -157,13 +180,14 @@ class Reader:
     def events(self, job_id: str) -> list[dict[str, Any]]:
         """Every ledger event in order; an unparsable file is an event of kind ``corrupt``."""
         require_job(self.storage, job_id)
-        out = []
-        for e in self.ledger(job_id).read():
-            doc = e.model_dump(mode="json")
-            if not isinstance(e, CorruptEvent):
-                doc = {"kind": doc.pop("kind"), "attempt": doc.pop("attempt"), "at": doc.pop("at"), **doc}
-            out.append(doc)
-        return out
+        return [_event_doc(e) for e in self.ledger(job_id).read()]
+
+    def events_tail(self, job_id: str, n: int) -> tuple[int, list[dict[str, Any]]]:
+        """How many events the ledger holds, and the newest ``n`` of them as :meth:`events` gives them
+        (the job page lists the newest few of a week's tens of thousands)."""
+        require_job(self.storage, job_id)
+        events = self.ledger(job_id).read()
+        return len(events), [_event_doc(e) for e in events[max(0, len(events) - n):]] if n > 0 else []
 
     def rank_logs(self, job_id: str) -> list[dict[str, Any]]:
         """Every rank log of the job (what each rank's code wrote, per attempt), with the address of its text."""
@@ -195,12 +219,13 @@ class Reader:
             raise JobNotFound(f"job {job_id!r} kept no stacks of rank {int(rank)} in attempt {int(attempt)}")
         return self.storage.get(key).decode(errors="replace")
 
-    def _bundle_rows(self, job_id: str, hist: History) -> list[dict[str, Any]]:
+    @staticmethod
+    def _bundle_rows(listing: list[BundleRef], hist: History) -> list[dict[str, Any]]:
         """Every bundle of the job (newest first) from its listing alone: name, update, attempt, status.
         No manifest is read here: a week's job has tens of thousands, a page shows fifty."""
         last_attempt = hist.attempts[-1].attempt if hist.attempts else None
         rows, newest_published = [], None
-        for ref in list_bundles(self.storage, job_id):
+        for ref in listing:
             row: dict[str, Any] = {"bundle": ref.key, "name": ref.key.rsplit("/", 1)[-1], "update": ref.update,
                                    "attempt": ref.attempt, "published": ref.published}
             if ref.published:
@@ -245,26 +270,22 @@ class Reader:
                 continue  # unreadable: the next one may say
         return None
 
-    @staticmethod
-    def _curve(points: Points, restarts: list[dict[str, Any]], lo: int | None, hi: int | None,
-               n_out: int) -> dict[str, Any]:
-        """The loss chart's data: :func:`~.curve.curve` over ``[lo, hi]``, with every restart to mark."""
-        rows = [{"update": p.update, "value": p.value, "attempt": p.attempt} for p in points.final if p.name == "loss"]
-        return {
-            **curve(rows, replaced(points, "loss"), restarts, lo=lo, hi=hi, n_out=n_out),
-            "restarts": [{"attempt": r["attempt"], "restored_update": r["restored_update"],
-                          "lost_range": r["lost_range"], "cause": r["cause"]} for r in restarts],
-            "source": points.source, "has_log": points.log is not None,
-        }
+
+def _event_doc(e: LedgerEvent | CorruptEvent) -> dict[str, Any]:
+    """An event as the API lists it: kind, attempt and time first (a corrupt one as it is)."""
+    doc = e.model_dump(mode="json")
+    if not isinstance(e, CorruptEvent):
+        doc = {"kind": doc.pop("kind"), "attempt": doc.pop("attempt"), "at": doc.pop("at"), **doc}
+    return doc
 
 
-def _summary(hist: History, attempt_spans: list[dict[str, Any]], restarts: list[dict[str, Any]],
-             rows: list[dict[str, Any]], points: Points, total: int | None) -> dict[str, Any]:
+def _summary(d: Derived, rows: list[dict[str, Any]], total: int | None) -> dict[str, Any]:
     """One jobs-page row: state, attempts, restarts, updates done of total, last bundle, time lost."""
+    hist, attempt_spans = d.history, d.spans
     published = [r for r in rows if r["published"]]
     last_seen = max((s["end"] for s in attempt_spans if s["end"]), default=None)
     quiet = (datetime.now(UTC) - datetime.fromisoformat(last_seen)).total_seconds() if last_seen else None
-    done = max([0, *(p.update for p in points.final),
+    done = max([d.max_update,
                 *(s["reached_update"] or 0 for s in attempt_spans), *(r["update"] for r in published)])
     return {
         "job_id": hist.job_id,

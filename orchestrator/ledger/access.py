@@ -9,6 +9,7 @@ in a job folder cannot make the dashboard read ``/etc/passwd``.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from urllib.parse import urlparse, urlunparse
 
 from spotrun.trainer.storage import LocalStorage, Storage, StorageError, UnsafeKeyError, check_key
 from spotrun.trainer.storage.digest import DEFAULT
+from spotrun.trainer.storage.local import storage_error
 
 # The JobSpec's own rule for job ids: a plain name, never "." or "..", never a path.
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -65,14 +67,34 @@ class ReadOnlyLocalStorage(_RefusesWrites, LocalStorage):
         return path
 
     def list(self, prefix: str) -> list[str]:
-        keys = []
-        for key in super().list(prefix):
+        """Every file under ``prefix``, sorted, as :meth:`LocalStorage.list` lists them, less any symlink
+        that leads out of the root. The walk starts at a resolved folder and never enters a linked one,
+        so only a file that is itself a symlink can lead out: that one alone is resolved (a week's job
+        lists tens of thousands of keys; resolving each one cost seconds a page)."""
+        base = self._path(prefix.rstrip("/")) if prefix else self.root
+        if not base.is_dir():
+            return []
+        skip = len(os.path.join(self.root, ""))  # the root and its separator
+        keys, folders = [], [str(base)]
+        while folders:
+            folder = folders.pop()
             try:
-                self._path(key)
-            except UnsafeKeyError:
-                continue  # a symlink out of the root: not ours to show
-            keys.append(key)
-        return keys
+                with os.scandir(folder) as it:
+                    entries = list(it)
+            except FileNotFoundError:
+                continue  # removed while walked (retention pruning a bundle): its files were going anyway
+            except OSError as e:
+                raise storage_error("list", base, e) from e
+            for entry in entries:
+                if entry.is_dir():
+                    if not entry.is_symlink():  # a linked folder is neither entered nor listed
+                        folders.append(entry.path)
+                elif not entry.name.endswith(".tmp") and (not entry.is_symlink() or self._inside(entry.path)):
+                    keys.append(entry.path[skip:])
+        return sorted(keys)
+
+    def _inside(self, path: str) -> bool:
+        return Path(path).resolve().is_relative_to(self.root)
 
     def local_path(self, key: str) -> Path:
         """The file behind ``key`` (checked like every key); for sink files read in place."""

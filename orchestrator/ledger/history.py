@@ -60,7 +60,7 @@ from spotrun.orchestrator.ledger.losses import (
 )
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.policy.budgets import Budget
-from spotrun.trainer.bundle.bundles import list_bundles, read_manifest
+from spotrun.trainer.bundle.bundles import BundleRef, list_bundles, read_manifest
 from spotrun.trainer.bundle.errors import BundleCorrupt
 from spotrun.trainer.bundle.manifest import ManifestError
 from spotrun.trainer.storage import Storage
@@ -70,7 +70,8 @@ if TYPE_CHECKING:
 
 
 def history(storage: Storage, job_id: str, points: Points | None = None,
-            metrics_local_dir: str = "./spotrun-metrics", ledger: Ledger | None = None) -> History:
+            metrics_local_dir: str = "./spotrun-metrics", ledger: Ledger | None = None,
+            listing: list[BundleRef] | None = None) -> History:
     """Attempts, one row per restart with its cause and what it cost, and the job's goodput; under
     ``checkpoint.every_updates: auto``, every interval it chose (``checkpoint_intervals``, oldest
     first: the decision, why it was taken, and its inputs).
@@ -79,7 +80,9 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     on file storage, else under ``metrics_local_dir``); goodput is computed from them and the
     ledger alone (see :mod:`spotrun.orchestrator.ledger.goodput`). ``ledger``: the job's ledger, kept by a
     caller that reads it again (the dashboard), so that only new events are fetched; a new one when
-    not given.
+    not given. ``listing``: the job's bundles as :func:`~spotrun.trainer.bundle.bundles.list_bundles`
+    returns them, when the caller listed them already (a week's job has tens of thousands); listed
+    here when not given.
 
     A restart row joins the loss that ended an attempt (``worker_lost``; absent when
     the driver itself died) with the start of the next one: its restore, or, when no
@@ -211,7 +214,8 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
                    newest_published_at=max(published_at.values()).isoformat() if published_at else None,
                    stragglers=list(flagged.values()), slowdowns=_newest_slowdowns(newest, max(attempts, default=0)),
                    space_pruned=pruned,
-                   totals=totals(restarts), goodput=goodput(events, points.final, points.log, _rate(storage, job_id)))
+                   totals=totals(restarts), goodput=goodput(events, points.final, points.log,
+                                                   _rate(storage, job_id, listing)))
 
 
 def state_of(events: list[LedgerEvent | CorruptEvent]) -> JobState:
@@ -284,9 +288,9 @@ def _budgets(classes: dict[str, int], budget: Budget | None) -> Budgets:
                    unclassified=classes["unclassified"], this_run=run)
 
 
-def _rate(storage: Storage, job_id: str) -> float | None:
+def _rate(storage: Storage, job_id: str, listing: list[BundleRef] | None) -> float | None:
     """``cost.usd_per_rank_hour`` of the spec that wrote the newest readable manifest."""
-    for ref in list_bundles(storage, job_id):
+    for ref in list_bundles(storage, job_id) if listing is None else listing:
         if ref.published:
             try:
                 rate = read_manifest(storage, ref.key).spec.get("cost", {}).get("usd_per_rank_hour")

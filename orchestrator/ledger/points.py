@@ -23,6 +23,7 @@ from spotrun.trainer.metrics import MetricPoint, metrics_dir, read_object_points
 from spotrun.trainer.storage import Storage, list_versions
 
 SQLITE, JSONL = "metrics.sqlite", "metrics.jsonl"
+COLUMNS = ("job_id", "update", "name", "value", "attempt", "lineage_id", "at")  # what _query selects, in order
 
 
 @dataclass
@@ -59,35 +60,82 @@ def _read_sqlite(path: Path, job_id: str) -> list[MetricPoint]:
         rows = _query(f"{path.as_uri()}?mode=ro", job_id)
     except sqlite3.OperationalError:
         rows = _query(f"{path.as_uri()}?mode=ro&immutable=1", job_id)
-    return [MetricPoint(job_id=r[0], update=r[1], name=r[2], value=r[3], attempt=r[4], lineage_id=r[5],
-                        at=datetime.fromisoformat(r[6])) for r in rows]
+    # validated from a dict, ``at`` parsed by pydantic as the JSONL log's points are: a third less time
+    # than keyword arguments and datetime.fromisoformat for a week's million rows, and the same points
+    return [MetricPoint.model_validate(dict(zip(COLUMNS, r, strict=True))) for r in rows]
 
 
-class LogCache:
-    """Parsed JSONL logs, kept while the file's size and mtime are unchanged (pages refresh often)."""
+Stamp = tuple[int, int, int]  # a file's (inode, size, mtime in ns)
+
+
+def _stamp(path: Path) -> Stamp | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class SqliteCache:
+    """The SQLite sink's points, kept while the database and its write-ahead log are unchanged.
+
+    A write in WAL mode changes only the ``-wal`` file until a checkpoint moves it into the
+    database, so both files' stamps key the cache (an empty ``-wal`` counts as none); a change to
+    either reads the table again."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._cache: dict[Path, tuple[tuple[int, int], list[MetricPoint]]] = {}
+        self._cache: dict[Path, tuple[tuple[Stamp | None, Stamp | None], list[MetricPoint]]] = {}
 
     def read(self, path: Path, job_id: str) -> list[MetricPoint]:
-        st = path.stat()
-        stamp = (st.st_size, st.st_mtime_ns)
+        wal = _stamp(path.with_name(path.name + "-wal"))
+        # an empty log holds nothing: a reader re-creates one beside a closed database, and that must
+        # not make the next read a miss (a writer's frames make it non-empty)
+        stamp = (_stamp(path), wal if wal is not None and wal[1] > 0 else None)
         with self._lock:
             hit = self._cache.get(path)
         if hit and hit[0] == stamp:
             return hit[1]
-        out = []
+        points = _read_sqlite(path, job_id)
+        with self._lock:
+            self._cache[path] = (stamp, points)
+        return points
+
+
+class LogCache:
+    """Parsed JSONL logs, kept while the file is unchanged. The log is append-only, so when the same
+    file has grown only the lines after the last complete one read are parsed (pages refresh every
+    few seconds while a job writes); a file replaced or shrunk is read again from the start."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # path -> (stamp, offset just past the last complete line parsed, the points so far)
+        self._cache: dict[Path, tuple[Stamp, int, list[MetricPoint]]] = {}
+
+    def read(self, path: Path, job_id: str) -> list[MetricPoint]:
+        stamp = _stamp(path)
+        if stamp is None:
+            raise FileNotFoundError(path)
+        with self._lock:
+            hit = self._cache.get(path)
+        if hit and hit[0] == stamp:
+            return hit[2]
+        grown = hit is not None and hit[0][0] == stamp[0] and hit[0][1] <= stamp[1]
+        offset, out = (hit[1], list(hit[2])) if hit is not None and grown else (0, [])
         with open(path, "rb") as f:
+            f.seek(offset)
             for line in f:
+                if not line.endswith(b"\n"):
+                    break  # being written, or torn by a killed writer: read again once it is whole
+                offset += len(line)
                 try:
                     p = MetricPoint.model_validate_json(line)
                 except (ValidationError, ValueError):
-                    continue  # a torn last line from a killed writer, or a blank line
+                    continue  # a blank or damaged line
                 if p.job_id == job_id:
                     out.append(p)
         with self._lock:
-            self._cache[path] = (stamp, out)
+            self._cache[path] = (stamp, offset, out)
         return out
 
 
@@ -130,9 +178,10 @@ class ObjectCache:
 
 
 def read_points(storage: Storage, job_id: str, local_dir: str, logs: LogCache,
-                objects: ObjectCache | None = None) -> Points:
+                objects: ObjectCache | None = None, tables: SqliteCache | None = None) -> Points:
     """The job's points from SQLite, else the object sink, else the JSONL log; an unreadable sink
-    yields what another one has (never an exception)."""
+    yields what another one has (never an exception). ``logs``, ``objects`` and ``tables`` keep what
+    was parsed between calls (a caller that reads once may pass new ones)."""
     folder = sink_dir(storage, job_id, local_dir)
     sqlite_path, jsonl_path = folder / SQLITE, folder / JSONL
     result = Points()
@@ -143,7 +192,7 @@ def read_points(storage: Storage, job_id: str, local_dir: str, logs: LogCache,
             result.log = None
     if sqlite_path.is_file():
         try:
-            result.final, result.source = _read_sqlite(sqlite_path, job_id), "sqlite"
+            result.final, result.source = (tables or SqliteCache()).read(sqlite_path, job_id), "sqlite"
             return result
         except sqlite3.Error:
             pass  # a locked or damaged file: fall back to the others

@@ -86,6 +86,16 @@ def test_the_write_log_measures_the_lost_work_instead_of_estimating_it():
     assert g.cost_usd is None
 
 
+def test_an_update_ends_at_the_latest_of_its_points():
+    """Two metrics of one update, written in either order: the later one times the update."""
+    events, final, _ = killed_job()
+    lr = [p.model_copy(update={"name": "lr", "at": p.at - timedelta(seconds=0.5)}) for p in final]
+    for points in ([p for pair in zip(final, lr, strict=True) for p in pair],
+                   [p for pair in zip(lr, final, strict=True) for p in pair]):
+        g = goodput(events, points)
+        assert g.productive_seconds == pytest.approx(6.0) and g.replayed_seconds == pytest.approx(2.0)
+
+
 def test_an_uninterrupted_job_is_almost_all_productive():
     events = [AttemptStarted(at=t(0), attempt=1, world_size=1, pid=1, lineage_id="x"),
               JobFinished(at=t(10.05), attempt=1, counters={"attempted_updates": 10})]
