@@ -246,7 +246,8 @@ def cmd_history(a: argparse.Namespace) -> int:
 
 def _evidence_tables(doc: History, storage_uri: str) -> None:
     """Beside the restarts table: the ranks found hung or stuck (what found them, where they stopped, their
-    stacks' key) and the ranks flagged as stragglers; neither printed when empty."""
+    stacks' key), the ranks flagged as stragglers, and the rank processes kept through warm restarts with what
+    each gained (its footprints); none printed when empty."""
     from spotrun.orchestrator.ledger.access import redact
 
     hung = [r for r in _rows(doc.restarts) if r["signal"]]
@@ -258,6 +259,14 @@ def _evidence_tables(doc: History, storage_uri: str) -> None:
         _table("stragglers (slowdown: a rank's own work over its peers' median)",
                [{**r, "replaced": "yes" if r["replaced"] else "no"} for r in _rows(doc.stragglers)],
                ["attempt", "rank", "node_id", "flagged_at", "flagged_update", "max_slowdown", "replaced"])
+    kept = [r for r in _rows(doc.processes) if r["attempts"] > 1]
+    if kept:
+        _table("rank processes kept through warm restarts (first attempt -> last)",
+               [{**r, "attempts": f"{r['first_attempt']}-{r['last_attempt']} ({r['attempts']})",
+                 "rss_mib": f"{r['rss_first_bytes'] / 2**20:.0f} -> {r['rss_last_bytes'] / 2**20:.0f}",
+                 "fds": f"{r['fds_first']} -> {r['fds_last']}",
+                 "threads": f"{r['threads_first']} -> {r['threads_last']}"} for r in kept],
+               ["pid", "rank", "attempts", "rss_mib", "fds", "threads", "process_groups_max"])
 
 
 def _space_pruned_lines(doc: History) -> None:

@@ -15,6 +15,7 @@ from spotrun.orchestrator.ledger.events import (
     BundlePublished,
     BundleRejected,
     CorruptEvent,
+    Footprints,
     InitializedFrom,
     IntervalChosen,
     JobFailed,
@@ -42,6 +43,7 @@ from spotrun.orchestrator.ledger.history_model import (
     JobState,
     NoticeRow,
     OutageRow,
+    ProcessRow,
     RankSlowdown,
     RefusalRow,
     RestartRow,
@@ -136,6 +138,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
     refusals: list[RefusalRow] = []
     outages: list[OutageRow] = []
     pruned: list[SpacePrunedRow] = []
+    processes: dict[int, ProcessRow] = {}  # by pid
     classes = {"preemption": 0, "failure": 0, "unclassified": 0}
     budget: Budget | None = None  # the newest record of the budgets
     for e in events:
@@ -196,6 +199,8 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
             rejected.append(e)
         elif isinstance(e, SpacePruned):
             pruned.append(_space_pruned_row(e))
+        elif isinstance(e, Footprints):
+            _footprints(processes, e)
         elif isinstance(e, JobFinished):
             a.ended, a.last_update = "finished", e.counters.attempted_updates
         elif isinstance(e, JobFailed):
@@ -213,7 +218,7 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
                    outages=outages,
                    newest_published_at=max(published_at.values()).isoformat() if published_at else None,
                    stragglers=list(flagged.values()), slowdowns=_newest_slowdowns(newest, max(attempts, default=0)),
-                   space_pruned=pruned,
+                   space_pruned=pruned, processes=list(processes.values()),
                    totals=totals(restarts), goodput=goodput(events, points.final, points.log,
                                                    _rate(storage, job_id, listing)))
 
@@ -263,6 +268,21 @@ def _replaced(flagged: dict[tuple[int, int], StragglerRow], e: StragglerReplacin
         max_slowdown=e.slowdown, replaced=True))
     row.replaced, row.max_slowdown = True, max(row.max_slowdown, e.slowdown)
     row.node_id = row.node_id or e.node_id
+
+
+def _footprints(processes: dict[int, ProcessRow], e: Footprints) -> None:
+    """Fold an attempt's footprints into each process's row (a pid seen before is a process kept)."""
+    for rank, f in e.ranks.items():
+        row = processes.get(f.pid)
+        if row is None:
+            processes[f.pid] = ProcessRow(
+                pid=f.pid, rank=rank, first_attempt=e.attempt, last_attempt=e.attempt, attempts=1,
+                rss_first_bytes=f.rss_bytes, rss_last_bytes=f.rss_bytes, fds_first=f.fds, fds_last=f.fds,
+                threads_first=f.threads, threads_last=f.threads, process_groups_max=f.process_groups)
+            continue
+        row.rank, row.last_attempt, row.attempts = rank, e.attempt, row.attempts + 1
+        row.rss_last_bytes, row.fds_last, row.threads_last = f.rss_bytes, f.fds, f.threads
+        row.process_groups_max = max(row.process_groups_max, f.process_groups)
 
 
 def _space_pruned_row(e: SpacePruned) -> SpacePrunedRow:

@@ -215,6 +215,24 @@ class SpacePrunedRow(_Row):
     reason: str  # the refusal that asked for room (ENOSPC or EDQUOT, and where)
 
 
+class ProcessRow(_Row):
+    """One rank process over the attempts it served, from each attempt's ``footprints``: what a process kept
+    through warm restarts gained (the first attempt's footprint against the last's)."""
+
+    pid: int
+    rank: int  # the rank it served in its last attempt (a warm restart may renumber a process)
+    first_attempt: int
+    last_attempt: int
+    attempts: int  # the attempts it served
+    rss_first_bytes: int
+    rss_last_bytes: int
+    fds_first: int
+    fds_last: int
+    threads_first: int
+    threads_last: int
+    process_groups_max: int
+
+
 class History(_Row):
     """A job's restart history (see :func:`~spotrun.orchestrator.ledger.history.history`)."""
 
@@ -234,5 +252,6 @@ class History(_Row):
     stragglers: list[StragglerRow]  # one per attempt and rank ever flagged, by attempt then first flagged
     slowdowns: list[RankSlowdown]  # by rank; empty when the newest attempt has recorded none
     space_pruned: list[SpacePrunedRow] = []  # oldest first: bundles removed to make room on a full disk
+    processes: list[ProcessRow] = []  # every rank process by its first attempt, then pid (footprints)
     totals: Totals  # losses.totals over the restarts
     goodput: Goodput
