@@ -113,20 +113,13 @@ def test_history_shows_the_rank_processes_kept_through_warm_restarts_and_what_th
     """#50: each attempt's footprints fold into one row per process; `spotrun history` prints the processes that
     served more than one attempt (a survivor of warm restarts), first attempt against last, and no table when
     every process served one."""
-    from spotrun.orchestrator.ledger.events import AttemptStarted, Footprints
+    from spotrun.orchestrator.ledger.events import Footprints
     from spotrun.orchestrator.ledger.history import history
     from spotrun.orchestrator.ledger.store import Ledger
-    from spotrun.trainer.observe.footprint import Footprint
     from spotrun.trainer.storage import LocalStorage
+    from tests.helpers.footprints import footprint, write_kept_job
 
-    def fp(pid: int, mib: int, fds: int, threads: int) -> Footprint:
-        return Footprint(pid=pid, rss_bytes=mib << 20, fds=fds, threads=threads, process_groups=1)
-
-    ledger = Ledger(LocalStorage(tmp_path), "kept")
-    for attempt, rank1 in ((1, 200), (2, 300), (3, 400)):
-        ledger.append(AttemptStarted(attempt=attempt, world_size=2, pid=1, lineage_id="L", rank_pids=[100, rank1]))
-        ledger.append(Footprints(attempt=attempt, ranks={0: fp(100, 440 + 20 * attempt, 69 + attempt, 38),
-                                                         1: fp(rank1, 300, 60, 30)}))
+    write_kept_job(LocalStorage(tmp_path), "kept")
     rows = history(LocalStorage(tmp_path), "kept").processes
     assert [(r.pid, r.first_attempt, r.last_attempt, r.attempts) for r in rows] == [
         (100, 1, 3, 3), (200, 1, 1, 1), (300, 2, 2, 1), (400, 3, 3, 1)]
@@ -134,6 +127,6 @@ def test_history_shows_the_rank_processes_kept_through_warm_restarts_and_what_th
     table = capsys.readouterr().out.split("rank processes kept through warm restarts")[1]
     lines = [[c.strip() for c in line.split("│")[1:-1]] for line in table.splitlines() if line.startswith("│")]
     assert lines[0] == ["100", "0", "1-3 (3)", "460 -> 500", "70 -> 72", "38 -> 38", "1"], lines
-    Ledger(LocalStorage(tmp_path), "calm").append(Footprints(attempt=1, ranks={0: fp(7, 400, 60, 30)}))
+    Ledger(LocalStorage(tmp_path), "calm").append(Footprints(attempt=1, ranks={0: footprint(7, 400, 60, 30)}))
     assert main(["history", "calm", "--storage", f"file://{tmp_path}"]) == 0
     assert "kept through warm restarts" not in capsys.readouterr().out

@@ -286,6 +286,25 @@ def test_the_job_page_lists_the_stragglers_and_the_newest_figures(evidence):
     assert 'id="stragglers"' not in calm.get("/jobs/calm").text
 
 
+def test_the_job_page_lists_the_processes_kept_through_warm_restarts(tmp_path):
+    """#50: a process that served several attempts gets a row, its first attempt's figures against its last's;
+    processes that served one attempt do not (no section when there is none)."""
+    from tests.helpers.footprints import write_kept_job
+
+    write_kept_job(open_storage(f"file://{tmp_path}"), "kept")
+    client = TestClient(create_app(f"file://{tmp_path}"), base_url=BASE)
+    page = client.get("/jobs/kept").text
+    rows = page[page.index('<table class="processes">'):page.index("</table>", page.index('class="processes"'))]
+    assert rows.count('<tr class="process"') == 1
+    assert ('<tr class="process" data-pid="100"><td>100</td><td>0</td><td data-field="attempts">1–3 (3)</td>'
+            '<td data-field="rss">460 → 500</td><td data-field="fds">70 → 72</td><td data-field="threads">38 → 38</td>'
+            '<td data-field="process_groups">1</td></tr>') in rows, rows
+    assert [p["pid"] for p in client.get("/api/jobs/kept/history").json()["processes"]] == [100, 200, 300, 400]
+    Ledger(open_storage(f"file://{tmp_path}"), "calm").append(AttemptStarted(attempt=1, world_size=1, pid=1,
+                                                                             lineage_id="L"))
+    assert 'id="processes"' not in client.get("/jobs/calm").text
+
+
 def test_prometheus_rank_slowdown_of_the_newest_attempt(evidence):
     from prometheus_client.parser import text_string_to_metric_families
 
