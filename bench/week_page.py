@@ -1,7 +1,5 @@
 """A job page at a week's scale: its bytes and how soon Chromium paints it, at 10^3, 10^5 and 10^6 updates.
 
-    python -m bench.week_page [--sizes 1000 100000 1000000] [--json]
-
 Each size is a finished job written by :func:`bench.week_job.write_week_job` on local storage (a bundle
 every 50 updates; 5, 300 and 500 restarts), served by the dashboard (uvicorn on a thread, as
 ``spotrun dashboard`` serves it) and opened in Debian's headless Chromium driven by Playwright,
@@ -9,7 +7,11 @@ with the flags the browser tests use. Per size: the page's bytes (the body the s
 server's time to the first byte (the reader's work: points, history, bundles), and the first
 contentful paint, from navigation start (so the server's time is in it). The first load is a cold
 reader (it parses the metric log); the figures are of a second load, as a refresh sees them.
-Prints a table; writes nothing into bench/RESULTS.md.
+
+    python -m bench.week_page [--sizes 1000 100000 1000000] [--json] [--out DIR] [--quick]
+
+Prints a table and writes its section of bench/RESULTS.md (``python -m bench --only 18-week-page``);
+``--quick``: 10^3 updates only.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.tables import Table, work_folder
+from bench.tables import Section, Stopwatch, Table, work_folder
 from bench.week_job import updates_label, write_week_job
 from spotrun.orchestrator.control.launch import run_in_process
 from spotrun.orchestrator.dashboard import create_app
@@ -105,13 +107,35 @@ def table(rows: list[dict[str, Any]]) -> Table:
     return t
 
 
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets at the largest size measured: the page <= 1 MB, first paint <= 1 s (a refresh's), and
+    the cold first load against the same second."""
+    r = max(rows, key=lambda x: x["updates"])
+    size = updates_label(r["updates"])
+    met = lambda ok: "MET" if ok else "NOT MET"  # noqa: E731
+    return [f"the job page at {size} updates and {r['restarts']} restarts is at most 1 MB: "
+            f"**{met(r['bytes'] <= 1e6)}** ({r['bytes']:,} bytes; restart marks drawn: {r['restart_marks']})",
+            f"a refresh of it paints within 1 s: **{met(r['fcp_ms'] <= 1000)}** (first contentful paint "
+            f"{r['fcp_ms']:,.0f} ms)",
+            f"a cold first load (a new dashboard process) within 1 s: **{met(r['cold_load_s'] <= 1)}** "
+            f"({r['cold_load_s']:.1f} s)"]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1_000, 100_000, 1_000_000])
     p.add_argument("--json", action="store_true", help="print the rows as one JSON document last")
+    p.add_argument("--out", type=Path, default=None, help="write the RESULTS.md section into this folder")
+    p.add_argument("--quick", action="store_true", help="10^3 updates only")
     args = p.parse_args(argv)
-    rows = run(args.sizes)
-    table(rows).print()
+    clock = Stopwatch()
+    rows = run([1_000] if args.quick else args.sizes)
+    if args.out is None:
+        table(rows).print()
+    else:
+        intro = __doc__.split("\n", 2)[2].split("\n\n    python")[0]
+        Section("18-week-page", "18. The job page at a week's scale", intro, [table(rows)], verdicts(rows),
+                clock.seconds, {"rows": rows}, clock.measured).emit(args.out)
     if args.json:
         print(json.dumps({"rows": rows}))
 
