@@ -226,6 +226,17 @@ def test_rank_logs_are_listed_linked_from_the_job_page_and_shown_as_plain_text(t
         assert client.get(missing).status_code == 404, missing
 
 
+def table_of(page: str, name: str) -> str:
+    """The job page's table of class ``name``, from its opening tag to its end."""
+    return page[page.index(f'<table class="{name}">'):page.index("</table>", page.index(f'class="{name}"'))]
+
+
+def calm_job(root) -> None:
+    """A job with one attempt and nothing else, beside the test's: a section shown for nothing must not show."""
+    ledger = Ledger(open_storage(f"file://{root}"), "calm")
+    ledger.append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="L"))
+
+
 @pytest.fixture
 def evidence(tmp_path):
     """A job with a hung rank (its stacks in storage) and two stragglers: tests/helpers/evidence.py."""
@@ -272,7 +283,7 @@ def test_the_stacks_need_the_token_like_every_job_page(evidence):
 
 def test_the_job_page_lists_the_stragglers_and_the_newest_figures(evidence):
     page = TestClient(create_app(f"file://{evidence}"), base_url=BASE).get("/jobs/e").text
-    rows = page[page.index('<table class="stragglers">'):page.index("</table>", page.index('class="stragglers"'))]
+    rows = table_of(page, "stragglers")
     assert rows.count('<tr class="straggler"') == 2
     assert ('<tr class="straggler" data-attempt="2" data-rank="1"><td>2</td><td data-field="rank">1</td><td>node-b</td>'
             '<td data-field="max_slowdown">2.40×</td><td data-field="flagged_update">20</td>') in rows
@@ -294,14 +305,13 @@ def test_the_job_page_lists_the_processes_kept_through_warm_restarts(tmp_path):
     write_kept_job(open_storage(f"file://{tmp_path}"), "kept")
     client = TestClient(create_app(f"file://{tmp_path}"), base_url=BASE)
     page = client.get("/jobs/kept").text
-    rows = page[page.index('<table class="processes">'):page.index("</table>", page.index('class="processes"'))]
+    rows = table_of(page, "processes")
     assert rows.count('<tr class="process"') == 1
     assert ('<tr class="process" data-pid="100"><td>100</td><td>0</td><td data-field="attempts">1–3 (3)</td>'
             '<td data-field="rss">460 → 500</td><td data-field="fds">70 → 72</td><td data-field="threads">38 → 38</td>'
             '<td data-field="process_groups">1</td></tr>') in rows, rows
     assert [p["pid"] for p in client.get("/api/jobs/kept/history").json()["processes"]] == [100, 200, 300, 400]
-    Ledger(open_storage(f"file://{tmp_path}"), "calm").append(AttemptStarted(attempt=1, world_size=1, pid=1,
-                                                                             lineage_id="L"))
+    calm_job(tmp_path)
     assert 'id="processes"' not in client.get("/jobs/calm").text
 
 
@@ -321,11 +331,10 @@ def test_the_job_page_lists_the_storage_outages(tmp_path):
     from tests.helpers.outage import write_outage_job
 
     write_outage_job(open_storage(f"file://{tmp_path}"), "s")
-    Ledger(open_storage(f"file://{tmp_path}"), "calm").append(AttemptStarted(attempt=1, world_size=1, pid=1,
-                                                                             lineage_id="L"))
+    calm_job(tmp_path)
     client = TestClient(create_app(f"file://{tmp_path}"), base_url=BASE)
     page = client.get("/jobs/s").text
-    rows = page[page.index('<table class="outages">'):page.index("</table>", page.index('class="outages"'))]
+    rows = table_of(page, "outages")
     assert rows.count('<tr class="outage"') == 2
     assert ('<td data-field="paths">ledger, publisher, rank 1 checkpoints</td><td data-field="requests_refused">9</td>'
             '<td data-field="bundles_skipped">1</td><td data-field="newest_bundle">u0000000008-a1 (update 8)</td>'
@@ -342,8 +351,7 @@ def test_prometheus_time_since_the_newest_bundle_and_whether_storage_answered(tm
     from tests.helpers.outage import Flaky, write_outage_job
 
     published = write_outage_job(open_storage(f"file://{tmp_path}"), "s")
-    Ledger(open_storage(f"file://{tmp_path}"), "calm").append(AttemptStarted(attempt=1, world_size=1, pid=1,
-                                                                             lineage_id="L"))
+    calm_job(tmp_path)
     storage = Flaky(tmp_path)
     client = TestClient(create_app(storage), base_url=BASE)
 
