@@ -35,7 +35,8 @@ def holdings(pid: int) -> Holdings:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
         rss = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
         threads = int(fields.get("Threads", "0").strip())
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        # listing our own fd folder holds one descriptor open for the listing: not one the process keeps
+        fds = len(os.listdir(f"/proc/{pid}/fd")) - (pid == os.getpid())
     except (OSError, ValueError):
         return Holdings(0, 0, 0)
     return Holdings(rss, fds, threads)
