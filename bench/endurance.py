@@ -236,9 +236,10 @@ class Endurance:
         import ray
 
         driver = holdings(os.getpid())
-        gcs = [holdings(p) for p in pids_named("gcs_server")]
-        raylets = [holdings(p) for p in pids_named("raylet")]
-        spares = [s.where.get("pid") for g in self.groups[-1:] for s in g.spares if s.where.get("pid")]
+        session = ray_session_dir(ray)  # this cluster's processes only: the machine may run other Rays
+        gcs = [holdings(p) for p in pids_named("gcs_server", session)]
+        raylets = [holdings(p) for p in pids_named("raylet", session)]
+        spares = [pid for g in self.groups[-1:] for s in g.spares if (pid := ready_pid(ray, s)) is not None]
         spare = holdings(spares[0]) if spares else None
         self.samples.append({
             "restarts": restarts, "at": time.time(),
@@ -247,18 +248,31 @@ class Endurance:
             "raylets": len(raylets), "raylet_fds": sum(h.fds for h in raylets),
             "spare_pid": spares[0] if spares else None, "spare_rss": spare.rss_bytes if spare else None,
             "spare_fds": spare.fds if spare else None, "spare_threads": spare.threads if spare else None,
-            "object_store_used": object_store_used(ray),
+            "object_store_used": object_store_used(self.cluster.address),
             "shm_used": used_bytes("/dev/shm"), "disk_used": used_bytes(self.folder),
-            "ray_logs": tree_bytes(Path(ray_session_dir(ray)) / "logs"),
+            "ray_logs": tree_bytes(Path(session) / "logs"),
             "storage_bytes": tree_bytes(self.folder / "runs"), "metrics_bytes": tree_bytes(self.folder / "metrics")})
 
 
-def object_store_used(ray: Any) -> int | None:
-    """Bytes of objects in the cluster's object stores (Ray's own memory summary; None if it cannot say)."""
+def ready_pid(ray: Any, spare: Any) -> int | None:
+    """A spare's process id once it has built the job (its ``prepare`` call answers where it runs);
+    None while it builds, or if it failed."""
+    done, _ = ray.wait([spare.ready], timeout=0)
+    if not done:
+        return None
+    try:
+        return int(ray.get(spare.ready, timeout=0)["pid"])
+    except Exception:  # a spare that failed: the group drops it; the bench only has no figure
+        return None
+
+
+def object_store_used(address: str) -> int | None:
+    """Bytes of objects in the object stores of the cluster at ``address`` (Ray's own memory summary; None
+    if it cannot say). The address is named: without it Ray picks the newest cluster on the machine."""
     try:
         from ray._private.internal_api import memory_summary
 
-        text = memory_summary(stats_only=True)
+        text = memory_summary(address=address, stats_only=True)
     except Exception:  # an internal API: its absence or failure costs the figure, not the run
         return None
     for line in text.splitlines():
@@ -268,10 +282,8 @@ def object_store_used(ray: Any) -> int | None:
 
 
 def ray_session_dir(ray: Any) -> str:
-    try:
-        return str(ray._private.worker._global_node.get_session_dir_path())
-    except AttributeError:  # the driver is not on a node Ray started: the default location
-        return "/tmp/ray/session_latest"
+    """The connected cluster's session folder (its processes' command lines name it)."""
+    return str(ray._private.worker._global_node.get_session_dir_path())
 
 
 def endurance_run(faults: int, folder: Path) -> dict[str, Any]:

@@ -53,7 +53,7 @@ def figures(raw: dict[str, Any]) -> dict[str, Any]:
             "cold": [{"attempt": r.attempt, "cause": r.cause, "because": r.cold_because}
                      for r in hist.restarts if r.recovery_path == "cold"],
             "restarts_recorded": len(hist.restarts), "unplanned": unplanned,
-            "ranks": rank_growth(events), "outside": outside_growth(raw["samples"])}
+            "ranks": rank_growth(events), "outside": outside_growth(raw["samples"]), "samples": raw["samples"]}
 
 
 def rank_growth(events: list) -> dict[str, Any]:
@@ -143,8 +143,8 @@ def growth_table(r: dict[str, Any]) -> Table:
                   _per_restart(m, v["per_restart"]), v["points"])
     t.notes += ["ranks: the ledger's footprints event (each rank measures itself at its first poll of an attempt); "
                 "the rest: sampled by the bench at the next hold after each restart",
-                "GCS and raylets: summed over every such process on this machine (a removed node's raylet goes, "
-                "its replacement's comes)"]
+                "GCS and raylets: summed over this cluster's processes (a removed node's raylet goes, its "
+                "replacement's comes)"]
     return t
 
 

@@ -42,15 +42,20 @@ def holdings(pid: int) -> Holdings:
     return Holdings(rss, fds, threads)
 
 
-def pids_named(name: str) -> list[int]:
-    """The processes whose command name (/proc/PID/comm, at most 15 characters) is ``name``, by pid."""
+def pids_named(name: str, containing: str = "") -> list[int]:
+    """The processes whose command name (/proc/PID/comm, at most 15 characters) is ``name`` and whose
+    command line contains ``containing`` (on a shared machine: this Ray session's folder, so that other
+    users' Ray processes are not counted), by pid."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/comm") as f:
-                if f.read().strip() == name[:15]:
+                if f.read().strip() != name[:15]:
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if containing.encode() in f.read():
                     found.append(int(entry))
         except OSError:  # gone between the listing and the read
             continue

@@ -85,4 +85,6 @@ def test_holdings_read_this_process_and_see_a_file_opened(tmp_path: Path):
         assert holdings(os.getpid()).fds == before.fds + 1
     assert tree_bytes(tmp_path) == 1000 and tree_bytes(tmp_path / "absent") == 0
     with open(f"/proc/{os.getpid()}/comm") as comm:
-        assert os.getpid() in pids_named(comm.read().strip())
+        name = comm.read().strip()
+    assert os.getpid() in pids_named(name, "pytest")  # this process's command line names pytest
+    assert os.getpid() not in pids_named(name, "/no/such/ray/session")  # another Ray's processes are not ours
