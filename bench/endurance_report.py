@@ -122,9 +122,10 @@ def fault_table(r: dict[str, Any]) -> Table:
         t.add(kind, len(mine), ", ".join(f"{p} {c}" for p, c in paths.most_common()),
               statistics.median(secs) if secs else None, max(secs, default=None), early, late,
               f"{fmt(ratio)}×", slope(secs))
-    t.notes += ["kill-warm: SIGKILL of rank 1 once the spare is ready; kill-all: SIGKILL of both ranks (no "
-                "survivor); hang: SIGSTOP of rank 1 (found by the health watch); node: rank 1's node removed and "
-                "a new one added; notice: an AWS spot interruption notice to every node",
+    t.notes += ["kill-warm: SIGKILL of rank 1 once the spare is ready; kill-now: SIGKILL of rank 1 as soon as "
+                "the ranks hold, the spare ready or not; kill-all: SIGKILL of both ranks (no survivor); hang: "
+                "SIGSTOP of rank 1 (found by the health watch); node: rank 1's node removed and a new one added; "
+                "notice-aws/-gcp/-azure: that cloud's notice, seen by every node (all poll one stand-in)",
                 "each fault lands while the ranks hold at a boundary with its bundle published, so no update is "
                 "lost to it: the cost measured is the restart's, not lost work"]
     return t
