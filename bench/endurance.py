@@ -14,7 +14,7 @@ object store, /dev/shm, the disk and the job's storage; the ranks measure themse
 job, goodput, each long-lived process's growth per restart, fault → next update against restart number,
 and the restarts that went cold, with their recorded reasons.
 
-    python -m bench.endurance [--faults 300]
+    python -m bench.endurance [--faults 300] [--minutes 24]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from spotrun.orchestrator.control.platform import Options
 from spotrun.orchestrator.control.progress import NullProgress
 from spotrun.orchestrator.control.specfile import load_spec
 from spotrun.orchestrator.control.supervisor import Supervisor
-from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, NoticeSeen
+from spotrun.orchestrator.ledger.events import AttemptStarted, BundlePublished, NoticeHandled, NoticeSeen
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.trainer.observe.faults import FaultLog
 from spotrun.trainer.observe.trace import UpdateRecord
@@ -56,7 +56,8 @@ SETS = ("world.size=2", "world.spares=1", "checkpoint.every_updates=1", "data.wo
         "preemption.drain_poll_s=0.2")
 LOOK_S = 0.02  # how often the bench looks at the job's records (a bench measures; a test never sleeps)
 SPARE_WAIT_S = 60.0  # a kill meant for warm-spare waits this long for a spare; then it goes ahead without
-HOLD_WAIT_S = 300.0  # no hold in this long: the job is stuck, and the bench says so
+HOLD_WAIT_S = 120.0  # no hold in this long: the job is stuck; the bench stops it and reports what it had
+NOTICE_WAIT_S = 60.0  # a notice the driver has not recorded in this long is reported as not seen
 
 
 def hold_at(attempt: int) -> int:
@@ -150,6 +151,7 @@ class Endurance:
         self.injected: list[Injected] = []
         self.samples: list[dict[str, Any]] = []
         self.result: dict[str, Any] = {}
+        self.stuck: str | None = None  # why the run stopped before its last fault, with the ledger's tail
 
     def start(self) -> None:
         check_entrypoint(self.spec)
@@ -161,6 +163,7 @@ class Endurance:
 
         sup = Supervisor(self.spec, replace(platform, make_group=make_group),
                          Options(trace_path=str(self.folder / "trace.jsonl"), progress=Recording(self.watched)))
+        self.sup = sup
         self.thread = threading.Thread(target=self._run, args=(sup,), daemon=True, name="endure job")
         self.thread.start()
 
@@ -181,8 +184,19 @@ class Endurance:
             if not self.thread.is_alive():
                 return None
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no hold after attempt {after} in {HOLD_WAIT_S:g} s: {self.result}")
+                tail = [f"{type(e).__name__} {e.model_dump(mode='json', exclude_none=True)}"[:300]
+                        for e in self.ledger.read()[-8:]]
+                self.stuck = f"no hold after attempt {after} in {HOLD_WAIT_S:g} s; the ledger ends: {tail}"
+                self.stop()
+                return None
             time.sleep(LOOK_S)
+
+    def stop(self) -> None:
+        """A stop notice to the driver (as SIGTERM gives it): the ranks publish and the run ends."""
+        from spotrun.orchestrator.notices.notice import Notice
+
+        self.sup.notify(Notice(source="sigterm", node_id=None, deadline=None, detail="the bench stops the job"))
+        self.thread.join(timeout=180)
 
     def _published(self, update: int) -> bool:
         return any(isinstance(e, BundlePublished) and e.update >= update for e in self.ledger.read())
@@ -206,7 +220,7 @@ class Endurance:
             self.cluster.remove_node(node)
             self.cluster.add_node(num_cpus=1)  # the node returns (a new machine in the lost one's place)
         elif kind.startswith("notice-"):
-            self._notice(kind.removeprefix("notice-"), n)
+            note = self._notice(kind.removeprefix("notice-"), n)
         self.injected.append(Injected(n, kind, attempt, at, note))
 
     def _wait_for_spare(self) -> str:
@@ -217,19 +231,29 @@ class Endurance:
             time.sleep(LOOK_S)
         return ""
 
-    def _notice(self, cloud: str, n: int) -> None:
-        """``cloud``'s notice, 2 minutes ahead, until the driver records it; then cleared (the machines it
-        named are taken to be replaced)."""
-        seen = sum(isinstance(e, NoticeSeen) for e in self.ledger.read())
+    def _notice(self, cloud: str, n: int) -> str:
+        """``cloud``'s notice, 2 minutes ahead, until the driver records it; then cleared and, once the bundle
+        it asks for is published, every node that reported it is replaced (the cloud takes those machines
+        back: a node kept after its notice is one no cloud would keep). Says what went wrong, if anything."""
+        before = len(self.ledger.read())
         self.clouds.announce(cloud, n, datetime.now(UTC) + timedelta(seconds=120))
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + NOTICE_WAIT_S
         try:
-            while sum(isinstance(e, NoticeSeen) for e in self.ledger.read()) == seen:
+            while not any(isinstance(e, NoticeSeen) for e in self.ledger.read()[before:]):
                 if not self.thread.is_alive() or time.monotonic() > deadline:
-                    return
+                    return f"the notice was not recorded in {NOTICE_WAIT_S:g} s"
                 time.sleep(LOOK_S)
         finally:
             self.clouds.clear(cloud)
+        while not any(isinstance(e, NoticeHandled) for e in self.ledger.read()[before:]):
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                return f"no bundle published for the notice in {NOTICE_WAIT_S:g} s"
+            time.sleep(LOOK_S)
+        named = {e.node_id for e in self.ledger.read()[before:] if isinstance(e, NoticeSeen) and e.node_id}
+        for node in [w for w in self.cluster.worker_nodes if w.node_id in named]:
+            self.cluster.remove_node(node)
+            self.cluster.add_node(num_cpus=1)
+        return f"{len(named)} node(s) replaced"
 
     def sample(self, restarts: int) -> None:
         """Everything long-lived outside the ranks, at a hold (nothing in flight)."""
@@ -286,9 +310,10 @@ def ray_session_dir(ray: Any) -> str:
     return str(ray._private.worker._global_node.get_session_dir_path())
 
 
-def endurance_run(faults: int, folder: Path) -> dict[str, Any]:
-    """Start the cluster, run the job through ``faults`` faults, then an uninterrupted reference; the
-    raw figures (see :mod:`bench.endurance_report` for what is made of them)."""
+def endurance_run(faults: int, folder: Path, minutes: float) -> dict[str, Any]:
+    """Start the cluster, run the job through ``faults`` faults (fewer if ``minutes`` pass first: then the
+    job is stopped, and the section says how many fitted), then an uninterrupted reference; the raw
+    figures (see :mod:`bench.endurance_report` for what is made of them)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -307,6 +332,10 @@ def endurance_run(faults: int, folder: Path) -> dict[str, Any]:
             run.sample(0)
         n = 0
         while attempt is not None and n < faults:
+            if time.time() - began > minutes * 60:
+                run.stuck = f"the time budget ({minutes:g} min) ran out after {n} faults: the job was stopped"
+                run.stop()
+                break
             n += 1
             run.inject(n, ROTATION[(n - 1) % len(ROTATION)], attempt)
             attempt = run.wait_for_hold(attempt)
@@ -319,7 +348,8 @@ def endurance_run(faults: int, folder: Path) -> dict[str, Any]:
         reference = reference_trace(folder, run.spec)
         return {"faults": faults, "injected": [vars(i) for i in run.injected], "samples": run.samples,
                 "first_update": run.watched.first_update, "wall_s": ended - began,
-                "error": run.result.get("error"), "state": getattr(run.result.get("outcome"), "state", None),
+                "error": run.result.get("error"), "stuck": run.stuck,
+                "state": getattr(run.result.get("outcome"), "state", None),
                 "restarts": getattr(run.result.get("outcome"), "restarts", None),
                 "storage": run.spec.storage, "metrics_dir": str(folder / "metrics"),
                 "trace": str(folder / "trace.jsonl"), "reference": reference}
@@ -346,11 +376,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--faults", type=int, default=300, help="faults to inject (--quick: 10)")
+    p.add_argument("--minutes", type=float, default=24.0, help="stop injecting after this long, however many")
     known, rest = p.parse_known_args(argv)
     args = cli(__doc__.splitlines()[0], rest)
     clock = Stopwatch()
     with work_folder("endurance") as folder:
-        raw = endurance_run(10 if args.quick else known.faults, folder)
+        raw = endurance_run(10 if args.quick else known.faults, folder, known.minutes)
         r = figures(raw)
     tabs, verdicts = tables(r)
     Section("17-endurance", "17. A compressed week of faults on one job", __doc__.split("\n", 2)[2]

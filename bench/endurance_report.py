@@ -31,7 +31,8 @@ def figures(raw: dict[str, Any]) -> dict[str, Any]:
     ref = read_trace(raw["reference"])
     final = latest_per_update(read_trace(raw["trace"]))
     divergence = first_divergence(ref, [final[u] for u in sorted(final)])
-    exact = sorted(final) == [r.update for r in ref] and divergence is None
+    # a run stopped early is compared as far as it went: every update up to its last, none missing
+    exact = sorted(final) == list(range(1, len(final) + 1)) and divergence is None
     hist = history(storage, "endure", metrics_local_dir=raw["metrics_dir"])
     restored = {e.attempt: e for e in events if isinstance(e, Restored)}
     lost = {e.attempt: e for e in events if isinstance(e, WorkerLost)}
@@ -47,7 +48,8 @@ def figures(raw: dict[str, Any]) -> dict[str, Any]:
     hit = {f["attempt"] for f in raw["injected"]}
     unplanned = [{"attempt": a, "cause": e.cause, "detail": e.detail[:200]} for a, e in lost.items() if a not in hit]
     return {"faults_asked": raw["faults"], "faults": faults, "wall_s": raw["wall_s"], "state": raw["state"],
-            "error": raw["error"], "restarts": raw["restarts"], "exact": exact, "updates": len(ref),
+            "error": raw["error"], "stuck": raw["stuck"], "restarts": raw["restarts"], "exact": exact,
+            "updates": len(final),
             "divergence": str(divergence) if divergence else None,
             "goodput": hist.goodput.model_dump(exclude={"attempts"}),
             "cold": [{"attempt": r.attempt, "cause": r.cause, "because": r.cold_because}
@@ -165,6 +167,8 @@ def summary_table(r: dict[str, Any]) -> Table:
     t.add("restarts (the job's outcome) / recorded in its history", f"{r['restarts']} / {r['restarts_recorded']}")
     t.add("losses no fault of the bench caused", len(r["unplanned"]))
     t.add("job's end", r["state"] or r["error"])
+    if r["stuck"]:
+        t.add("stopped early", r["stuck"])
     t.add("wall time of the faulted run (min)", r["wall_s"] / 60)
     t.add("faults per minute", len(r["faults"]) / (r["wall_s"] / 60))
     t.add(f"every one of {r['updates']} updates bitwise equal to an uninterrupted run's", r["exact"])
