@@ -155,9 +155,15 @@ def cold_table(r: dict[str, Any]) -> Table:
     t = Table(f"Restarts that went cold: {len(r['cold'])} of {r['restarts_recorded']} "
               f"({pct(len(r['cold']) / r['restarts_recorded']) if r['restarts_recorded'] else '—'})",
               ["recorded reason", "restarts"])
-    for why, n in Counter(c["because"] or "(none recorded)" for c in r["cold"]).most_common():
+    for why, n in Counter(_first_line(c["because"]) for c in r["cold"]).most_common():
         t.add(why, n)
+    t.notes.append("each reason's first line (an actor's death goes on to name its ids: one row each otherwise); "
+                   "a rank lost while restarting warm after a notice is the bench replacing the noticed node")
     return t
+
+
+def _first_line(reason: str | None) -> str:
+    return (reason or "(none recorded)").splitlines()[0].replace("|", "/")[:200]
 
 
 def summary_table(r: dict[str, Any]) -> Table:
