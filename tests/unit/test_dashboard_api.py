@@ -231,6 +231,15 @@ def table_of(page: str, name: str) -> str:
     return page[page.index(f'<table class="{name}">'):page.index("</table>", page.index(f'class="{name}"'))]
 
 
+def shown_table(root, write, job: str, name: str) -> tuple[TestClient, str]:
+    """Job ``job`` written by ``write(storage, job)`` beside a calm one (:func:`calm_job`); a dashboard client of
+    them and ``job``'s page's table ``name`` (:func:`table_of`)."""
+    write(open_storage(f"file://{root}"), job)
+    calm_job(root)
+    client = TestClient(create_app(f"file://{root}"), base_url=BASE)
+    return client, table_of(client.get(f"/jobs/{job}").text, name)
+
+
 def calm_job(root) -> None:
     """A job with one attempt and nothing else, beside the test's: a section shown for nothing must not show."""
     ledger = Ledger(open_storage(f"file://{root}"), "calm")
@@ -302,16 +311,12 @@ def test_the_job_page_lists_the_processes_kept_through_warm_restarts(tmp_path):
     processes that served one attempt do not (no section when there is none)."""
     from tests.helpers.footprints import write_kept_job
 
-    write_kept_job(open_storage(f"file://{tmp_path}"), "kept")
-    client = TestClient(create_app(f"file://{tmp_path}"), base_url=BASE)
-    page = client.get("/jobs/kept").text
-    rows = table_of(page, "processes")
+    client, rows = shown_table(tmp_path, write_kept_job, "kept", "processes")
     assert rows.count('<tr class="process"') == 1
     assert ('<tr class="process" data-pid="100"><td>100</td><td>0</td><td data-field="attempts">1–3 (3)</td>'
             '<td data-field="rss">460 → 500</td><td data-field="fds">70 → 72</td><td data-field="threads">38 → 38</td>'
             '<td data-field="process_groups">1</td></tr>') in rows, rows
     assert [p["pid"] for p in client.get("/api/jobs/kept/history").json()["processes"]] == [100, 200, 300, 400]
-    calm_job(tmp_path)
     assert 'id="processes"' not in client.get("/jobs/calm").text
 
 
@@ -330,11 +335,7 @@ def test_prometheus_rank_slowdown_of_the_newest_attempt(evidence):
 def test_the_job_page_lists_the_storage_outages(tmp_path):
     from tests.helpers.outage import write_outage_job
 
-    write_outage_job(open_storage(f"file://{tmp_path}"), "s")
-    calm_job(tmp_path)
-    client = TestClient(create_app(f"file://{tmp_path}"), base_url=BASE)
-    page = client.get("/jobs/s").text
-    rows = table_of(page, "outages")
+    client, rows = shown_table(tmp_path, write_outage_job, "s", "outages")
     assert rows.count('<tr class="outage"') == 2
     assert ('<td data-field="paths">ledger, publisher, rank 1 checkpoints</td><td data-field="requests_refused">9</td>'
             '<td data-field="bundles_skipped">1</td><td data-field="newest_bundle">u0000000008-a1 (update 8)</td>'
