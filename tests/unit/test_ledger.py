@@ -109,7 +109,8 @@ def test_history_json_keeps_the_fields_the_ledger_set_in_the_order_it_set_them(t
     assert list(second)[8:] == ["initialized_from", "recovery_label", "reset", "lineage_id", "last_update_source"]
     assert list(doc) == ["job_id", "state", "attempts", "restarts", "topology_changes", "rejected_bundles",
                          "corrupt_events", "notices", "refusals", "budgets", "checkpoint_intervals", "outages",
-                         "newest_published_at", "stragglers", "slowdowns", "space_pruned", "totals", "goodput"]
+                         "newest_published_at", "stragglers", "slowdowns", "space_pruned", "processes", "totals",
+                         "goodput"]
     alone = Ledger(LocalStorage(tmp_path / "one"), "o")
     alone.append(AttemptStarted(attempt=1, world_size=1, pid=1, lineage_id="x"))
     alone.append(JobFinished(attempt=1, counters={"attempted_updates": 3}))
@@ -142,7 +143,7 @@ def test_history_says_where_each_loss_came_from_and_which_ranks_straggled(tmp_pa
     assert list(as_json["restarts"][0])[:12] == ["attempt", "cause", "loss", "rank", "node_id", "host", "signal",
                                                  "stopped_phase", "stopped_update", "stacks", "detected_at",
                                                  "restored_from"]
-    assert list(as_json)[-5:] == ["stragglers", "slowdowns", "space_pruned", "totals", "goodput"]
+    assert list(as_json)[-6:] == ["stragglers", "slowdowns", "space_pruned", "processes", "totals", "goodput"]
     Ledger(storage, "e").append(AttemptStarted(attempt=4, world_size=3, pid=1, lineage_id="L"))
     assert history(storage, "e").slowdowns == []  # attempt 3's figures were of processes that are gone
 
