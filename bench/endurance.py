@@ -1,7 +1,8 @@
 """Bench 17 — a compressed week: hundreds of faults on one job, and what they leave behind.
 
 One 2-rank job with a spare (``world.spares=1``, a bundle every update) runs on a local multi-node Ray
-(``ray.cluster_utils.Cluster``: a head with no CPUs and three one-CPU nodes, one rank or spare each).
+(``ray.cluster_utils.Cluster``, kept by a process of its own so that this one is only the driver: a head
+with no CPUs and three one-CPU nodes, one rank or spare each).
 Every attempt trains a few updates and holds (a ``HOLD`` fault per attempt, so that each fault lands at a
 known boundary and the run is deterministic); the bench then injects the next fault of a fixed rotation:
 SIGKILL of rank 1 with the spare ready (warm-spare) and at once, before a spare is ready again, SIGKILL of
@@ -25,13 +26,15 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from bench.growth import holdings, pids_named, tree_bytes, used_bytes
+from bench.cluster_process import ClusterProcess
+from bench.growth import holdings, pids_named, thread_names, tree_bytes, used_bytes
 from bench.tables import ROOT, Section, Stopwatch, cli, work_folder
 from spotrun.orchestrator.control.launch import check_entrypoint, ray_platform
 from spotrun.orchestrator.control.platform import Options
@@ -138,7 +141,7 @@ class Clouds:
 class Endurance:
     """The job on the cluster, and the bench's hands on it: groups (for the spares), faults, samples."""
 
-    def __init__(self, cluster: Any, folder: Path, faults: int, clouds: Clouds) -> None:
+    def __init__(self, cluster: ClusterProcess, folder: Path, faults: int, clouds: Clouds) -> None:
         self.cluster, self.folder, self.clouds = cluster, folder, clouds
         self.spec = load_spec(ROOT / "configs/tiny.yaml", [
             f"storage=file://{folder / 'runs'}", f"data.shards={ROOT / 'configs/data/tiny'}",
@@ -158,8 +161,10 @@ class Endurance:
         platform = ray_platform(self.spec, Instrumentation.of(trace=True))
 
         def make_group(*args: Any) -> Any:
-            self.groups.append(platform.make_group(*args))
-            return self.groups[-1]
+            # the newest only (the spares are asked through it): the bench keeping every group would keep
+            # every lost actor's handle in the driver it measures
+            self.groups[:] = [platform.make_group(*args)]
+            return self.groups[0]
 
         sup = Supervisor(self.spec, replace(platform, make_group=make_group),
                          Options(trace_path=str(self.folder / "trace.jsonl"), progress=Recording(self.watched)))
@@ -215,9 +220,7 @@ class Endurance:
         elif kind == "hang":
             note += send(started.rank_pids[1], signal.SIGSTOP)
         elif kind == "node":
-            node = next(w for w in self.cluster.worker_nodes if w.node_id == started.node_ids[1])
-            self.cluster.remove_node(node)
-            self.cluster.add_node(num_cpus=1)  # the node returns (a new machine in the lost one's place)
+            self.cluster.replace({started.node_ids[1]})  # the node returns (a new machine in the lost one's place)
         elif kind.startswith("notice-"):
             note = self._notice(kind.removeprefix("notice-"), n)
         self.injected.append(Injected(n, kind, attempt, at, note))
@@ -249,10 +252,7 @@ class Endurance:
                 return f"no bundle published for the notice in {NOTICE_WAIT_S:g} s"
             time.sleep(LOOK_S)
         named = {e.node_id for e in self.ledger.read()[before:] if isinstance(e, NoticeSeen) and e.node_id}
-        for node in [w for w in self.cluster.worker_nodes if w.node_id in named]:
-            self.cluster.remove_node(node)
-            self.cluster.add_node(num_cpus=1)
-        return f"{len(named)} node(s) replaced"
+        return f"{self.cluster.replace(named)} node(s) replaced"
 
     def sample(self, restarts: int) -> None:
         """Everything long-lived outside the ranks, at a hold (nothing in flight)."""
@@ -274,7 +274,9 @@ class Endurance:
             "object_store_used": object_store_used(self.cluster.address),
             "shm_used": used_bytes("/dev/shm"), "disk_used": used_bytes(self.folder),
             "ray_logs": tree_bytes(Path(session) / "logs"),
-            "storage_bytes": tree_bytes(self.folder / "runs"), "metrics_bytes": tree_bytes(self.folder / "metrics")})
+            "storage_bytes": tree_bytes(self.folder / "runs"), "metrics_bytes": tree_bytes(self.folder / "metrics"),
+            "driver_threads_named": thread_names(os.getpid()),
+            "driver_python_threads": dict(Counter(t.name.rstrip("0123456789_-") for t in threading.enumerate()))})
 
 
 def send(pid: int, sig: signal.Signals) -> str:
@@ -324,15 +326,11 @@ def endurance_run(faults: int, folder: Path, minutes: float) -> dict[str, Any]:
     job is stopped, and the section says how many fitted), then an uninterrupted reference; the raw
     figures (see :mod:`bench.endurance_report` for what is made of them)."""
     import ray
-    from ray.cluster_utils import Cluster
 
     clouds = Clouds()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    cluster = ClusterProcess(workers=3)  # its own process: this one is the driver, measured as such
     try:
-        for _ in range(3):
-            cluster.add_node(num_cpus=1)
         ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.WARNING)
-        cluster.wait_for_nodes()
         run = Endurance(cluster, folder, faults, clouds)
         began = time.time()
         run.start()
@@ -364,11 +362,7 @@ def endurance_run(faults: int, folder: Path, minutes: float) -> dict[str, Any]:
                 "trace": str(folder / "trace.jsonl"), "reference": reference}
     finally:
         ray.shutdown()
-        try:
-            cluster.shutdown()
-        except ValueError:  # the job's thread, still polling, connected again: once more, without it
-            ray.shutdown()
-            cluster.shutdown()
+        cluster.shutdown()
         clouds.close()
 
 

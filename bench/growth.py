@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,20 @@ def holdings(pid: int) -> Holdings:
     except (OSError, ValueError):
         return Holdings(0, 0, 0)
     return Holdings(rss, fds, threads)
+
+
+def thread_names(pid: int) -> dict[str, int]:
+    """How many of ``pid``'s threads (Python's and native ones alike: /proc/PID/task) bear each name, with the
+    numbers a pool appends to its threads' names taken off (``ThreadPoolExecutor-3_0`` counts as
+    ``ThreadPoolExecutor``), so that growth shows which kind of thread piles up."""
+    names: Counter[str] = Counter()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/comm") as f:
+                names[f.read().strip().rstrip("0123456789_-")] += 1
+        except OSError:  # ended between the listing and the read
+            continue
+    return dict(names)
 
 
 def pids_named(name: str, containing: str = "") -> list[int]:
