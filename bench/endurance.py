@@ -15,7 +15,7 @@ object store, /dev/shm, the disk and the job's storage; the ranks measure themse
 job, goodput, each long-lived process's growth per restart, fault → next update against restart number,
 and the restarts that went cold, with their recorded reasons.
 
-    python -m bench.endurance [--faults 300] [--minutes 20]
+    python -m bench.endurance [--faults 300] [--minutes 40]
 """
 
 from __future__ import annotations
@@ -383,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--faults", type=int, default=300, help="faults to inject (--quick: 10)")
-    p.add_argument("--minutes", type=float, default=20.0, help="stop injecting after this long, however many")
+    p.add_argument("--minutes", type=float, default=40.0, help="stop injecting after this long, however many")
     known, rest = p.parse_known_args(argv)
     args = cli(__doc__.splitlines()[0], rest)
     clock = Stopwatch()

@@ -55,7 +55,15 @@ def figures(raw: dict[str, Any]) -> dict[str, Any]:
             "cold": [{"attempt": r.attempt, "cause": r.cause, "because": r.cold_because}
                      for r in hist.restarts if r.recovery_path == "cold"],
             "restarts_recorded": len(hist.restarts), "unplanned": unplanned,
-            "ranks": rank_growth(events), "outside": outside_growth(raw["samples"]), "samples": raw["samples"]}
+            "ranks": rank_growth(events), "outside": outside_growth(raw["samples"]), "samples": raw["samples"],
+            "driver_threads_grown": threads_grown(raw["samples"])}
+
+
+def threads_grown(samples: list[dict[str, Any]]) -> dict[str, int]:
+    """The driver's threads, by name, that the last sample has more of than the first after the job
+    settled (:data:`SETTLE` restarts): which kind of thread piles up, if any does."""
+    named = [s["driver_threads_named"] for s in samples if s["restarts"] >= SETTLE and "driver_threads_named" in s]
+    return dict(Counter(named[-1]) - Counter(named[0])) if len(named) > 1 else {}
 
 
 def rank_growth(events: list) -> dict[str, Any]:
@@ -209,9 +217,11 @@ def verdicts(r: dict[str, Any]) -> list[str]:
            f"faults injected; {r['updates']} updates"
            f"{'; first divergence ' + r['divergence'] if r['divergence'] else ''})"]
     grew = growers(r)
+    threads = ", ".join(f"{name} +{k}" for name, k in sorted(r.get("driver_threads_grown", {}).items()))
     out.append(f"no long-lived process (surviving ranks, spare, driver, GCS, raylets) grows per restart "
                f"(≤ {RSS_LIMIT >> 10} KiB resident, ≤ {COUNT_LIMIT:g} fds or threads): "
-               f"**{'MET' if not grew else 'NOT MET'}**{' (' + '; '.join(grew) + ')' if grew else ''}")
+               f"**{'MET' if not grew else 'NOT MET'}**{' (' + '; '.join(grew) + ')' if grew else ''}"
+               f"{'; the driver threads that grew, by name: ' + threads if threads else ''}")
     drifting = []
     for kind in sorted({f["kind"] for f in r["faults"]}):
         secs = [f["to_next_update_s"] for f in r["faults"] if f["kind"] == kind and f["to_next_update_s"] is not None]
