@@ -27,7 +27,8 @@ MODULES = {"1-checkpoint-stall": "bench.checkpoint_stall", "2-training-overhead"
            "12-data-identity": "bench.data_identity", "13-health-poll": "bench.health_poll",
            "14-false-alarms": "bench.false_alarms", "15-hang-recovery": "bench.hang_recovery",
            "16-storage-outage": "bench.storage_outage",
-           "17-endurance": "bench.endurance", "18-week-page": "bench.week_page"}
+           "17-endurance": "bench.endurance", "18-week-page": "bench.week_page",
+           "19-week-history": "bench.week_history"}
 
 
 def main() -> int:

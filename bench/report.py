@@ -13,7 +13,8 @@ from pathlib import Path
 SECTIONS = ("1-checkpoint-stall", "2-training-overhead", "3-restart-cost", "4-ray-train-side-by-side", "5-grad-sync",
             "6-s3-metrics", "7-trace-cost", "8-steady-speed", "9-sharded-bundles", "10-ledger-week",
             "11-auto-interval", "12-data-identity", "13-health-poll", "14-false-alarms",
-            "15-hang-recovery", "16-storage-outage", "17-endurance", "18-week-page")
+            "15-hang-recovery", "16-storage-outage", "17-endurance", "18-week-page",
+            "19-week-history")
 MARKER = "<!-- section: {} -->"
 _MARKED = re.compile(r"^<!-- section: ([\w-]+) -->$", re.M)
 

@@ -38,7 +38,7 @@ def counting(storage: S3Storage) -> Counter:
     def count(event_name: str, **_: Any) -> None:
         seen[event_name.rsplit(".", 1)[-1]] += 1
 
-    storage._client.meta.events.register("before-send.s3", count)
+    storage.s3.client.meta.events.register("before-send.s3", count)
     return seen
 
 
