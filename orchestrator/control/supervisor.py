@@ -309,11 +309,13 @@ class Supervisor:
 
     def _footprint(self, st: Running, reports: list[Report]) -> None:
         """Gather the attempt's rank footprints (each rank sends its once); record them once all are in."""
-        got = [r for r in reports if r.footprint is not None]
+        got = {r.rank: r.footprint for r in reports if r.footprint is not None}
         if not got:
             return
-        ranks = self._footprints.setdefault(st.attempt, {})
-        ranks.update((r.rank, r.footprint) for r in got if r.footprint is not None)
+        # only the running attempt's: one lost before all its ranks sent theirs is never recorded, and kept
+        # it would be kept for the rest of the run
+        ranks = {**self._footprints.get(st.attempt, {}), **got}
+        self._footprints = {st.attempt: ranks}
         if len(ranks) == st.world_size:
             self.ctx.record.footprints(st.attempt, self._footprints.pop(st.attempt))
 

@@ -18,6 +18,14 @@ def placed(pg: PlacementGroup) -> bool:
     return ray.util.placement_group_table(pg).get("state") == "CREATED"
 
 
+def bundle_placed(pg: PlacementGroup, index: int) -> bool:
+    """Whether bundle ``index`` of ``pg`` holds its resources on a node that is alive now. Another bundle of
+    the group may wait for a node meanwhile (its node was lost): that makes the group not :func:`placed`,
+    and says nothing of this one."""
+    node = ray.util.placement_group_table(pg).get("bundles_to_node_id", {}).get(index)
+    return bool(node) and any(n["NodeID"] == node and n.get("Alive") for n in ray.nodes())
+
+
 def rank_bundle(spec: JobSpec) -> dict[str, float]:
     """One rank's resources, as a placement group bundle (``world.cpus_per_rank``, ``num_gpus_per_rank``)."""
     w = spec.world

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -60,7 +61,7 @@ def this_node() -> Node:
 
 
 class RankActor:
-    """The Ray actor around one rank (created through :func:`ray.remote` below)."""
+    """The Ray actor around one rank (made a Ray actor class by :func:`rank_actor_class`)."""
 
     def __init__(self) -> None:
         self.runner: RankRunner | None = None  # built by setup()
@@ -279,3 +280,11 @@ class RankActor:
 
     def wait_for_news(self, timeout: float) -> bool:
         return self._runner().wait_for_news(timeout)
+
+
+@functools.cache
+def rank_actor_class() -> Any:
+    """:class:`RankActor` as a Ray actor class, made once per process. Each ``ray.remote`` call makes a new
+    class (every method wrapped again, the definition exported to the cluster again) that Ray keeps: made
+    per rank, a driver restarting its job hundreds of times kept a few hundred kB per restart."""
+    return ray.remote(RankActor)

@@ -34,9 +34,8 @@ from spotrun.orchestrator.workers.groups import (
     WarmUnavailable,
 )
 from spotrun.orchestrator.workers.lastwords import last_words
-from spotrun.orchestrator.workers.placement import placed as _placed
-from spotrun.orchestrator.workers.placement import rank_bundle
-from spotrun.orchestrator.workers.rankactor import RankActor, this_node
+from spotrun.orchestrator.workers.placement import bundle_placed, rank_bundle
+from spotrun.orchestrator.workers.rankactor import rank_actor_class, this_node
 from spotrun.orchestrator.workers.rankcalls import answer_of, blame
 from spotrun.orchestrator.workers.rankcalls import settle as _settle
 from spotrun.orchestrator.workers.watch import Watch, bounds_of, condemn
@@ -160,8 +159,11 @@ class RayGroup:
 
     def _new_actor(self, pg: PlacementGroup, index: int) -> Any:
         w = self.spec.world
-        return ray.remote(RankActor).options(
+        # no task events: Ray would record each call (a poll every fraction of a second, for days) in the
+        # driver and the GCS for its state API, which spotrun never reads
+        return rank_actor_class().options(
             num_cpus=w.cpus_per_rank, num_gpus=w.num_gpus_per_rank, max_concurrency=5, max_restarts=0,
+            enable_task_events=False,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
         ).remote()
 
@@ -186,7 +188,9 @@ class RayGroup:
             if len(out) >= needed:
                 break
             done, _ = ray.wait([spare.ready], timeout=0)
-            if not done and not _placed(spare.slot[0]):
+            # its own bundle, not its group: a spare in a lost rank's old slot shares the ranks' group, which
+            # waits for a node whenever another rank's node is lost
+            if not done and not bundle_placed(*spare.slot):
                 continue
             try:
                 info = ray.get(spare.ready, timeout=STARTUP_TIMEOUT_S)
@@ -253,7 +257,7 @@ class RayGroup:
         # which path is plan_warm's to say (orchestrator/policy/recovery.py); this only carries it out
         spares = self._ready_spares(len(lost)) if self.world_size in sizes else []
         plan = plan_warm(sorted(lost), survivors, len(spares), self.world_size, sizes,
-                         {r: _placed(self.slots[r][0]) for r in lost})
+                         {r: bundle_placed(*self.slots[r]) for r in lost})
         if isinstance(plan, WarmPlan) and plan.replace:
             # no spare for them: new processes where the lost ranks were (the slot is still held: a process
             # that died on a live node, or a node already replaced), built while nothing else runs

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import threading
 from collections.abc import Callable
 
@@ -25,6 +26,7 @@ def release_freed_memory_soon() -> None:
         threading.Thread(target=trim, args=(0,), name="spotrun-malloc-trim", daemon=True).start()
 
 
+@functools.cache  # looked up once: find_library runs ``ldconfig -p`` in a subprocess, on a restart's path
 def _malloc_trim() -> Callable[[int], int] | None:
     name = ctypes.util.find_library("c")
     if name is None:
