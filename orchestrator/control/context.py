@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from spotrun.orchestrator.control.platform import Options, Platform
 from spotrun.orchestrator.control.progress import Progress
+from spotrun.orchestrator.control.published import Published
 from spotrun.orchestrator.control.recorder import Recorder
 from spotrun.orchestrator.ledger.store import Ledger
 from spotrun.orchestrator.policy.budgets import RestartBudgets
@@ -41,12 +42,15 @@ class RunContext:
     restarts: int = 0
     began: bool = False  # an attempt of this run has started (its state loaded): a refusal now is a failure
     lineage_id: str | None = None
-    published: list[Manifest] = field(default_factory=list)
+    published: Published = field(init=False)
     restored_from: str | None = None  # the bundle this run's first attempt resumed from
     attempt_bundle: str | None = None  # the bundle the current attempt started from (None: fresh)
     faults: FaultInjector | None = None  # the current attempt's injector (the after_publish site)
     noticed: set[str | int] = field(default_factory=set)  # node ids and ranks of this attempt a notice was seen for
     sec_per_update: float | None = None  # measured, to judge whether a deadline leaves time
+
+    def __post_init__(self) -> None:
+        self.published = Published(self.spec.job_id)
 
     def clock(self) -> float:
         return self.options.clock()

@@ -139,7 +139,7 @@ class NoticeDesk:
         if st.early is None:
             return st
         n, asked_at = st.early
-        bundle = next((m for m in self.ctx.published if m.counters.attempted_updates > asked_at), None)
+        bundle = next((m for m in self.ctx.published.recent if m.counters.attempted_updates > asked_at), None)
         if bundle is None:
             return st
         self.ctx.record.notice_handled(st.attempt, n, bundle, (datetime.now(UTC) - n.received_at).total_seconds(),
@@ -168,13 +168,14 @@ class NoticeDesk:
         (and one poll interval more: the stop and the bundles are seen at once, the interval is slack)."""
         ctx = self.ctx
         per_update = ctx.sec_per_update if ctx.sec_per_update is not None else 1.0
-        save = max((m.stall_seconds + m.write_seconds for m in ctx.published[-3:]), default=1.0)
+        save = max((m.stall_seconds + m.write_seconds for m in list(ctx.published.recent)[-3:]), default=1.0)
         return ctx.spec.preemption.safety_factor * (per_update + save) + poll_interval_s
 
     def drained(self, st: Running, n: Notice) -> State:
         """The ranks stopped after the bundle ``n`` (the notice being drained for) asked for. A stop
         ends the job here; a node's notice is a loss (the restart may keep the other ranks: warm)."""
-        last = self.ctx.published[-1]
+        last = self.ctx.published.newest
+        assert last is not None, "a drain ends once the bundle it asked for is published"
         key = self.ctx.bundle_key(last)
         seconds = (datetime.now(UTC) - n.received_at).total_seconds()
         acknowledged = self._acknowledge(st, n)

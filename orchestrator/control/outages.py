@@ -157,8 +157,8 @@ class Outages:
     def _newest(self) -> tuple[str, int] | None:
         """The newest published bundle and its update: this run's, else the one its attempt restored."""
         ctx = self.ctx
-        if ctx.published:
-            m = ctx.published[-1]
+        m = ctx.published.newest
+        if m is not None:
             return ctx.bundle_key(m), m.counters.attempted_updates
         key = ctx.attempt_bundle
         if key is None or not key.startswith(f"{ctx.spec.job_id}/bundles/"):  # fresh, or another job's (init-from)

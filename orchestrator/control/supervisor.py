@@ -170,7 +170,7 @@ class Supervisor:
             # the ledger is often the very storage that refuses: the failure is still raised, with its own cause
             log.warning("the job's failure could not be recorded in its ledger: %s", e)
         if isinstance(state, Stopped):
-            return Outcome("stopped", ctx.published[-1].counters if ctx.published else None, ctx.attempts,
+            return Outcome("stopped", (ctx.published.newest.counters if ctx.published.newest else None), ctx.attempts,
                            ctx.restarts, state.reason, self._keys(), ctx.restored_from)
         if isinstance(state, Failed):
             raise state.error if state.error is not None else JobFailedError(state.reason)
@@ -197,7 +197,7 @@ class Supervisor:
                       f"{error}", error=error, refused=not self.ctx.began)
 
     def _keys(self) -> list[str]:
-        return [self.ctx.bundle_key(m) for m in self.ctx.published]
+        return list(self.ctx.published.keys)
 
     def step(self, state: State) -> State:
         """One transition; an end state (Finished, Stopped, Failed) has none (KeyError). What the
@@ -249,7 +249,7 @@ class Supervisor:
         self.outages.look(st, reports)  # after the publishes: an outage ends once storage answers them
         if all(r.state == RankState.FINISHED for r in reports):
             st.group.teardown()
-            return Finished(self.ctx.published[-1].counters if self.ctx.published else Counters())
+            return Finished(self.ctx.published.newest.counters if self.ctx.published.newest else Counters())
         for notice in self.notices.take(st):
             nxt = self.notices.on_notice(st, notice)
             if not isinstance(nxt, Running):
@@ -304,7 +304,7 @@ class Supervisor:
             self._make_room(st.attempt, full)
         if new:
             ctx.budgets.published()
-        ctx.published += new
+        ctx.published.extend(new)
         return st
 
     def _footprint(self, st: Running, reports: list[Report]) -> None:
