@@ -23,6 +23,7 @@ from typing import Any
 
 from spotrun.orchestrator.dashboard import observed
 from spotrun.orchestrator.dashboard.curve import curve
+from spotrun.orchestrator.ledger.columns import PointColumns
 from spotrun.orchestrator.ledger.events import CorruptEvent, LedgerEvent
 from spotrun.orchestrator.ledger.history_model import History
 from spotrun.orchestrator.ledger.points import Points, replaced
@@ -83,8 +84,8 @@ def derive(history: History, points: Points, stacks_url: Callable[[dict[str, Any
 @dataclass
 class _Entry:
     events: Events
-    final: list[Any]
-    log: list[Any] | None
+    final: PointColumns
+    log: PointColumns | None
     newest: str | None
     derived: Derived
 
