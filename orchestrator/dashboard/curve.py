@@ -56,11 +56,11 @@ def downsample(x: npt.NDArray[np.int64], y: npt.NDArray[np.float64], n_out: int,
     if len(x) <= n_out:
         return np.arange(len(x))
     finite = np.isfinite(y)
-    chosen = [np.flatnonzero(~finite)]  # a diverged loss is news: never sampled away
+    chosen = ~finite  # a diverged loss is news: never sampled away
     idx = np.flatnonzero(finite)
-    chosen.append(idx[MinMaxLTTBDownsampler().downsample(x[idx], y[idx], n_out=n_out)] if len(idx) > n_out else idx)
-    chosen.append(np.flatnonzero(np.isin(x, np.fromiter(keep, dtype=np.int64, count=len(keep)))))
-    return np.unique(np.concatenate(chosen))
+    chosen[idx[MinMaxLTTBDownsampler().downsample(x[idx], y[idx], n_out=n_out)] if len(idx) > n_out else idx] = True
+    chosen |= np.isin(x, np.fromiter(keep, dtype=np.int64, count=len(keep)))
+    return np.flatnonzero(chosen)
 
 
 def page_row(points: PointColumns, i: int) -> dict[str, Any]:

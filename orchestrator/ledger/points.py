@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pa_compute
 import pyarrow.json as pa_json
 from pydantic import ValidationError
 
@@ -175,7 +176,8 @@ def _numbers(column: pa.ChunkedArray, dtype: type[np.generic]) -> np.ndarray:
 
 def _codes(column: pa.ChunkedArray) -> tuple[np.ndarray, tuple[str, ...]]:
     """A string column as codes into its distinct values."""
-    encoded = column.combine_chunks().dictionary_encode()
+    # imported with this module, not on a first page's request: building its functions takes 0.1 s
+    encoded = pa_compute.dictionary_encode(column.combine_chunks())
     return _numbers(encoded.indices, np.int32).astype(np.int64), tuple(encoded.dictionary.to_pylist())
 
 
