@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -102,17 +103,24 @@ class Reader:
                  listing: list[BundleRef] | None = None) -> tuple[Derived, Points, list[BundleRef]]:
         """The job's derived figures (kept while its events, points and newest bundle are unchanged), with
         the points and the bundle listing they came from; each is read here when not given."""
-        points = self.points(job_id) if points is None else points
-        listing = list_bundles(self.storage, job_id) if listing is None else listing
         ledger = self.ledger(job_id)
+        with ThreadPoolExecutor(1, thread_name_prefix="spotrun-points") as pool:
+            # the sinks read on a thread while this one lists the bundles and reads the ledger: at a week's
+            # scale each takes a good part of a second, and most of it (file reads, SQLite's steps, Arrow's
+            # parse, directory listings) runs without the GIL
+            reading = pool.submit(self.points, job_id) if points is None else None
+            bundles = list_bundles(self.storage, job_id) if listing is None else listing
+            events = ledger.read()
+            read = reading.result() if reading is not None else points
+        assert read is not None  # given, or read just above
 
         def build() -> Derived:
-            hist = history(self.storage, job_id, points, ledger=ledger, listing=listing)
+            hist = history(self.storage, job_id, read, ledger=ledger, listing=bundles)
             # a hung or stuck rank's stacks: the loss was recorded by the attempt before
-            return derive(hist, points, lambda r: stacks_url(job_id, r["attempt"] - 1, r["rank"])
+            return derive(hist, read, lambda r: stacks_url(job_id, r["attempt"] - 1, r["rank"])
                           if r["stacks"] else None)
 
-        return self._cache.get(job_id, ledger.read(), points, listing, build), points, listing
+        return self._cache.get(job_id, events, read, bundles, build), read, bundles
 
     def job(self, job_id: str, restart_page: int = 1, bundle_page: int = 1, lo: int | None = None,
             hi: int | None = None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -295,17 +296,15 @@ def read_points(storage: Storage, job_id: str, local_dir: str, logs: LogCache,
     folder = sink_dir(storage, job_id, local_dir)
     sqlite_path, jsonl_path = folder / SQLITE, folder / JSONL
     result = Points()
-    if jsonl_path.is_file():
-        try:
-            result.log = logs.read(jsonl_path, job_id)
-        except OSError:
-            result.log = None
-    if sqlite_path.is_file():
-        try:
-            result.final, result.source = (tables or SqliteCache()).read(sqlite_path, job_id), "sqlite"
-            return result
-        except sqlite3.Error:
-            pass  # a locked or damaged file: fall back to the others
+    with ThreadPoolExecutor(1, thread_name_prefix="spotrun-log") as pool:
+        # the log parsed on a thread beside the SQLite read: Arrow's parse and SQLite's steps both run
+        # without the GIL, so a week's two million rows take the time of the longer read, not of both
+        log = pool.submit(_read_log, logs, jsonl_path, job_id) if jsonl_path.is_file() else None
+        final = _read_final(tables or SqliteCache(), sqlite_path, job_id) if sqlite_path.is_file() else None
+        result.log = log.result() if log is not None else None
+    if final is not None:
+        result.final, result.source = final, "sqlite"
+        return result
     found = (objects or ObjectCache()).read(storage, job_id)
     if found:
         result.final, result.source = PointColumns.of(found, job_id), "objects"
@@ -313,6 +312,20 @@ def read_points(storage: Storage, job_id: str, local_dir: str, logs: LogCache,
     if result.log is not None:
         result.final, result.source = upsert_log(result.log), "jsonl"
     return result
+
+
+def _read_log(logs: LogCache, path: Path, job_id: str) -> PointColumns | None:
+    try:
+        return logs.read(path, job_id)
+    except OSError:
+        return None
+
+
+def _read_final(tables: SqliteCache, path: Path, job_id: str) -> PointColumns | None:
+    try:
+        return tables.read(path, job_id)
+    except sqlite3.Error:
+        return None  # a locked or damaged file: the caller falls back to the others
 
 
 def upsert_log(log: PointColumns) -> PointColumns:

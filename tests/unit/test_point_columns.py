@@ -6,8 +6,9 @@ from __future__ import annotations
 import sqlite3
 from datetime import UTC, datetime, timedelta, timezone
 
+from spotrun.orchestrator.ledger.access import ReadOnlyLocalStorage
 from spotrun.orchestrator.ledger.columns import PointColumns
-from spotrun.orchestrator.ledger.points import LogCache, Points, SqliteCache, replaced, upsert_log
+from spotrun.orchestrator.ledger.points import LogCache, Points, SqliteCache, read_points, replaced, upsert_log
 from spotrun.trainer.metrics import JsonlSink, MetricPoint, SqliteSink
 
 T0 = datetime(2026, 11, 23, tzinfo=UTC)
@@ -92,3 +93,18 @@ def test_the_upsert_and_the_replaced_writes_of_a_log_are_those_of_a_loop_over_th
                  "replaced_by_attempt": winners[p.update]} for p in _ours(writes)
                 if p.name == "loss" and p.attempt != winners[p.update]]
     assert expected and replaced(Points(final=upsert_log(log), log=log), "loss") == expected
+
+
+def test_both_sinks_read_together_and_a_damaged_database_falls_back_to_the_log(tmp_path):
+    storage = ReadOnlyLocalStorage(tmp_path)
+    (tmp_path / "j").mkdir()
+    sqlite_sink, log_sink = SqliteSink(tmp_path / "j/metrics.sqlite"), JsonlSink(tmp_path / "j/metrics.jsonl")
+    for sink in (sqlite_sink, log_sink):
+        sink.write(_writes())
+    expected_final = sqlite_sink.read("j")
+    sqlite_sink.close()
+    points = read_points(storage, "j", "unused", LogCache())
+    assert (points.source, points.final, points.log) == ("sqlite", expected_final, _ours(_writes()))
+    (tmp_path / "j/metrics.sqlite").write_bytes(b"not a database" * 100)
+    points = read_points(storage, "j", "unused", LogCache())
+    assert (points.source, points.final, points.log) == ("jsonl", expected_final, _ours(_writes()))
