@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pa_compute
+import pyarrow.csv as pa_csv
 import pyarrow.json as pa_json
 from pydantic import ValidationError
 
@@ -59,50 +60,68 @@ def _query(uri: str, job_id: str) -> list[tuple]:
         db.close()
 
 
-# ``at`` as the sink writes it (datetime.isoformat: "2026-11-23T00:00:00.600000+00:00", the fraction left out
-# when zero) read by SQLite itself as microseconds since the epoch: whole seconds from the text without the
-# fraction (SQLite would round a fraction to milliseconds), plus the fraction's six digits. NULL for any other
-# form: the caller then validates the rows one by one
-_FRACTION = "substr(at, 20, 1) = '.'"
-_SECONDS = f"strftime('%s', CASE WHEN {_FRACTION} THEN substr(at, 1, 19) || substr(at, 27) ELSE at END)"
-_DIGITS = "'" + "[0-9]" * 6 + "'"
-_MICROS = f"CASE WHEN substr(at, 21, 6) GLOB {_DIGITS} THEN CAST(substr(at, 21, 6) AS INTEGER) END"
-_AT_US = f"CAST({_SECONDS} AS INTEGER) * 1000000 + CASE WHEN {_FRACTION} THEN {_MICROS} ELSE 0 END"
-_ROW = [("update", np.int64), ("value", np.float64), ("attempt", np.int64), ("at_us", np.int64),
-        ("name", np.int64), ("lineage", np.int64)]
+_NUMBERS = [("rowid", np.int64), ("update", np.int64), ("value", np.float64), ("attempt", np.int64),
+            ("name", np.int64), ("lineage", np.int64)]
+# every row's ``at`` as one text (rowid,at lines), which Arrow parses in C: a string, a datetime or SQLite's
+# own date functions per row cost a microsecond or more each, a week's million rows a second
+_TIMES = ("SELECT CAST(group_concat(rowid || ',' || at, char(10)) AS BLOB) FROM "
+          "(SELECT rowid, at FROM points WHERE job_id = ? ORDER BY rowid)")
+_TIMES_READ = pa_csv.ReadOptions(column_names=["rowid", "at"])
+_TIMES_CONVERT = pa_csv.ConvertOptions(column_types={"rowid": pa.int64(), "at": pa.timestamp("us", tz="UTC")})
 
 
 def _code(column: str, values: tuple[str, ...]) -> tuple[str, list[str]]:
-    """SQL giving each row's index of ``column`` in ``values``, and its parameters."""
+    """SQL giving each row's index of ``column`` in ``values``, and its parameters (0 for one value)."""
+    if len(values) == 1:
+        return "0", []
     return f"CASE {column} {' '.join('WHEN ? THEN ' + str(i) for i in range(len(values)))} END", list(values)
 
 
+def _times(db: sqlite3.Connection, job_id: str, rowids: np.ndarray) -> np.ndarray | None:
+    """Each row's ``at`` in microseconds, in the order of ``rowids``; ``None`` when one is not a time Arrow
+    reads (the caller validates those rows one by one instead)."""
+    blob = db.execute(_TIMES, (job_id,)).fetchone()[0]
+    try:
+        table = pa_csv.read_csv(pa.BufferReader(blob or b""), read_options=_TIMES_READ, convert_options=_TIMES_CONVERT)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    if table.num_rows != len(rowids) or table.column("at").null_count:
+        return None
+    at, order = _numbers(table.column("at"), np.int64), _numbers(table.column("rowid"), np.int64)
+    if not np.array_equal(order, rowids):  # group_concat's order is SQLite's to choose: line them up by rowid
+        at = at[np.argsort(order)][np.argsort(np.argsort(rowids))]
+    return at
+
+
 def _columns(uri: str, job_id: str) -> PointColumns | None:
-    """The job's rows as columns, in the table's order (update, then name), the numbers read by SQLite
-    straight into numpy: no model, no string per row. ``None`` when some ``at`` is not in the sink's
-    format (the caller validates those rows one by one instead)."""
+    """The job's rows as columns, by update then name: the numbers read by SQLite straight into numpy, the
+    times parsed by Arrow (no model, no string per row). ``None`` when some ``at`` is not a time Arrow
+    reads (the caller validates those rows one by one instead)."""
     db = sqlite3.connect(uri, uri=True, timeout=5)
     try:
+        db.execute("BEGIN")  # one snapshot for the three reads below, whatever a writer does meanwhile
         pairs = db.execute("SELECT DISTINCT name, lineage_id FROM points WHERE job_id = ?", (job_id,)).fetchall()
         if not pairs:
             return PointColumns.empty(job_id)
         names, lineages = tuple(sorted({n for n, _ in pairs})), tuple(sorted({x for _, x in pairs}))
         name_sql, name_args = _code("name", names)
         lineage_sql, lineage_args = _code("lineage_id", lineages)
-        # in the table's own order (SQLite would sort a million rows in a temporary B-tree): sorted below
-        rows = db.execute(f"SELECT update_index, value, attempt, {_AT_US}, {name_sql}, {lineage_sql} FROM points "
-                          "WHERE job_id = ?", [*name_args, *lineage_args, job_id])
-        try:
-            cols = np.fromiter(rows, dtype=_ROW)
-        except TypeError:  # a NULL: an ``at`` in another form
-            return None
+        # in the table's own order (SQLite would sort a million rows by update in a temporary B-tree):
+        # sorted below, when they are not sorted already
+        rows = db.execute(f"SELECT rowid, update_index, value, attempt, {name_sql}, {lineage_sql} FROM points "
+                          "WHERE job_id = ? ORDER BY rowid", [*name_args, *lineage_args, job_id])
+        cols = np.fromiter(rows, dtype=_NUMBERS)
+        at = _times(db, job_id, cols["rowid"])
     finally:
         db.close()
+    if at is None:
+        return None
     # by update, then name (codes follow the names' sorted order; a key is one row, so the order is total)
     key = cols["update"] * len(names) + cols["name"]
     if len(key) > 1 and not (key[1:] > key[:-1]).all():  # rows are written in update order: mostly sorted
-        cols = cols[np.argsort(key, kind="stable")]
-    return PointColumns(job_id, cols["update"], cols["value"], cols["attempt"], cols["at_us"], cols["name"], names,
+        order = np.argsort(key, kind="stable")
+        cols, at = cols[order], at[order]
+    return PointColumns(job_id, cols["update"], cols["value"], cols["attempt"], at, cols["name"], names,
                         cols["lineage"], lineages)
 
 
