@@ -10,13 +10,15 @@ replaced are never downsampled: every one in the range is returned as it is.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from tsdownsample import MinMaxLTTBDownsampler
 
 from spotrun.orchestrator.dashboard.queries import BadQuery
+from spotrun.orchestrator.ledger.columns import PointColumns
 
 PAGE_POINTS = 2_000  # the job page's chart (and /api/jobs/{id}): about two points per pixel column
 MIN_POINTS, MAX_POINTS = 3, 100_000  # what ?points= may ask for (MinMaxLTTB needs 3)
@@ -46,33 +48,36 @@ def within(rows: Sequence[dict[str, Any]], lo: int | None, hi: int | None) -> li
     return [r for r in rows if (lo is None or r["update"] >= lo) and (hi is None or r["update"] <= hi)]
 
 
-def downsample(points: Sequence[dict[str, Any]], n_out: int, keep: set[int]) -> list[dict[str, Any]]:
-    """``points`` (one per update, ascending) cut to about ``n_out``, plus every point whose update is in
-    ``keep`` and every non-finite value; fewer than ``n_out`` points come back as they are."""
-    if len(points) <= n_out:
-        return list(points)
-    x = np.fromiter((p["update"] for p in points), dtype=np.int64, count=len(points))
-    y = np.fromiter((p["value"] for p in points), dtype=np.float64, count=len(points))
+def downsample(x: npt.NDArray[np.int64], y: npt.NDArray[np.float64], n_out: int,
+               keep: set[int]) -> npt.NDArray[np.intp]:
+    """Which of the points ``(x, y)`` (one per update ``x``, ascending) to show, ascending: about ``n_out``,
+    plus every point whose update is in ``keep`` and every non-finite value; all of them when there are
+    no more than ``n_out``."""
+    if len(x) <= n_out:
+        return np.arange(len(x))
     finite = np.isfinite(y)
-    chosen = set(np.flatnonzero(~finite).tolist())  # a diverged loss is news: never sampled away
+    chosen = ~finite  # a diverged loss is news: never sampled away
     idx = np.flatnonzero(finite)
-    if len(idx) > n_out:
-        picked = MinMaxLTTBDownsampler().downsample(x[idx], y[idx], n_out=n_out)
-        chosen.update(idx[picked].tolist())
-    else:
-        chosen.update(idx.tolist())
-    chosen.update(np.flatnonzero(np.isin(x, np.fromiter(keep, dtype=np.int64, count=len(keep)))).tolist())
-    return [points[i] for i in sorted(chosen)]
+    chosen[idx[MinMaxLTTBDownsampler().downsample(x[idx], y[idx], n_out=n_out)] if len(idx) > n_out else idx] = True
+    chosen |= np.isin(x, np.fromiter(keep, dtype=np.int64, count=len(keep)))
+    return np.flatnonzero(chosen)
 
 
-def curve(points: Sequence[dict[str, Any]], replaced: Sequence[dict[str, Any]], restarts: Sequence[dict[str, Any]],
-          *, lo: int | None = None, hi: int | None = None, n_out: int | None = PAGE_POINTS) -> dict[str, Any]:
-    """One metric's chart data over ``[lo, hi]``: ``points`` downsampled to ``n_out`` (``None``: all),
-    ``replaced`` exact, and ``range`` saying what was asked, how many points it holds and how many are
-    shown. ``points`` must be ascending by update."""
+def page_row(points: PointColumns, i: int) -> dict[str, Any]:
+    """A point as the job page's chart carries it."""
+    return {"update": int(points.update[i]), "value": float(points.value[i]), "attempt": int(points.attempt[i])}
+
+
+def curve(points: PointColumns, replaced: Sequence[dict[str, Any]], restarts: Sequence[dict[str, Any]],
+          *, lo: int | None = None, hi: int | None = None, n_out: int | None = PAGE_POINTS,
+          row: Callable[[PointColumns, int], dict[str, Any]] = page_row) -> dict[str, Any]:
+    """One metric's chart data over ``[lo, hi]``: ``points`` (one metric's, ascending by update) downsampled
+    to ``n_out`` (``None``: all), each shown point as ``row`` builds it; ``replaced`` exact; ``range``
+    saying what was asked, how many points it holds and how many are shown."""
     check_range(lo, hi, n_out)
-    inside = within(points, lo, hi)
-    shown = inside if n_out is None else downsample(inside, n_out, restart_edges(restarts))
-    return {"points": shown, "replaced": within(replaced, lo, hi),
+    inside = np.flatnonzero((points.update >= (lo if lo is not None else np.iinfo(np.int64).min))
+                            & (points.update <= (hi if hi is not None else np.iinfo(np.int64).max)))
+    shown = inside if n_out is None else inside[downsample(points.update[inside], points.value[inside], n_out,
+                                                           restart_edges(restarts))]
+    return {"points": [row(points, int(i)) for i in shown], "replaced": within(replaced, lo, hi),
             "range": {"from": lo, "to": hi, "points": n_out, "total": len(inside), "shown": len(shown)}}
-

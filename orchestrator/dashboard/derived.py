@@ -23,6 +23,7 @@ from typing import Any
 
 from spotrun.orchestrator.dashboard import observed
 from spotrun.orchestrator.dashboard.curve import curve
+from spotrun.orchestrator.ledger.columns import PointColumns
 from spotrun.orchestrator.ledger.events import CorruptEvent, LedgerEvent
 from spotrun.orchestrator.ledger.history_model import History
 from spotrun.orchestrator.ledger.points import Points, replaced
@@ -56,11 +57,8 @@ class Derived:
             hit = self.curves.get(key)
         if hit is not None:
             return hit
-        # the rows are built for a range not seen yet and dropped after: a week's million would hold
-        # hundreds of MB for as long as the server runs, to serve the rare zoom a little sooner
-        rows = [{"update": p.update, "value": p.value, "attempt": p.attempt} for p in self.points.final
-                if p.name == "loss"]
-        made = curve(rows, self.loss_replaced, self.restarts, lo=lo, hi=hi, n_out=n_out)
+        # from the columns: a row is built only for each point shown
+        made = curve(self.points.final.named("loss"), self.loss_replaced, self.restarts, lo=lo, hi=hi, n_out=n_out)
         with self._lock:
             while len(self.curves) >= CURVES:  # a reader zooming around: memory stays bounded
                 self.curves.pop(next(iter(self.curves)))
@@ -77,14 +75,14 @@ def derive(history: History, points: Points, stacks_url: Callable[[dict[str, Any
         r["stacks_url"] = stacks_url(r)
     return Derived(history=history, history_doc=history.model_dump(mode="json"), spans=spans, restarts=restarts,
                    points=points, loss_replaced=replaced(points, "loss"),
-                   max_update=max((p.update for p in points.final), default=0))
+                   max_update=points.final.max_update())
 
 
 @dataclass
 class _Entry:
     events: Events
-    final: list[Any]
-    log: list[Any] | None
+    final: PointColumns
+    log: PointColumns | None
     newest: str | None
     derived: Derived
 

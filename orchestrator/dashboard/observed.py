@@ -16,6 +16,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+import numpy as np
+
+from spotrun.orchestrator.ledger.columns import PointColumns, from_us
 from spotrun.orchestrator.ledger.history_model import History
 from spotrun.orchestrator.ledger.points import Points, last_write_by_attempt
 
@@ -30,6 +33,12 @@ def _iso(value: datetime | None) -> str | None:
 
 def _seconds(a: datetime | None, b: datetime | None) -> float | None:
     return round((b - a).total_seconds(), 3) if a and b else None
+
+
+def _written_at(rows: PointColumns, wanted: set[int]) -> dict[tuple[int, int], datetime]:
+    """When each row of an update in ``wanted`` was written, by (attempt, update); a later row wins."""
+    hits = np.flatnonzero(np.isin(rows.update, np.fromiter(wanted, np.int64, len(wanted))))
+    return {(int(rows.attempt[i]), int(rows.update[i])): from_us(int(rows.at_us[i])) for i in hits}
 
 
 def spans(hist: History, points: Points) -> list[dict[str, Any]]:
@@ -59,9 +68,10 @@ def restarts(hist: History, points: Points, attempt_spans: list[dict[str, Any]])
     by_attempt = {s["attempt"]: s for s in attempt_spans}
     # only the last lost update of each restart is looked up: a week's job has 500 restarts and 10^6 points
     wanted = {r.lost_range[1] for r in hist.restarts if r.lost_range}
-    final_at = {(p.attempt, p.update): p.at for p in points.final if p.update in wanted and p.name == "loss"}
-    if points.log is not None:
-        final_at.update({(p.attempt, p.update): p.at for p in points.log if p.update in wanted and p.name == "loss"})
+    final_at: dict[tuple[int, int], datetime] = {}
+    for rows in (points.final, points.log):  # the log's writes last: they win
+        if rows is not None:
+            final_at.update(_written_at(rows.named("loss"), wanted))
     out = []
     for r in hist.restarts:
         prev, this = by_attempt.get(r.attempt - 1), by_attempt.get(r.attempt)

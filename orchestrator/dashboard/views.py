@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+
+import numpy as np
 
 from spotrun.orchestrator.dashboard.checksums import ChecksumCache
 from spotrun.orchestrator.dashboard.curve import PAGE_POINTS, check_range, curve
 from spotrun.orchestrator.dashboard.derived import Derived, DerivedCache, derive
 from spotrun.orchestrator.dashboard.queries import check_page, check_window, paged, window
 from spotrun.orchestrator.ledger.access import JobNotFound, job_ids, require_job
+from spotrun.orchestrator.ledger.columns import PointColumns, from_us
 from spotrun.orchestrator.ledger.events import CorruptEvent, LedgerEvent
 from spotrun.orchestrator.ledger.history import history
 from spotrun.orchestrator.ledger.history_model import History
@@ -99,17 +103,24 @@ class Reader:
                  listing: list[BundleRef] | None = None) -> tuple[Derived, Points, list[BundleRef]]:
         """The job's derived figures (kept while its events, points and newest bundle are unchanged), with
         the points and the bundle listing they came from; each is read here when not given."""
-        points = self.points(job_id) if points is None else points
-        listing = list_bundles(self.storage, job_id) if listing is None else listing
         ledger = self.ledger(job_id)
+        with ThreadPoolExecutor(1, thread_name_prefix="spotrun-points") as pool:
+            # the sinks read on a thread while this one lists the bundles and reads the ledger: at a week's
+            # scale each takes a good part of a second, and most of it (file reads, SQLite's steps, Arrow's
+            # parse, directory listings) runs without the GIL
+            reading = pool.submit(self.points, job_id) if points is None else None
+            bundles = list_bundles(self.storage, job_id) if listing is None else listing
+            events = ledger.read()
+            read = reading.result() if reading is not None else points
+        assert read is not None  # given, or read just above
 
         def build() -> Derived:
-            hist = history(self.storage, job_id, points, ledger=ledger, listing=listing)
+            hist = history(self.storage, job_id, read, ledger=ledger, listing=bundles)
             # a hung or stuck rank's stacks: the loss was recorded by the attempt before
-            return derive(hist, points, lambda r: stacks_url(job_id, r["attempt"] - 1, r["rank"])
+            return derive(hist, read, lambda r: stacks_url(job_id, r["attempt"] - 1, r["rank"])
                           if r["stacks"] else None)
 
-        return self._cache.get(job_id, ledger.read(), points, listing, build), points, listing
+        return self._cache.get(job_id, events, read, bundles, build), read, bundles
 
     def job(self, job_id: str, restart_page: int = 1, bundle_page: int = 1, lo: int | None = None,
             hi: int | None = None) -> dict[str, Any]:
@@ -162,17 +173,18 @@ class Reader:
         require_job(self.storage, job_id)
         check_range(lo, hi, n_out)
         points = self.points(job_id)
-        names = sorted({p.name for p in points.final})
+        final = points.final
+        names = sorted(final.names[c] for c in np.unique(final.name))
         chosen = [name] if name else names
         doc: dict[str, Any] = {"job_id": job_id, "source": points.source, "has_log": points.log is not None,
                                "names": names}
-        rows = {n: [{"update": p.update, "name": p.name, "value": p.value, "attempt": p.attempt,
-                     "at": p.at.isoformat()} for p in points.final if p.name == n] for n in chosen}
+        series = {n: final.named(n) for n in chosen}
         if lo is None and hi is None and n_out is None:  # every point, as this answer has always been
-            return {**doc, "points": [p for n in chosen for p in rows[n]],
+            return {**doc, "points": [_api_row(series[n], i) for n in chosen for i in range(len(series[n]))],
                     "replaced": {n: replaced(points, n) for n in chosen}}
         restarts = self._derived(job_id, points)[0].history_doc["restarts"]
-        curves = {n: curve(rows[n], replaced(points, n), restarts, lo=lo, hi=hi, n_out=n_out) for n in chosen}
+        curves = {n: curve(series[n], replaced(points, n), restarts, lo=lo, hi=hi, n_out=n_out, row=_api_row)
+                  for n in chosen}
         return {**doc, "points": [p for n in chosen for p in curves[n]["points"]],
                 "replaced": {n: c["replaced"] for n, c in curves.items()},
                 "range": {n: c["range"] for n, c in curves.items()}}
@@ -269,6 +281,12 @@ class Reader:
             except (ManifestError, BundleError, OSError):
                 continue  # unreadable: the next one may say
         return None
+
+
+def _api_row(points: PointColumns, i: int) -> dict[str, Any]:
+    """A final point as ``/api/jobs/{id}/metrics`` lists it."""
+    return {"update": int(points.update[i]), "name": points.names[points.name[i]], "value": float(points.value[i]),
+            "attempt": int(points.attempt[i]), "at": from_us(int(points.at_us[i])).isoformat()}
 
 
 def _event_doc(e: LedgerEvent | CorruptEvent) -> dict[str, Any]:

@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from spotrun.orchestrator.ledger.columns import Floats, Ints, PointColumns, from_us, to_us
 from spotrun.orchestrator.ledger.events import (
     AttemptStarted,
     BundlePublished,
@@ -135,17 +137,30 @@ def _cost(rate: float | None, windows: list[tuple[int, float, float]]) -> dict[s
             "badput_usd": round(sum(n * (wall - good) for n, wall, good in windows) * per_second, 4)}
 
 
-def _update_times(points: Sequence[MetricPoint]) -> dict[int, dict[int, datetime]]:
+Times = dict[int, tuple[Ints, Ints]]  # per attempt: its updates, ascending, and when each was written (µs)
+
+
+def _update_times(points: Sequence[MetricPoint]) -> Times:
     """Per attempt, per update: when its points were written (the latest of the update's points)."""
-    out: dict[int, dict[int, datetime]] = {}
-    for p in points:  # once per point of a week's million: no call that a comparison can do
-        by_update = out.get(p.attempt)
-        if by_update is None:
-            by_update = out[p.attempt] = {}
-        seen = by_update.get(p.update)
-        if seen is None or p.at > seen:
-            by_update[p.update] = p.at
-    return out
+    return PointColumns.of(points).by_attempt()
+
+
+def _stall_caps(updates: Ints, stalls: dict[int, float]) -> Floats:
+    """Per update of ``updates`` (ascending): the stall of the bundle taken at the boundary before it
+    (``stalls`` by the bundle's update; 0 where none)."""
+    caps = np.zeros(len(updates), dtype=np.float64)
+    if stalls and len(updates):
+        after = np.fromiter(stalls, np.int64, len(stalls)) + 1
+        at = np.minimum(np.searchsorted(updates, after), len(updates) - 1)
+        hit = updates[at] == after
+        caps[at[hit]] = np.fromiter(stalls.values(), np.float64, len(stalls))[hit]
+    return caps
+
+
+def _sum(values: Floats) -> float:
+    """``values`` added one after the other, as a Python loop would (cumsum is sequential; sum is not):
+    the figures stay the same to the last bit whichever way they are computed."""
+    return float(np.cumsum(values)[-1]) if len(values) else 0.0
 
 
 def goodput(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[MetricPoint],
@@ -160,7 +175,7 @@ def goodput(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[Metric
         return Goodput(**_totals(0.0, dict.fromkeys(TERMS, 0.0)), **_cost(usd_per_rank_hour, []),
                        productive_updates=0, replayed_updates=0, attempts=[])
     kept = _update_times(final)
-    logged = _update_times(log or [])
+    logged = _update_times(log) if log is not None else {}
     # indexed once, so that the job costs O(events), not O(attempts x events)
     own: dict[int, list[LedgerEvent]] = defaultdict(list)
     for e in evs:
@@ -173,26 +188,24 @@ def goodput(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[Metric
     reached = 0  # the furthest update any earlier attempt computed
     for w in windows:
         w.productive_updates, w.replayed_updates = counts[w.attempt]
-        times = kept.get(w.attempt, {})
         stalls = {e.update: e.stall_seconds for e in own[w.attempt] if isinstance(e, BundlePublished)}
         # the capacity waits recorded in (begin, ready]
         lo, hi = bisect.bisect_right(wait_times, w.begin), bisect.bisect_right(wait_times, w.ready)
         w.add("capacity_wait_seconds", min((w.ready - w.begin).total_seconds(), sum(x for _, x in waits[lo:hi])))
         w.add("downtime_seconds", (w.ready - w.begin).total_seconds() - w.terms["capacity_wait_seconds"])
-        previous, intervals = w.ready, []
-        # summed here, in the order w.add would (these terms are still 0 here), so the figures are the same
-        # to the last bit; one w.add per term instead of two calls per update of a week's million
-        summed = {"checkpoint_stall_seconds": 0.0, "replayed_seconds": 0.0, "productive_seconds": 0.0}
-        for update in sorted(times):
-            seconds = (times[update] - previous).total_seconds()
-            stall = min(max(0.0, seconds), stalls.get(update - 1, 0.0))
-            summed["checkpoint_stall_seconds"] += max(0.0, stall)
-            summed["replayed_seconds" if update <= reached else "productive_seconds"] += max(0.0, seconds - stall)
-            intervals.append(seconds - stall)
-            previous = times[update]
-        for term, seconds in summed.items():
-            w.add(term, seconds)
-        last = max(times, default=0)
+        updates, at = kept.get(w.attempt, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+        # each update's time runs from the point before it (the first from the attempt's start); a
+        # difference in microseconds over 10^6 is exactly timedelta.total_seconds()
+        seconds = np.diff(at, prepend=to_us(w.ready)) / 1e6
+        stalled = np.minimum(np.maximum(0.0, seconds), _stall_caps(updates, stalls))
+        work = np.maximum(0.0, seconds - stalled)
+        replay = updates <= reached
+        w.add("checkpoint_stall_seconds", _sum(np.maximum(0.0, stalled)))
+        w.add("replayed_seconds", _sum(np.where(replay, work, 0.0)))
+        w.add("productive_seconds", _sum(np.where(replay, 0.0, work)))
+        intervals = (seconds - stalled).tolist()
+        previous = from_us(int(at[-1])) if len(at) else w.ready
+        last = int(updates[-1]) if len(updates) else 0
         furthest = max(last, reach[w.attempt].update if w.attempt in reach else 0)
         tail = (w.end - previous).total_seconds()
         stall = min(max(0.0, tail), stalls.get(last, 0.0)) if last else 0.0
@@ -212,8 +225,7 @@ def goodput(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[Metric
 
 
 def _windows(evs: list[LedgerEvent], own: dict[int, list[LedgerEvent]], started: list[AttemptStarted],
-             kept: dict[int, dict[int, datetime]],
-             logged: dict[int, dict[int, datetime]]) -> list[_Window]:
+             kept: Times, logged: Times) -> list[_Window]:
     """The attempts' windows, back to back: each begins where the one before ended (the first at its
     start-up, or at the capacity wait before it) and ends at the attempt's last sign of life."""
     restore = {e.attempt: e.restore_wall_seconds or e.restore_seconds for e in evs if isinstance(e, Restored)}
@@ -229,7 +241,7 @@ def _windows(evs: list[LedgerEvent], own: dict[int, list[LedgerEvent]], started:
         nxt = started[i + 1].at if i + 1 < len(started) else None
         # its own events, less the capacity waits its supervisor recorded while placing the next attempt
         signs = [e.at for e in own[s.attempt] if not isinstance(e, CapacityWait)]
-        signs += [*kept.get(s.attempt, {}).values(), *logged.get(s.attempt, {}).values()]
+        signs += [from_us(int(t[1].max())) for t in (kept.get(s.attempt), logged.get(s.attempt)) if t is not None]
         end = max(signs)
         if nxt is not None:
             end = min(end, nxt)
@@ -240,14 +252,15 @@ def _windows(evs: list[LedgerEvent], own: dict[int, list[LedgerEvent]], started:
 
 
 def _lost_work(w: _Window, own: list[LedgerEvent], previous: datetime, last: int, furthest: int,
-               logged: dict[int, dict[int, datetime]], intervals: list[float]) -> float:
+               logged: Times, intervals: list[float]) -> float:
     """The time an attempt spent on updates after its last surviving point (they were lost with it)."""
     if furthest <= last:
         return 0.0
     loss = next((e for e in own if isinstance(e, WorkerLost)), None)
     limit = ((loss.detected_at or loss.at) if loss else w.end) - previous
-    beyond = [t for u, t in logged.get(w.attempt, {}).items() if u > last]
-    if beyond:
-        return min(limit.total_seconds(), (max(beyond) - previous).total_seconds())
+    updates, at = logged.get(w.attempt, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+    beyond = at[updates > last]
+    if len(beyond):
+        return min(limit.total_seconds(), (from_us(int(beyond.max())) - previous).total_seconds())
     estimate = (furthest - last) * statistics.median(intervals) if intervals else 0.0
     return max(0.0, min(limit.total_seconds(), estimate))

@@ -148,9 +148,10 @@ def history(storage: Storage, job_id: str, points: Points | None = None,
         if isinstance(e, RunRefused):  # no attempt began, so no attempt row, and the job's state stands
             refusals.append(RefusalRow(**e.model_dump(mode="json", include={"at", "check", "bundle", "reason"})))
             continue
-        a = attempts.setdefault(e.attempt, AttemptRow(attempt=e.attempt, started_at=None, ended_at=None,
-                                                      world_size=None, node_ids=[], published=0, last_update=None,
-                                                      ended=None))
+        a = attempts.get(e.attempt)  # a row built once per attempt, not once per event of a week's 40,000
+        if a is None:
+            a = attempts[e.attempt] = AttemptRow(attempt=e.attempt, started_at=None, ended_at=None, world_size=None,
+                                                 node_ids=[], published=0, last_update=None, ended=None)
         a.ended_at = e.at.isoformat()
         if isinstance(e, AttemptStarted | WorkerLost) and e.budget is not None:
             budget = e.budget

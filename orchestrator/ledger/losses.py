@@ -38,6 +38,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from spotrun.orchestrator.ledger.columns import PointColumns
 from spotrun.orchestrator.ledger.events import (
     BundlePublished,
     CorruptEvent,
@@ -79,9 +80,7 @@ def reaches(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[Metric
             ended.add(e.attempt)
         elif isinstance(e, Resizing | StragglerReplacing):  # it stops at the boundary its bundle is taken at
             ended.add(e.attempt)
-    written: dict[int, int] = {}
-    for p in log if log is not None else final:
-        written[p.attempt] = max(written.get(p.attempt, 0), p.update)
+    written = PointColumns.of(log if log is not None else final).max_update_by_attempt()
     out = {}
     for attempt in sorted(set(ledger) | set(written)):
         by_ledger, by_points = ledger.get(attempt, 0), written.get(attempt, 0)

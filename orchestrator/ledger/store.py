@@ -103,6 +103,10 @@ class Ledger:
         # (create-only), and never change, so a ledger read again parses only new keys
         self._parsed: dict[str, tuple[str | None, LedgerEvent | _Segment]] = {}
         self._raw: dict[str, bytes] = {}  # unfolded singles' bytes (a folding writer's): what a fold copies
+        # the events of the last listing, assembled: a reader (the dashboard's page reads the ledger three
+        # times) whose listing has not changed skips re-sorting a week's 40,000 events; never kept with a
+        # corrupt event in it, which is parsed anew each read
+        self._assembled: tuple[dict[str, str | None], list[LedgerEvent | CorruptEvent]] | None = None
         self._due = True  # a fold may be due: checked at the first append, then at block boundaries
 
     def _list(self) -> Listing:
@@ -264,7 +268,7 @@ class Ledger:
             for _ in range(READ_LISTINGS):
                 listing = self._list()
                 try:
-                    return self._assemble(listing) + self._pending.items()
+                    return self._assembled_events(listing) + self._pending.items()
                 except FileNotFoundError:
                     continue  # folded away since the listing: the next one names the segment that holds it
             raise self._unsettled()
@@ -272,6 +276,15 @@ class Ledger:
     def _unsettled(self) -> StorageError:
         return StorageError(f"the ledger under {self.storage.uri}/{self.prefix} changed under each of "
                             f"{READ_LISTINGS} listings in a row; read it again (is a writer folding in a loop?)")
+
+    def _assembled_events(self, listing: Listing) -> list[LedgerEvent | CorruptEvent]:
+        """:meth:`_assemble`'s events, kept while the listing (its keys and versions) is the same."""
+        if self._assembled is not None and self._assembled[0] == listing.versions:
+            return list(self._assembled[1])
+        events = self._assemble(listing)
+        clean = not any(isinstance(e, CorruptEvent) for e in events)
+        self._assembled = (listing.versions, events) if clean else None
+        return list(events)
 
     def _assemble(self, listing: Listing) -> list[LedgerEvent | CorruptEvent]:
         """The segments' events, then every single no segment holds, by sequence number."""

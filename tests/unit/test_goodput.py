@@ -117,3 +117,14 @@ def test_history_reports_goodput_from_the_jobs_own_ledger_and_points(spec_factor
     assert g.productive_updates == 6 and g.replayed_updates == 0
     assert sum(getattr(g, k) for k in TERMS) == pytest.approx(g.wall_seconds, abs=0.01)
     assert 0 < g.goodput <= 1 and g.cost_usd > 0
+
+
+def test_a_bundle_stall_is_charged_to_the_update_after_its_boundary():
+    """Bundle 2's 0.25 s stall is inside update 3's 1.25 s: 1 s of it computed, the rest the stall."""
+    events = [AttemptStarted(at=t(1), attempt=1, world_size=1, pid=1, lineage_id="x"),
+              BundlePublished(at=t(3.1), attempt=1, bundle="g/bundles/u0000000002-a1", update=2, bytes=1,
+                              stall_seconds=0.25, write_seconds=0.1),
+              JobFinished(at=t(5.25), attempt=1, counters={"attempted_updates": 4})]
+    g = goodput(events, [point(1, 1, 2), point(2, 1, 3), point(3, 1, 4.25), point(4, 1, 5.25)])
+    assert (g.wall_seconds, g.productive_seconds, g.checkpoint_stall_seconds, g.downtime_seconds) == (4.25, 4.0,
+                                                                                                    0.25, 0.0)

@@ -85,6 +85,7 @@ def test_a_ledger_read_again_sees_new_events_and_reads_a_corrupt_one_again(tmp_p
     assert [type(e) for e in ledger.read()] == [AttemptStarted, CorruptEvent]
     storage.put("j/events/000000000001.json", JobFinished(attempt=1, counters={"attempted_updates": 3})
                 .model_dump_json().encode())  # a repair is seen: a corrupt event is never kept
+    assert [type(e) for e in ledger.read()] == [AttemptStarted, JobFinished]  # the same listing, read anew
     Ledger(storage, "j").append(Restored(attempt=2, bundle="j/bundles/b", update=3, recovery_label="exact",
                                          policy="strict", restore_mode="snapshot", restore_seconds=0.1))
     again = ledger.read()
