@@ -59,4 +59,4 @@ class RunContext:
         self.options.sleep(seconds)
 
     def bundle_key(self, manifest: Manifest) -> str:
-        return f"{self.spec.job_id}/bundles/{manifest.bundle_id}"
+        return self.published.key_of(manifest)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from spotrun.trainer.bundle.bundles import bundles_prefix
 from spotrun.trainer.bundle.manifest import Manifest
 
 RECENT = 16  # manifests kept: an early checkpoint's bundle is looked for at the poll that publishes it
@@ -26,8 +27,12 @@ class Published:
 
     def extend(self, manifests: Iterable[Manifest]) -> None:
         for m in manifests:
-            self.keys.append(f"{self.job_id}/bundles/{m.bundle_id}")
+            self.keys.append(self.key_of(m))
             self.recent.append(m)
+
+    def key_of(self, manifest: Manifest) -> str:
+        """The storage key of the job's bundle ``manifest`` describes."""
+        return bundles_prefix(self.job_id) + manifest.bundle_id
 
     @property
     def newest(self) -> Manifest | None:

@@ -355,7 +355,7 @@ def upsert_log(log: PointColumns) -> PointColumns:
     rank = np.empty(len(log.names), dtype=np.int64)
     rank[np.argsort(np.array(log.names, dtype=object))] = np.arange(len(log.names))
     key = log.update * len(log.names) + rank[log.name]
-    keys, first_from_end = np.unique(key[::-1], return_index=True)  # sorted by (update, name)
+    _, first_from_end = np.unique(key[::-1], return_index=True)  # sorted by (update, name)
     return log.take(len(log) - 1 - first_from_end)
 
 
