@@ -198,9 +198,11 @@ def goodput(events: Sequence[LedgerEvent | CorruptEvent], final: Sequence[Metric
         # difference in microseconds over 10^6 is exactly timedelta.total_seconds()
         seconds = np.diff(at, prepend=to_us(w.ready)) / 1e6
         stalled = np.minimum(np.maximum(0.0, seconds), _stall_caps(updates, stalls))
-        work = np.maximum(0.0, seconds - stalled)
+        # not clamped: a point stamped before the one before it gives back the time the one before took, so
+        # that an attempt's terms add up to its window whatever order its points were stamped in
+        work = seconds - stalled
         replay = updates <= reached
-        w.add("checkpoint_stall_seconds", _sum(np.maximum(0.0, stalled)))
+        w.add("checkpoint_stall_seconds", _sum(stalled))
         w.add("replayed_seconds", _sum(np.where(replay, work, 0.0)))
         w.add("productive_seconds", _sum(np.where(replay, 0.0, work)))
         intervals = (seconds - stalled).tolist()
