@@ -112,13 +112,18 @@ def uninterrupted_trace(tmp: Path, *sets: str) -> list[UpdateRecord]:
     return read_trace(tmp / "ref.jsonl")
 
 
-def kill_when_held(cmd: list[str], storage: Path, job: str, attempt: int = 1, published: int | None = None) -> int:
+def kill_when_held(cmd: list[str], storage: Path, job: str, attempt: int = 1, published: int | None = None,
+                   until: Callable[[], bool] | None = None) -> int:
     """Start ``cmd`` (a job with a ``HOLD`` fault in ``attempt``); SIGKILL it once it holds (and, with
-    ``published``, once that bundle is published). Returns the exit code; fails when the job ended
-    before holding."""
+    ``published``, once that bundle is published; with ``until``, once it says so: what the held job's
+    other threads still write). Returns the exit code; fails when the job ended before holding."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_until_held(open_storage(f"file://{storage}"), job, lambda: proc.poll() is None, attempt, published)
+        deadline = time.monotonic() + 120
+        while until is not None and not until():
+            assert proc.poll() is None and time.monotonic() < deadline, f"job {job}: held, but never came to {until}"
+            time.sleep(0.01)  # polling a condition (the caller's)
     except AssertionError:
         if proc.poll() is None:
             proc.kill()
