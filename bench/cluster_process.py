@@ -31,14 +31,19 @@ def _keep(conn: Connection, workers: int, cpus: int) -> None:
                 break
             if verb == "nodes":
                 conn.send([n.node_id for n in cluster.worker_nodes])
-            elif verb == "replace":  # the node goes and a new one (a new machine) takes its place
+            elif verb in ("replace", "remove"):  # replace: a new machine takes each lost one's place
                 gone = [n for n in cluster.worker_nodes if n.node_id in arg]
                 for node in gone:
                     cluster.remove_node(node)
-                for _ in gone:
-                    cluster.add_node(num_cpus=cpus)
+                if verb == "replace":
+                    for _ in gone:
+                        cluster.add_node(num_cpus=cpus)
                 cluster.wait_for_nodes()
                 conn.send(len(gone))
+            elif verb == "add":
+                added = [cluster.add_node(num_cpus=cpus) for _ in range(arg)]
+                cluster.wait_for_nodes()
+                conn.send([n.node_id for n in added])
     finally:
         cluster.shutdown()
         conn.send("down")
@@ -68,6 +73,16 @@ class ClusterProcess:
     def replace(self, node_ids: set[str]) -> int:
         """Remove the worker nodes ``node_ids`` names and add as many new ones; how many were replaced."""
         self._conn.send(("replace", set(node_ids)))
+        return self._answer()
+
+    def remove(self, node_ids: set[str]) -> int:
+        """Remove the worker nodes ``node_ids`` names (none in their place); how many were removed."""
+        self._conn.send(("remove", set(node_ids)))
+        return self._answer()
+
+    def add(self, count: int = 1) -> list[str]:
+        """Add ``count`` worker nodes; their node ids, once the cluster has them."""
+        self._conn.send(("add", count))
         return self._answer()
 
     def shutdown(self) -> None:
