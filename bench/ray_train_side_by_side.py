@@ -78,7 +78,7 @@ def spotrun_job(root: Path, job_id: str, shape: Shape, every: int, kill: bool, s
     outcome = run_on_ray(spec, trace_path=str(trace), record_ids=True)
     if watch:
         watch.stop()
-    return spotrun_run(spec, trace, outcome, watch.died_at if watch else None)
+    return spotrun_run(spec, trace, outcome.restarts, watch.died_at if watch else None)
 
 
 def peer_config(out: Path, shape: Shape, every: int, kill: bool, system: System) -> dict:

@@ -67,6 +67,18 @@ def restart_figures(run: Run, reference: Run, kill_at: int) -> dict[str, float |
     }
 
 
+def goodput(run: Run, step_s: float) -> float:
+    """Useful update-time over wall time, one definition for both systems: from the run's first completed
+    update to the last update of its final lineage, the useful part is ``step_s`` (the system's own median
+    update in its uninterrupted run) for each update of the final lineage after the first. An update done
+    again after a restart counts once; restarts, checkpoint stalls and the lost work are wall time only."""
+    final = run.final()
+    if len(final) < 2:
+        return float("nan")
+    wall = max(s.t for s in final.values()) - min(s.t for s in run.steps)
+    return (len(final) - 1) * step_s / wall if wall > 0 else float("nan")
+
+
 def checkpoint_figures(reference: Run, every: int) -> dict[str, float]:
     """From an uninterrupted run: the blocking time and the extra step time a checkpoint costs."""
     from bench.tables import median
@@ -86,7 +98,7 @@ def checkpoint_figures(reference: Run, every: int) -> dict[str, float]:
 # -- spotrun ------------------------------------------------------------------------------------
 
 
-def spotrun_run(spec, trace: Path, outcome, killed_at: float | None) -> Run:
+def spotrun_run(spec, trace: Path, restarts: int, killed_at: float | None) -> Run:
     from spotrun.orchestrator.ledger.events import BundlePublished
     from spotrun.orchestrator.ledger.store import Ledger
     from spotrun.trainer.metrics import SqliteSink, metrics_dir
@@ -105,7 +117,7 @@ def spotrun_run(spec, trace: Path, outcome, killed_at: float | None) -> Run:
     sink.close()
     raw = Counter((p["update"], p["name"]) for p in read_jsonl(folder / "metrics.jsonl"))
     published = [e for e in Ledger(open_storage(spec.storage), spec.job_id).read() if isinstance(e, BundlePublished)]
-    return Run(steps, points, raw, [e.stall_seconds for e in published], killed_at, outcome.restarts)
+    return Run(steps, points, raw, [e.stall_seconds for e in published], killed_at, restarts)
 
 
 def _epoch(iso: str) -> float:
