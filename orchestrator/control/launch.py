@@ -153,11 +153,6 @@ def ray_platform(spec: JobSpec, instrument: Instrumentation) -> Platform:
 
     storage = open_storage(spec.storage, spec.storage_endpoint_url, check=False)  # the supervisor checks it
 
-    def make_group(size, attempt, lineage, label, mode):
-        return RayGroup(AttemptContext(spec=spec, attempt=attempt, world_size=size, lineage_id=lineage,
-                                       recovery_label=label, restore_mode=mode, instrument=instrument),
-                        storage=storage, placement_timeout_s=max(5.0, spec.world.capacity_timeout_s))
-
     drain_source = None
     if spec.preemption.watch_ray_drain:
         import ray
@@ -165,6 +160,12 @@ def ray_platform(spec: JobSpec, instrument: Instrumentation) -> Platform:
         from spotrun.orchestrator.workers.ray_internals import drain_reader
 
         drain_source = drain_reader(ray.get_runtime_context().gcs_address)
+
+    def make_group(size, attempt, lineage, label, mode):
+        return RayGroup(AttemptContext(spec=spec, attempt=attempt, world_size=size, lineage_id=lineage,
+                                       recovery_label=label, restore_mode=mode, instrument=instrument),
+                        storage=storage, placement_timeout_s=max(5.0, spec.world.capacity_timeout_s),
+                        drains=drain_source)
     def capacity() -> int:
         return available_rank_slots(spec, exclude=drain_source() if drain_source else set())
 

@@ -18,12 +18,14 @@ def placed(pg: PlacementGroup) -> bool:
     return ray.util.placement_group_table(pg).get("state") == "CREATED"
 
 
-def bundle_placed(pg: PlacementGroup, index: int) -> bool:
-    """Whether bundle ``index`` of ``pg`` holds its resources on a node that is alive now. Another bundle of
-    the group may wait for a node meanwhile (its node was lost): that makes the group not :func:`placed`,
-    and says nothing of this one."""
+def bundle_placed(pg: PlacementGroup, index: int, draining: Set[str] = frozenset()) -> bool:
+    """Whether bundle ``index`` of ``pg`` holds its resources on a node that is alive now and not in
+    ``draining``. Another bundle of the group may wait for a node meanwhile (its node was lost): that makes
+    the group not :func:`placed`, and says nothing of this one. A bundle on a draining node holds nothing a
+    new process can use: Ray starts no new work there, so the process would wait until the node is gone
+    (the whole notice) and its bundle moved."""
     node = ray.util.placement_group_table(pg).get("bundles_to_node_id", {}).get(index)
-    return bool(node) and any(n["NodeID"] == node and n.get("Alive") for n in ray.nodes())
+    return bool(node) and node not in draining and any(n["NodeID"] == node and n.get("Alive") for n in ray.nodes())
 
 
 def rank_bundle(spec: JobSpec) -> dict[str, float]:

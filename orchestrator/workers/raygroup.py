@@ -87,14 +87,17 @@ class RayGroup:
     # (verify's node removals, the kill tests) time their faults by them.
     traced_poll_interval_s = 0.1
 
-    def __init__(self, ctx: AttemptContext, *, storage: Storage, placement_timeout_s: float = 60.0) -> None:
+    def __init__(self, ctx: AttemptContext, *, storage: Storage, placement_timeout_s: float = 60.0,
+                 drains: Callable[[], set[str]] | None = None) -> None:
         """Place and start the ``ctx.world_size`` ranks of attempt ``ctx`` (its ``init_method`` is chosen
         here, at rank 0's node). ``storage`` is the job's storage as the driver opened it: every rank
         must see it too (:mod:`~spotrun.trainer.run.visibility`), or ``StorageNotShared`` is raised
-        before any rank restores or trains."""
+        before any rank restores or trains. ``drains`` names the nodes Ray is draining (None: not
+        watched): a warm restart puts no rank there."""
         t0 = time.perf_counter()
         spec, world_size = ctx.spec, ctx.world_size
         self.ctx = ctx
+        self.drains = drains
         self.spec = spec
         self.world_size = world_size
         self.storage = storage
@@ -178,11 +181,12 @@ class RayGroup:
         ready = actor.prepare.remote(ctx, self.world_size + self._spares_placed - 1, self._spare_probe)
         self.spares.append(Spare(actor, ready, (pg, index)))
 
-    def _ready_spares(self, needed: int, among: list[Spare] | None = None) -> list[Spare]:
+    def _ready_spares(self, needed: int, among: list[Spare] | None = None,
+                      draining: Set[str] = frozenset()) -> list[Spare]:
         """Up to ``needed`` spares (of ``among``; by default all) that have built the job and see the
-        storage. A spare still starting or building is waited for where its resources are held (it is
-        ready sooner than a new group would be), not where they wait for a node. A spare that failed is
-        dropped."""
+        storage, none on a ``draining`` node (it would be lost with it). A spare still starting or building
+        is waited for where its resources are held (it is ready sooner than a new group would be), not
+        where they wait for a node. A spare that failed is dropped."""
         out: list[Spare] = []
         for spare in list(self.spares if among is None else among):
             if len(out) >= needed:
@@ -190,7 +194,7 @@ class RayGroup:
             done, _ = ray.wait([spare.ready], timeout=0)
             # its own bundle, not its group: a spare in a lost rank's old slot shares the ranks' group, which
             # waits for a node whenever another rank's node is lost
-            if not done and not bundle_placed(*spare.slot):
+            if (not done or draining) and not bundle_placed(*spare.slot, draining):
                 continue
             try:
                 info = ray.get(spare.ready, timeout=STARTUP_TIMEOUT_S)
@@ -255,9 +259,10 @@ class RayGroup:
         if not survivors:
             raise WarmUnavailable("no rank survived")
         # which path is plan_warm's to say (orchestrator/policy/recovery.py); this only carries it out
-        spares = self._ready_spares(len(lost)) if self.world_size in sizes else []
+        draining = self.drains() if self.drains is not None else set()
+        spares = self._ready_spares(len(lost), draining=draining) if self.world_size in sizes else []
         plan = plan_warm(sorted(lost), survivors, len(spares), self.world_size, sizes,
-                         {r: bundle_placed(*self.slots[r]) for r in lost})
+                         {r: bundle_placed(*self.slots[r], draining) for r in lost})
         if isinstance(plan, WarmPlan) and plan.replace:
             # no spare for them: new processes where the lost ranks were (the slot is still held: a process
             # that died on a live node, or a node already replaced), built while nothing else runs

@@ -58,6 +58,9 @@ def cluster():
 
 
 def two_workers(cluster: Cluster) -> None:
+    live = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    for gone in [n for n in cluster.worker_nodes if n.node_id not in live]:
+        cluster.remove_node(gone)  # Ray lets a drained node go by itself once it is idle
     while len([n for n in cluster.worker_nodes]) < 2:
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
@@ -355,3 +358,41 @@ def test_ray_drain_notice_checkpoints_then_moves_off_the_node(cluster, reference
     restored = next(e for e in events if isinstance(e, Restored))
     assert restored.lost_updates == 0 and restored.update == handled.update
     assert restored.world_size_after == 1 and restored.recovery_label == "exact-data"
+
+
+def test_a_drained_rank_moves_off_its_node_at_once_not_when_the_node_goes(cluster, reference, tmp_path):
+    """strict, a third node free: Ray drains rank 1's node with a deadline two minutes away. Ray starts no
+    new process on a draining node, so a new rank 1 in the lost rank's old slot (warm-replace) would wait out
+    the whole notice; instead the restart places the ranks anew (cold) on the nodes not draining, long
+    before the deadline, and the run is bitwise the uninterrupted one."""
+    from ray.core.generated import autoscaler_pb2
+
+    two_workers(cluster)
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    _, ref_trace = reference
+    spec = make_spec(tmp_path, *SETS, "world.policy=strict", "checkpoint.every_updates=1000",
+                     "preemption.drain_poll_s=0.1", f"faults=[{hold(8)}]", job_id="moved")
+    job = Background(spec, tmp_path / "t.jsonl")
+    job.wait_until_held()
+    first = [e for e in job.events() if isinstance(e, AttemptStarted)][-1]
+    drained = first.node_ids[1]
+    gcs = ray._raylet.GcsClient(address=cluster.address)
+    deadline = time.time() + 120
+    accepted, why = gcs.drain_node(drained, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                   "spot interruption (test)", int(deadline * 1000))
+    assert accepted, why
+    try:
+        job.join()
+        assert job.error is None and job.outcome.restarts == 1, job.story()
+        events = job.events()
+        second = [e for e in events if isinstance(e, AttemptStarted)][-1]
+        assert drained not in second.node_ids and second.world_size == 2
+        assert second.at.timestamp() < deadline
+        restored = next(e for e in events if isinstance(e, Restored))
+        assert (restored.lost_updates, restored.update, restored.recovery_label, restored.recovery_path) == (
+            0, 8, "exact", "cold")
+        final = latest_per_update(read_trace(tmp_path / "t.jsonl"))
+        assert first_divergence(ref_trace, list(final.values())) is None and len(final) == 30
+    finally:
+        cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == drained))
