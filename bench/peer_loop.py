@@ -37,7 +37,12 @@ What it does, following Ray Train's "Saving and Loading Checkpoints" and
   periodic ones, then trains on; Ray Train's drain watcher polls Ray's GCS every
   ``preemption_poll_s`` seconds (``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S``, 5 s by
   default) and its controller restarts the run from the latest checkpoint once
-  the drain's deadline has passed.
+  the drain's deadline has passed. The loop trains on after that checkpoint, so
+  every step between the newest checkpoint and the deadline is redone; with
+  ``preemption_checkpoint: before_deadline`` it checkpoints once more at the last
+  step that ends ``preemption_margin_s`` (1 s by default: the report must reach
+  the controller, which polls every ``poll_s``, before it tears the group down)
+  before the deadline, so that little more than the margin is redone.
 
 The metrics Ray Train itself keeps are those reported with each checkpoint
 (``Result.metrics_dataframe``, every checkpoint kept). Each worker also appends
@@ -165,6 +170,8 @@ class Worker:
         self.staging = Path(config["out"]) / f"staging-{self.rank}"
         self.staging.mkdir(exist_ok=True)
         self.preemptions_seen: set[tuple[Any, ...]] = set()
+        self.deadline: float | None = None  # before_deadline: the pending drain's deadline (epoch s)
+        self.step_s, self.step_end = 0.0, time.time()  # the last step's wall time, and when it ended
 
     def resume(self) -> None:
         import ray.train
@@ -215,9 +222,10 @@ class Worker:
         if self.ema is not None:
             self.ema.update_parameters(self.net)
         self.step, self.step_in_epoch = self.step + 1, i + 1
-        _append(self.log, {"event": "step", "step": self.step, "attempt": self.attempt, "t": time.time(),
-                           "ids": ids})
-        jit = self.preemption_notice() if c.get("preemption_api") else False
+        now = time.time()
+        _append(self.log, {"event": "step", "step": self.step, "attempt": self.attempt, "t": now, "ids": ids})
+        self.step_s, self.step_end = now - self.step_end, now
+        jit = (self.preemption_notice() or self.deadline_near()) if c.get("preemption_api") else False
         if jit or self.step % c["every"] == 0 or self.step == c["updates"]:
             self.checkpoint(sum(losses) / len(losses))
 
@@ -240,6 +248,27 @@ class Worker:
         self.preemptions_seen.add(key)
         _append(self.log, {"event": "preempted", "step": self.step, "attempt": self.attempt, "t": time.time(),
                            "deadline_ms": info.deadline_ms, "ranks": info.preempted_ranks})
+        if self.c.get("preemption_checkpoint", "at_once") == "before_deadline" and info.deadline_ms:
+            self.deadline = info.deadline_ms / 1000
+        return True
+
+    def deadline_near(self) -> bool:
+        """With ``before_deadline``: True (checkpoint now) at the last step that ends the margin before the
+        pending deadline, judging that the next one would end too late.
+
+        Rank 0 judges by its own clock and broadcasts the answer (a barrier, only while a deadline is
+        pending): every rank must call ``report`` at the same step, and each rank's clock and step
+        end differ a little."""
+        if self.deadline is None:
+            return False
+        import ray.train.collective
+
+        late = time.time() + self.step_s + self.c.get("preemption_margin_s", 1.0) >= self.deadline
+        if not ray.train.collective.broadcast_from_rank_zero(late if self.rank == 0 else None):
+            return False
+        self.deadline = None
+        _append(self.log, {"event": "deadline_checkpoint", "step": self.step, "attempt": self.attempt,
+                           "t": time.time()})
         return True
 
     def checkpoint(self, loss: float) -> None:

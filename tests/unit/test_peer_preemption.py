@@ -60,7 +60,7 @@ def _worker(tmp_path) -> peer_loop.Worker:
     """A Worker with only what ``preemption_notice`` uses (building a real one needs a Ray Train worker)."""
     worker = object.__new__(peer_loop.Worker)
     worker.log, worker.step, worker.attempt = tmp_path / "rank-0.jsonl", 12, 2
-    worker.preemptions_seen = set()
+    worker.preemptions_seen, worker.deadline, worker.c, worker.rank = set(), None, {}, 0
     return worker
 
 
@@ -79,6 +79,27 @@ def test_a_preemption_asks_for_one_checkpoint_and_a_new_one_for_another(monkeypa
     events = [json.loads(line) for line in worker.log.read_text().splitlines()]
     assert [(e["event"], e["step"], e["attempt"], e["deadline_ms"], e["ranks"]) for e in events] == [
         ("preempted", 12, 2, 1000, [1]), ("preempted", 12, 2, 900, [0, 1])]
+
+
+def test_before_deadline_checkpoints_once_more_at_the_last_step_that_ends_the_margin_before_it(
+        monkeypatch, tmp_path):
+    import time
+
+    import ray.train
+    import ray.train.collective
+
+    deadline = time.time() + 3.0
+    monkeypatch.setattr(ray.train, "get_preemption_info", lambda: PreemptionInfo(
+        deadline_ms=int(deadline * 1000), preempted_node_to_ranks={"n1": [1]}))
+    monkeypatch.setattr(ray.train.collective, "broadcast_from_rank_zero", lambda data: data)  # one rank: rank 0
+    worker = _worker(tmp_path)
+    worker.c = {"preemption_checkpoint": "before_deadline", "preemption_margin_s": 1.0}
+    worker.step_s = 0.5
+    assert worker.preemption_notice() and not worker.deadline_near()  # 1.5 s of margin and step left: not yet
+    worker.step_s = 2.5  # the next step would end inside the margin: this is the last boundary
+    assert worker.deadline_near() and not worker.deadline_near()  # once per preemption
+    assert [json.loads(line)["event"] for line in worker.log.read_text().splitlines()] == [
+        "preempted", "deadline_checkpoint"]
 
 
 @pytest.mark.parametrize("change, named", [
