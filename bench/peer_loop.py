@@ -29,13 +29,28 @@ What it does, following Ray Train's "Saving and Loading Checkpoints" and
   own ``AveragedModel``; without it (bench 4), plain AdamW and nothing more (bench 8 never resumes:
   a resume restores the model and optimizer only);
 - the controller polls its workers every ``poll_s`` seconds
-  (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default).
+  (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default);
+- with ``preemption_api`` (a replayed spot trace), every worker calls
+  ``ray.train.get_preemption_info()`` once per step, as its docstring asks (a
+  barrier: every rank the same number of times), and on the first answer for a
+  preemption saves a just-in-time checkpoint through the same path as the
+  periodic ones, then trains on; Ray Train's drain watcher polls Ray's GCS every
+  ``preemption_poll_s`` seconds (``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S``, 5 s by
+  default) and its controller restarts the run from the latest checkpoint once
+  the drain's deadline has passed. The loop trains on after that checkpoint, so
+  every step between the newest checkpoint and the deadline is redone; with
+  ``preemption_checkpoint: before_deadline`` it checkpoints once more at the last
+  step that ends ``preemption_margin_s`` (1 s by default: the report must reach
+  the controller, which polls every ``poll_s``, before it tears the group down)
+  before the deadline, so that little more than the margin is redone.
 
 The metrics Ray Train itself keeps are those reported with each checkpoint
 (``Result.metrics_dataframe``, every checkpoint kept). Each worker also appends
-what it did to ``<out>/rank-<r>.jsonl`` (its starts with their pid, every step's
-sample ids and time, every checkpoint's blocking time) so that the bench can
-time it and compare what it consumed with spotrun's run the same way.
+what it did to ``<out>/rank-<r>.jsonl`` (its starts with their pid and the Ray
+node the worker runs on, every step's sample ids and time, every checkpoint's
+blocking time, every preemption it was told of) so that the bench can time it
+and compare what it consumed with spotrun's run the same way. ``attempt``
+counts the starts in that file, so it goes on counting across a rerun driver.
 """
 
 from __future__ import annotations
@@ -57,6 +72,10 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+# Read by the controller actor when it builds its PreemptionCallback, which hands the interval to the
+# PreemptionWatcher actor it starts for each worker group; Ray Train copies it from the driver's environment
+# into the controller's (and from there into every worker's: ENV_VARS_TO_PROPAGATE) when fit() starts.
+PREEMPTION_POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
 
 
 class ChunkDataset(Dataset):
@@ -102,6 +121,7 @@ class Worker:
     """One Ray Train worker's loop state (built inside ``train_func``)."""
 
     def __init__(self, config: dict[str, Any]) -> None:
+        import ray
         import ray.train
         import ray.train.torch
 
@@ -113,7 +133,10 @@ class Worker:
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.log = Path(config["out"]) / f"rank-{self.rank}.jsonl"
         self.attempt = _attempt(self.log)
-        _append(self.log, {"event": "start", "attempt": self.attempt, "pid": os.getpid(), "t": time.time()})
+        # the worker's env var is the controller's, propagated: proof of the poll the watcher was given
+        _append(self.log, {"event": "start", "attempt": self.attempt, "pid": os.getpid(), "t": time.time(),
+                           "node": ray.get_runtime_context().get_node_id(),
+                           "preemption_poll_s": os.environ.get(PREEMPTION_POLL_ENV)})
         torch.set_num_threads(1)
         torch.manual_seed(config["seed"])
         dataset = ChunkDataset(config["shards"], config["vocab"], config["seq_len"])
@@ -146,6 +169,9 @@ class Worker:
         self.step, self.epoch, self.step_in_epoch = 0, 0, 0
         self.staging = Path(config["out"]) / f"staging-{self.rank}"
         self.staging.mkdir(exist_ok=True)
+        self.preemptions_seen: set[tuple[Any, ...]] = set()
+        self.deadline: float | None = None  # before_deadline: the pending drain's deadline (epoch s)
+        self.step_s, self.step_end = 0.0, time.time()  # the last step's wall time, and when it ended
 
     def resume(self) -> None:
         import ray.train
@@ -196,10 +222,54 @@ class Worker:
         if self.ema is not None:
             self.ema.update_parameters(self.net)
         self.step, self.step_in_epoch = self.step + 1, i + 1
-        _append(self.log, {"event": "step", "step": self.step, "attempt": self.attempt, "t": time.time(),
-                           "ids": ids})
-        if self.step % c["every"] == 0 or self.step == c["updates"]:
+        now = time.time()
+        _append(self.log, {"event": "step", "step": self.step, "attempt": self.attempt, "t": now, "ids": ids})
+        self.step_s, self.step_end = now - self.step_end, now
+        jit = (self.preemption_notice() or self.deadline_near()) if c.get("preemption_api") else False
+        if jit or self.step % c["every"] == 0 or self.step == c["updates"]:
             self.checkpoint(sum(losses) / len(losses))
+
+    def preemption_notice(self) -> bool:
+        """Ask Ray Train whether a node of this group is being drained; True (checkpoint now) on the first
+        answer for a given preemption.
+
+        Every rank calls this once per step (a barrier: rank 0's answer is broadcast, so all ranks agree
+        and all call ``report`` together). A preemption is keyed by its deadline and nodes, so a second
+        drain later in the same attempt gets its own checkpoint; after it the loop trains on, as Ray
+        Train's docstring says, and the controller tears the group down once the deadline has passed."""
+        import ray.train
+
+        info = ray.train.get_preemption_info()
+        if info is None:
+            return False
+        key = (info.deadline_ms, tuple(info.preempted_node_ids))
+        if key in self.preemptions_seen:
+            return False
+        self.preemptions_seen.add(key)
+        _append(self.log, {"event": "preempted", "step": self.step, "attempt": self.attempt, "t": time.time(),
+                           "deadline_ms": info.deadline_ms, "ranks": info.preempted_ranks})
+        if self.c.get("preemption_checkpoint", "at_once") == "before_deadline" and info.deadline_ms:
+            self.deadline = info.deadline_ms / 1000
+        return True
+
+    def deadline_near(self) -> bool:
+        """With ``before_deadline``: True (checkpoint now) at the last step that ends the margin before the
+        pending deadline, judging that the next one would end too late.
+
+        Rank 0 judges by its own clock and broadcasts the answer (a barrier, only while a deadline is
+        pending): every rank must call ``report`` at the same step, and each rank's clock and step
+        end differ a little."""
+        if self.deadline is None:
+            return False
+        import ray.train.collective
+
+        late = time.time() + self.step_s + self.c.get("preemption_margin_s", 1.0) >= self.deadline
+        if not ray.train.collective.broadcast_from_rank_zero(late if self.rank == 0 else None):
+            return False
+        self.deadline = None
+        _append(self.log, {"event": "deadline_checkpoint", "step": self.step, "attempt": self.attempt,
+                           "t": time.time()})
+        return True
 
     def checkpoint(self, loss: float) -> None:
         """Save and report; the blocking time is what this call took, from the loop's side."""
@@ -227,10 +297,46 @@ def train_func(config: dict[str, Any]) -> None:
     worker.train()
 
 
-def fit(config: dict[str, Any], storage: Path, name: str, poll_s: float | None, max_failures: int = 3):
+@contextlib.contextmanager
+def _environment(values: dict[str, str | None]):
+    """Set (or, for None, unset) ``values`` in this process's environment for the block, then restore it."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for key, value in values.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+        yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+
+
+def fit(config: dict[str, Any], storage: Path, name: str, poll_s: float | None, max_failures: int = 3,
+        max_preemption_failures: int = -1, preemption_poll_s: float | None = None):
     """Run ``train_func`` on ``TorchTrainer`` with FailureConfig and CheckpointConfig (every checkpoint
-    kept, so that ``Result.metrics_dataframe`` holds every report); ``poll_s`` sets the controller's
-    poll for this run (None: Ray Train's default)."""
+    kept, so that ``Result.metrics_dataframe`` holds every report).
+
+    ``poll_s`` sets the controller's poll of its workers and ``preemption_poll_s`` the drain watcher's
+    poll of Ray's GCS, for this run only (None: Ray Train's defaults, 2 s and 5 s): both are read in the
+    controller actor, which Ray Train starts inside ``fit()`` with the driver's values of these variables
+    (``ENV_VARS_TO_PROPAGATE``), so they are set around that call. ``max_failures`` and
+    ``max_preemption_failures`` are FailureConfig's budgets (-1: unlimited); a loss Ray Train classes
+    as a preemption (a drained node's deadline passed, or a worker died with its node's drain) is charged
+    to the second, anything else to the first.
+
+    Not set, at their defaults on purpose: ``relax_collectives_on_preemption`` lets the survivors
+    finish Ray Train's own barriers (``report``, ``get_preemption_info``) without the drained node's
+    ranks, and ``preemption_grace_s`` keeps the survivors running past the deadline. Both pay only when
+    a drained rank dies before the just-in-time checkpoint is committed. With a lead time of seconds,
+    the watcher sees the drain within one poll, and a step plus a checkpoint take far less than the
+    lead time, so the drained ranks are still alive to join those barriers. Relaxing them would
+    still not help the survivors train on: the step's DDP all-reduce needs every rank. Past the
+    deadline the node is gone, so grace only delays the restart by its own length, and relaxing
+    does nothing when rank 0 is the one drained.
+    """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -238,15 +344,11 @@ def fit(config: dict[str, Any], storage: Path, name: str, poll_s: float | None, 
         train_func, train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=config["world_size"], use_gpu=False),
         run_config=RunConfig(name=name, storage_path=str(storage),
-                             failure_config=FailureConfig(max_failures=max_failures),
+                             failure_config=FailureConfig(max_failures=max_failures,
+                                                          max_preemption_failures=max_preemption_failures),
                              checkpoint_config=CheckpointConfig()),
     )
-    saved = os.environ.pop(POLL_ENV, None)
-    if poll_s is not None:
-        os.environ[POLL_ENV] = str(poll_s)  # the trainer hands it to its controller
-    try:
+    env = {POLL_ENV: None if poll_s is None else str(poll_s),
+           PREEMPTION_POLL_ENV: None if preemption_poll_s is None else str(preemption_poll_s)}
+    with _environment(env):
         return trainer.fit()
-    finally:
-        os.environ.pop(POLL_ENV, None)
-        if saved is not None:
-            os.environ[POLL_ENV] = saved
