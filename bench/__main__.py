@@ -28,7 +28,7 @@ MODULES = {"1-checkpoint-stall": "bench.checkpoint_stall", "2-training-overhead"
            "14-false-alarms": "bench.false_alarms", "15-hang-recovery": "bench.hang_recovery",
            "16-storage-outage": "bench.storage_outage",
            "17-endurance": "bench.endurance", "18-week-page": "bench.week_page",
-           "19-week-history": "bench.week_history"}
+           "19-week-history": "bench.week_history", "20-trace-goodput": "bench.trace_goodput"}
 
 
 def main() -> int:

@@ -225,7 +225,9 @@ class Worker:
         now = time.time()
         _append(self.log, {"event": "step", "step": self.step, "attempt": self.attempt, "t": now, "ids": ids})
         self.step_s, self.step_end = now - self.step_end, now
-        jit = (self.preemption_notice() or self.deadline_near()) if c.get("preemption_api") else False
+        # asked every ``preemption_every`` steps (1: every step, as the docs show; each ask is a barrier)
+        asked = c.get("preemption_api") and self.step % c.get("preemption_every", 1) == 0
+        jit = (asked and self.preemption_notice()) or (c.get("preemption_api") and self.deadline_near())
         if jit or self.step % c["every"] == 0 or self.step == c["updates"]:
             self.checkpoint(sum(losses) / len(losses))
 
@@ -295,6 +297,20 @@ def train_func(config: dict[str, Any]) -> None:
     worker = Worker(config)
     worker.resume()
     worker.train()
+    if worker.rank == 0:  # what the run ended with, to compare with an uninterrupted run's (bench 20)
+        _append(worker.log, {"event": "end", "step": worker.step, "attempt": worker.attempt, "t": time.time(),
+                             "params_sha256": params_digest(worker.net)})
+
+
+def params_digest(net: torch.nn.Module) -> str:
+    """sha256 over the model's parameters and buffers, by name, as raw bytes (bitwise equality)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(net.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 @contextlib.contextmanager

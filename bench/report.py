@@ -14,7 +14,7 @@ SECTIONS = ("1-checkpoint-stall", "2-training-overhead", "3-restart-cost", "4-ra
             "6-s3-metrics", "7-trace-cost", "8-steady-speed", "9-sharded-bundles", "10-ledger-week",
             "11-auto-interval", "12-data-identity", "13-health-poll", "14-false-alarms",
             "15-hang-recovery", "16-storage-outage", "17-endurance", "18-week-page",
-            "19-week-history")
+            "19-week-history", "20-trace-goodput")
 MARKER = "<!-- section: {} -->"
 _MARKED = re.compile(r"^<!-- section: ([\w-]+) -->$", re.M)
 
@@ -23,7 +23,8 @@ HEADER = """# spotrun benchmarks
 Written by `make bench` (bench/__main__.py runs bench/checkpoint_stall.py, training_overhead.py,
 restart_cost.py, ray_train_side_by_side.py, grad_sync.py, s3_metrics.py, trace_cost.py, steady_speed.py,
 sharded_bundles.py, ledger_week.py, auto_interval.py, data_identity.py, health_poll.py, false_alarms.py,
-hang_recovery.py, storage_outage.py, endurance.py and week_page.py, each in its own process;
+hang_recovery.py, storage_outage.py, endurance.py, week_page.py, week_history.py and trace_goodput.py, each
+in its own process;
 `--only NAME...` reruns some and keeps the others' sections). Every figure that matters is a ratio
 against a baseline measured in the same process and run: the machine is shared and noisy, so the
 absolute times in these tables are context, not comparable across runs. Each section says when and on
