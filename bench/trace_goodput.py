@@ -226,7 +226,7 @@ class RayTrainJob(Driver):
 
     def rank_node(self, rank: int) -> str | None:
         found = self._newest(rank)
-        return found["node_id"] if found else None
+        return found["node"] if found else None
 
     def first_update(self) -> bool:
         return any(r["event"] == "step" for r in read_jsonl(self.out / "rank-0.jsonl"))

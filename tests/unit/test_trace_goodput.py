@@ -70,3 +70,28 @@ def test_the_verdicts_say_not_met_where_ray_train_is_ahead_or_notices_cost_more_
     spot[0] = row(SPOTRUN.key, 0.9, 0.96)
     _, verdicts = tables({**results, "rows": [*spot, row(RAY_TRAIN.key, 0.8)]})
     assert "**NOT MET** (96.0 %)" in verdicts[1]
+
+
+def test_each_system_s_hands_find_a_rank_s_live_process_and_its_node_where_that_system_records_them(tmp_path):
+    """spotrun's in its ledger's newest attempt, Ray Train's in its workers' newest start records; a rank
+    whose recorded process is gone has none (the replayer then reports the action missed)."""
+    import json
+    import os
+
+    from bench.trace_goodput import RayTrainJob, SpotrunJob
+    from spotrun.orchestrator.ledger.events import AttemptStarted
+
+    gone = 2**22 + 12345  # above the kernel's default pid_max: no such process
+    spot = SpotrunJob(tmp_path / "s", "127.0.0.1:1", SPOTRUN, updates=10)
+    assert spot.rank_pid(0) is None and spot.rank_node(1) is None  # no attempt yet
+    spot.ledger.append(AttemptStarted(attempt=1, world_size=2, node_ids=["n0", "n1"], rank_pids=[os.getpid(), gone],
+                                      pid=1, lineage_id="x"))
+    assert (spot.rank_pid(0), spot.rank_node(0)) == (os.getpid(), "n0")
+    assert spot.rank_pid(1) is None and spot.rank_node(1) is None
+    (tmp_path / "r").mkdir()
+    peer = RayTrainJob(tmp_path / "r", "127.0.0.1:1", updates=10)
+    for rank, pid in ((0, os.getpid()), (1, gone)):
+        (peer.out / f"rank-{rank}.jsonl").write_text(json.dumps(
+            {"event": "start", "attempt": 1, "pid": pid, "t": 0.0, "node": f"m{rank}"}) + "\n")
+    assert (peer.rank_pid(0), peer.rank_node(0)) == (os.getpid(), "m0")
+    assert peer.rank_pid(1) is None and peer.rank_node(1) is None
