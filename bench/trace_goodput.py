@@ -428,12 +428,36 @@ def tables(results: dict[str, Any]) -> tuple[list[Table], list[str]]:
         verdicts.append(f"{name}: spotrun's goodput ahead of Ray Train's: **{'MET' if ahead else 'NOT MET'}** "
                         f"(medians: " + ", ".join(f"{s.label} {pct(median([r['goodput'] for r in mine[s.key]]))}"
                                                   for s in SYSTEMS) + f"; best spotrun row {best[1]})")
+        verdicts.append(f"{name}, where Ray Train is ahead of a spotrun row (medians): "
+                        + ("; ".join(peer_ahead(mine)) or "nowhere in this run"))
     notice_heavy = [r for r in rows if r["trace"] == "aws-notices" and r["system"] == SPOTRUN.key]
     if notice_heavy:
         x = median([r["of_uninterrupted"] for r in notice_heavy])
         verdicts.append(f"aws-notices (the notice-heavy trace): spotrun at its defaults ≥ 97 % of its uninterrupted "
                         f"run's goodput: **{'MET' if x >= 0.97 else 'NOT MET'}** ({pct(x)})")
     return out, verdicts
+
+
+# compared figures: (label, per-run value, higher is better, as a percentage)
+COMPARED = (("goodput", lambda r: r["goodput"], True, True),
+            ("goodput / the uninterrupted run's", lambda r: r["of_uninterrupted"], True, True),
+            ("updates replayed", lambda r: r["updates_replayed"], False, False),
+            ("longest pause after an event (s)", lambda r: median(r["pause_s"]) if r["pause_s"] else None, False,
+             False))
+
+
+def peer_ahead(mine: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Each compared figure on which Ray Train's median beats a spotrun row's, with both medians."""
+    out = []
+    for label, value, higher, as_pct in COMPARED:
+        med = {s.key: median([v for r in mine[s.key] if (v := value(r)) is not None]) for s in SYSTEMS}
+        peer = med[RAY_TRAIN.key]
+        show = pct if as_pct else fmt
+        beaten = [f"{s.label} {show(med[s.key])}" for s in SYSTEMS if s is not RAY_TRAIN
+                  and (peer > med[s.key] if higher else peer < med[s.key])]
+        if beaten:
+            out.append(f"{label}: Ray Train {show(peer)} against " + ", ".join(beaten))
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -443,12 +467,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--traces", nargs="*", default=list(TRACES), choices=list(TRACES))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--updates", type=int, default=6000, help="updates per run (sets the uninterrupted length)")
+    p.add_argument("--tables-from", type=Path, help="lay out the tables of a section JSON this bench wrote (no run)")
     known, rest = p.parse_known_args(argv)
     args = cli(__doc__.splitlines()[0], rest)
     clock = Stopwatch()
-    traces = [load_trace(t) for t in (known.traces[:1] if args.quick else known.traces)]
-    with work_folder("traces") as folder:
-        results = run_all(traces, 1 if args.quick else known.reps, 600 if args.quick else known.updates, folder)
+    if known.tables_from:
+        saved = json.loads(known.tables_from.read_text())
+        results, seconds, measured = saved["data"], saved["seconds"], saved["data"]["measured"]
+    else:
+        traces = [load_trace(t) for t in (known.traces[:1] if args.quick else known.traces)]
+        with work_folder("traces") as folder:
+            results = run_all(traces, 1 if args.quick else known.reps, 600 if args.quick else known.updates, folder)
+        seconds, measured = clock.seconds, clock.measured
+        results["measured"] = measured
     tabs, verdicts = tables(results)
     refs = results["references"]
     intro = (__doc__.split("\n", 2)[2].split("\n\n    python")[0] + f"\n\nUninterrupted: spotrun "
@@ -458,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> None:
              "its own); "
              f"each trace scaled to {results['length_s']:.0f} s.")
     Section("20-trace-goodput", "20. Goodput on replayed spot traces, against Ray Train", intro, tabs, verdicts,
-            clock.seconds, results, clock.measured).emit(args.out)
+            seconds, results, measured).emit(args.out)
 
 
 if __name__ == "__main__":

@@ -64,12 +64,15 @@ def test_the_verdicts_say_not_met_where_ray_train_is_ahead_or_notices_cost_more_
     results = {"traces": [{"name": "aws-notices", "derived": "d"}], "reps": 1}
     spot = [row(SPOTRUN.key, 0.9, 0.98), row(SPOTRUN_SPARE.key, 0.92), row(SPOTRUN_AUTO.key, 0.91)]
     _, verdicts = tables({**results, "rows": [*spot, row(RAY_TRAIN.key, 0.8)]})
-    assert "**MET**" in verdicts[0] and "**MET** (98.0 %)" in verdicts[1]
+    assert "**MET**" in verdicts[0] and "**MET** (98.0 %)" in verdicts[2]
+    # where the peer wins is said plainly: here its share of its uninterrupted goodput (1.0) beats 98 %
+    assert verdicts[1].endswith("goodput / the uninterrupted run's: Ray Train 100.0 % against spotrun (defaults) "
+                                "98.0 %")
     _, verdicts = tables({**results, "rows": [*spot, row(RAY_TRAIN.key, 0.905)]})  # ahead of one spotrun row
-    assert "**NOT MET**" in verdicts[0]
+    assert "**NOT MET**" in verdicts[0] and "goodput: Ray Train 90.5 % against spotrun (defaults) 90.0 %" in verdicts[1]
     spot[0] = row(SPOTRUN.key, 0.9, 0.96)
     _, verdicts = tables({**results, "rows": [*spot, row(RAY_TRAIN.key, 0.8)]})
-    assert "**NOT MET** (96.0 %)" in verdicts[1]
+    assert "**NOT MET** (96.0 %)" in verdicts[2]
 
 
 def test_each_system_s_hands_find_a_rank_s_live_process_and_its_node_where_that_system_records_them(tmp_path):
