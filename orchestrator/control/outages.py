@@ -72,9 +72,13 @@ class OutageTracker:
         return self._open is not None
 
     def look(self, now: datetime, attempt: int, update: int, newest: tuple[str, int] | None,
-             paths: list[PathSeen]) -> OutageSeen | None:
+             paths: list[PathSeen], final: bool = False) -> OutageSeen | None:
         """Take the paths' states at ``now`` (the attempt running, the update it reached, the newest
-        published bundle and its update); the outage once every path answers again, else None."""
+        published bundle and its update); the outage once every path answers again, else None. ``final``:
+        the job's last look (every rank finished, its last bundle published): an outage still open ends
+        here, a path still marked down counted as answering now. Such a path has not tried since (the
+        ledger tries only when an event is appended) and, the job over, never would: without this the
+        outage would go unrecorded."""
         before, self._last_look = self._last_look, now
         for p in paths:
             refused0, skipped0 = self._counts.get(p.key, (0, 0))
@@ -97,7 +101,7 @@ class OutageTracker:
         o = self._open
         if o is None:
             return None
-        if any(p.view.down_s is not None for p in paths):
+        if any(p.view.down_s is not None for p in paths) and not final:
             o.newest = newest  # the newest published while it lasts
             return None
         self._open = None
@@ -141,8 +145,9 @@ class Outages:
         self.now = now
         self.tracker = OutageTracker()
 
-    def look(self, st: Running, reports: list[Report]) -> None:
-        """Fold what the driver's paths and the ranks' ``reports`` say; record an outage that ended."""
+    def look(self, st: Running, reports: list[Report], final: bool = False) -> None:
+        """Fold what the driver's paths and the ranks' ``reports`` say; record an outage that ended (at the
+        job's ``final`` look, one still open: :meth:`OutageTracker.look`)."""
         ctx = self.ctx
         paths = [PathSeen("ledger", "ledger", ctx.ledger.outage.view()),
                  PathSeen("publisher", "publisher", ctx.publisher.outage.view())]
@@ -150,7 +155,7 @@ class Outages:
             paths.append(PathSeen("placing", "placing", self.placing.view()))
         paths += [PathSeen(f"rank {r.rank} checkpoints", f"a{st.attempt}/rank {r.rank}", r.storage, st.attempt,
                            r.checkpoints_skipped) for r in reports if r.storage is not None]
-        ended = self.tracker.look(self.now(), st.attempt, st.last_update, self._newest(), paths)
+        ended = self.tracker.look(self.now(), st.attempt, st.last_update, self._newest(), paths, final)
         if ended is not None:
             ctx.record.storage_outage(ended)
 

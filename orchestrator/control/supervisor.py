@@ -246,8 +246,10 @@ class Supervisor:
         reports = st.group.poll()
         st = self._absorb(st, reports)
         seen.append(st)
-        self.outages.look(st, reports)  # after the publishes: an outage ends once storage answers them
-        if all(r.state == RankState.FINISHED for r in reports):
+        finished = all(r.state == RankState.FINISHED for r in reports)
+        # after the publishes: an outage ends once storage answers them (or with the job)
+        self.outages.look(st, reports, final=finished)
+        if finished:
             st.group.teardown()
             return Finished(self.ctx.published.newest.counters if self.ctx.published.newest else Counters())
         for notice in self.notices.take(st):

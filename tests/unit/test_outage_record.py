@@ -114,3 +114,32 @@ def test_a_restart_that_waited_for_storage_is_recorded_at_the_next_look(tmp_path
     sup.step(st)
     [e] = events(sup, StorageOutage)
     assert (e.paths, e.requests_refused, e.first_error) == (["placing"], 1, "ListObjectsV2: 503 SlowDown")
+
+
+def test_an_outage_still_open_when_the_job_finishes_is_recorded_then():
+    """The job's last look: its last bundle is published, but the ledger (which tries only when an event is
+    appended) still says it is down. The outage ends at that look, before the job's end is recorded; without
+    the final look it was never recorded (seen once in CI)."""
+    t = OutageTracker()
+    assert t.look(at(10), 1, 6, None, [path("ledger", 2.0, 3), path("rank 0", 1.0, 2, attempt=1)]) is None
+    assert t.look(at(20), 1, 9, None, [path("ledger", 12.0, 3), path("rank 0", None, 2, attempt=1, ended=3.0)]) is None
+    seen = t.look(at(30), 1, 12, ("j/bundles/u0000000012-a1", 12),
+                  [path("ledger", 22.0, 3), path("rank 0", None, 2, attempt=1)], final=True)
+    assert seen is not None and not t.open
+    assert (seen.began_at, seen.ended_at, seen.requests_refused) == (at(8), at(30), 5)
+    assert seen.paths == ["ledger", "rank 0"]
+
+
+def test_the_finishing_look_records_the_open_outage_before_the_job_ends(tmp_path):
+    sup = supervisor(make_spec(tmp_path, "world.size=2", job_id="f"), StepGroup(2, []), capacity=2)
+    st = running(sup)
+    down = OutageView(4.0, 3, "PutObject: 503 SlowDown", False)
+    st.group.polls += [[rank(0, 3, UP), rank(1, 3, down)],
+                       [Report(rank=0, last_update=4, state="finished", storage=UP),
+                        Report(rank=1, last_update=4, state="finished", storage=OutageView(6.0, 3,
+                                                                                           down.first_error, False))]]
+    st = sup.step(st)
+    assert events(sup, StorageOutage) == []
+    sup.step(st)
+    [e] = events(sup, StorageOutage)
+    assert e.paths == ["rank 1 checkpoints"] and e.requests_refused == 3 and e.began_at < e.ended_at
