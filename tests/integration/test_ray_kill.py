@@ -256,9 +256,11 @@ def test_a_spare_takes_a_killed_ranks_place_from_memory_and_the_run_stays_bitwis
 
 def test_a_rank_killed_while_writing_a_bundle_restarts_warm_from_the_one_before(reference, tmp_path):
     """Rank 1 dies writing bundle 15 (rank 0 captured it; it is never published): rank 0 still holds
-    bundle 10, the newest published, in its other set of host buffers, and the spare restarts from it."""
+    bundle 10, the newest published, in its other set of host buffers, and the spare restarts from it.
+    Rank 0 holds before update 16 until the restart: rank 1's write runs beside training, and a rank 0
+    that went on to capture bundle 20 before rank 1 died would hold 15 and 20, not 10 (seen in CI)."""
     spec = make_spec(tmp_path, *SETS, "world.spares=1",
-                     "faults=[{site: bundle_write, update: 15, rank: 1, after_bundle: 10}]",
+                     f"faults=[{{site: bundle_write, update: 15, rank: 1, after_bundle: 10}}, {hold(16)}]",
                      job_id="torn")
     outcome = run_on_ray(spec, trace_path=str(tmp_path / "t.jsonl"))
     assert outcome.state == "finished" and outcome.restarts == 1
